@@ -1,0 +1,7 @@
+"""recc's built-in passes, one per module; importing this package registers them."""
+from recc.passes.discover_tables import discover_tables
+from recc.passes.shard_tables import shard_tables
+from recc.passes.batch_tables import batch_tables
+from recc.passes.lower import lower
+
+__all__ = ["discover_tables", "shard_tables", "batch_tables", "lower"]

@@ -1,0 +1,5 @@
+"""recc.runtime: executes a compiled Program on a rank. Importing it registers the backends."""
+from recc.runtime import cpu_backend  # noqa: F401  (registers CPU op implementations)
+from recc.runtime.model import DistributedModel, instantiate, materialize
+
+__all__ = ["DistributedModel", "instantiate", "materialize"]

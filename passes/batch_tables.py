@@ -1,0 +1,105 @@
+"""batch_tables: replace per-table lookups by one table-batched lookup (TBE) per group.
+
+Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups this rank's lookups by
+(dim, pooling, weighted, optimizer) — one group per distinct key, tables in discovery order —
+and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pack_sparse`` and
+one ``recc.tbe_lookup``; each original lookup becomes a ``recc.slice_cols`` of the batched
+output (``recc.unpack_rows`` for gathers) keeping its name, table and shard annotations. The
+user's embedding modules leave the graph. Must not change what the graph computes.
+
+Before:
+    emb_l_0 : f32[8,4] = recc.embedding_bag(emb_l_0_weight, l_s_i_1, l_s_o_1, None, mode='sum', table='emb_l.0')
+    emb_l_1 : f32[8,4] = recc.embedding_bag(emb_l_1_weight, l_s_i_2, l_s_o_2, None, mode='sum', table='emb_l.1')
+After:
+    tbe_g0    : module      = get_attr tbe_g0  # g0=[t0,t1] dim=4 sum sgd(lr=0.01)
+    sparse_g0 : kjt[t=2,b=8] = recc.pack_sparse([l_s_i_1, l_s_i_2], [l_s_o_1, l_s_o_2], None, tables=(...), rows=(10, 20), pooled=True)
+    pooled_g0 : f32[8,8]    = recc.tbe_lookup(tbe_g0, sparse_g0)
+    emb_l_0   : f32[8,4]    = recc.slice_cols(pooled_g0, 0, 4)
+    emb_l_1   : f32[8,4]    = recc.slice_cols(pooled_g0, 4, 8)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from recc.graph_utils import rename, stable_toposort
+from recc.ops import OPS, op_of
+from recc.passmanager import PassContext, register_pass
+from recc.tables import TableGroup
+
+
+@register_pass(after=("shard_tables",))
+def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: int = 0) -> fx.GraphModule:
+    """Fuse lookups into one table-batched kernel call per (dim, pooling, weighted, optimizer) group.
+
+    ``max_tables_per_group`` (0 = unlimited) splits large groups, e.g. to bound kernel size.
+    """
+    opt = ctx.config.sparse_optimizer
+    rank = 0
+    graph = gm.graph
+    lookups = [n for n in graph.nodes if n.op == "call_function" and op_of(n.target) is OPS["embedding_bag"]]
+    groups: dict[tuple, list[list[fx.Node]]] = {}
+    for n in lookups:
+        t = n.meta["recc.table"]
+        key = (t.dim, t.pooling, t.weighted, opt)
+        bucket = groups.setdefault(key, [[]])
+        if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
+            bucket.append([])
+        bucket[-1].append(n)
+    index = 0
+    for (dim, pooling, weighted, _), chunks in groups.items():
+        for members in chunks:
+            _emit_group(gm, ctx, f"tbe_g{index}", members, dim, pooling, weighted, opt, rank)
+            index += 1
+    stable_toposort(graph)
+    for n in list(graph.nodes):
+        if n.op == "get_attr" and not n.users:
+            graph.erase_node(n)
+    gm.delete_all_unused_submodules()
+    ctx.stats["groups"] = index
+    return gm
+
+
+def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank):
+    graph = gm.graph
+    specs = [n.meta["recc.table"] for n in members]
+    shards, sources = [], []
+    for n, t in zip(members, specs):
+        local = n.meta["recc.shard"].local_shards(rank)
+        if len(local) != 1:
+            raise ValueError(f"batch_tables: table {t.name} has {len(local)} shards on rank {rank}; expected one")
+        _, r0, r1, c0, c1 = local[0]
+        shards.append((r0, r1, c0, c1))
+        sources.append(gm.get_parameter(t.weight_key))
+    gm.add_submodule(name, TableGroup(name, specs, shards, dim, pooling, weighted, opt, sources))
+    ids = [n.args[1] for n in members]
+    offsets = [n.args[2] for n in members]
+    psw = [n.args[3] for n in members] if weighted else None
+    # Insert where every member's inputs exist: after the latest-defined input node.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = [a for n in members for a in n.args[1:] if isinstance(a, fx.Node)]
+    anchor = max(inputs, key=order.__getitem__) if inputs else members[0].prev
+    with graph.inserting_after(anchor):
+        g = graph.get_attr(name)
+    with graph.inserting_after(g):
+        sparse = graph.call_function(OPS["pack_sparse"], (ids, offsets, psw),
+                                     {"tables": tuple(t.name for t in specs),
+                                      "rows": tuple(r1 - r0 for r0, r1, _, _ in shards),
+                                      "pooled": pooling != "none"})
+    with graph.inserting_after(sparse):
+        out = graph.call_function(OPS["tbe_lookup"], (g, sparse))
+    rename(sparse, f"sparse_{name[4:]}")
+    rename(out, f"{'pooled' if pooling != 'none' else 'rows'}_{name[4:]}")
+    prev = out
+    for k, (n, t) in enumerate(zip(members, specs)):
+        with graph.inserting_after(prev):
+            if pooling == "none":
+                piece = graph.call_function(OPS["unpack_rows"], (out, sparse, k))
+            else:
+                piece = graph.call_function(OPS["slice_cols"], (out, k * dim, (k + 1) * dim))
+        piece.meta["recc.table"] = t
+        piece.meta["recc.shard"] = n.meta["recc.shard"]
+        old = n.name
+        n.replace_all_uses_with(piece)
+        graph.erase_node(n)
+        rename(piece, old)
+        prev = piece

@@ -1,0 +1,148 @@
+"""discover_tables: find every embedding lookup in the traced user model.
+
+Contract: requires a traced user model. Ensures every supported lookup —
+``nn.EmbeddingBag`` and ``nn.Embedding`` modules (whatever they are called), and
+``F.embedding_bag`` / ``F.embedding`` calls on a parameter — is one ``recc.embedding_bag`` node
+whose weight is a ``get_attr`` and whose ``meta["recc.table"]`` is a ``TableSpec``; records the
+tables in ``ctx.stats["tables"]``. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
+``padding_idx``, ``scale_grad_by_freq``) are left as they are, trained as dense modules, and
+listed in ``ctx.stats["dense_lookups"]`` with the reason. Must not change what the graph computes.
+
+Before:
+    emb_l_0 : f32[8,4] = emb_l.0(l_s_i_1, l_s_o_1)
+After:
+    emb_l_0_weight : f32[10,4] = get_attr emb_l.0.weight
+    emb_l_0        : f32[8,4]  = recc.embedding_bag(emb_l_0_weight, l_s_i_1, l_s_o_1, None, mode='sum', table='emb_l.0')  # table t0=emb_l.0[10x4,sum]
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recc.graph_utils import rename
+from recc.ops import OPS
+from recc.passmanager import PassContext, register_pass
+from recc.specs import TableSpec
+
+_BAG_SIG = inspect.signature(F.embedding_bag)
+_EMB_SIG = inspect.signature(F.embedding)
+
+
+def _unsupported_bag(mode, max_norm, padding_idx, scale_grad_by_freq, include_last_offset):
+    if mode not in ("sum", "mean"):
+        return f"mode={mode!r} (recc's fused kernels pool with sum or mean)"
+    if max_norm is not None:
+        return "max_norm (renormalising rows on lookup)"
+    if padding_idx is not None:
+        return "padding_idx"
+    if scale_grad_by_freq:
+        return "scale_grad_by_freq"
+    if include_last_offset:
+        return "include_last_offset"
+    return None
+
+
+def _param_path(gm: fx.GraphModule, node) -> str | None:
+    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+@register_pass
+def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Find embedding lookups and normalise them to recc.embedding_bag with a TableSpec."""
+    tables: dict[str, TableSpec] = {}
+    seen_weights: dict[str, str] = {}
+    dense_lookups: dict[str, str] = {}
+    graph = gm.graph
+    for node in list(graph.nodes):
+        found = None  # (table name, weight path, ids, offsets, psw, mode)
+        if node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            if isinstance(mod, nn.EmbeddingBag):
+                b = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)
+                a = b.arguments
+                why = _unsupported_bag(mod.mode, mod.max_norm, mod.padding_idx, mod.scale_grad_by_freq,
+                                       mod.include_last_offset)
+                if why:
+                    dense_lookups[node.target] = why
+                    continue
+                found = (node.target, f"{node.target}.weight", a.get("input"), a.get("offsets"),
+                         a.get("per_sample_weights"), mod.mode)
+            elif isinstance(mod, nn.Embedding):
+                why = None
+                if mod.max_norm is not None:
+                    why = "max_norm (renormalising rows on lookup)"
+                elif mod.padding_idx is not None:
+                    why = "padding_idx"
+                elif mod.scale_grad_by_freq:
+                    why = "scale_grad_by_freq"
+                if why:
+                    dense_lookups[node.target] = why
+                    continue
+                found = (node.target, f"{node.target}.weight", node.args[0] if node.args else node.kwargs["input"],
+                         None, None, "none")
+        elif node.op == "call_function" and node.target in (F.embedding_bag, F.embedding):
+            is_bag = node.target is F.embedding_bag
+            a = (_BAG_SIG if is_bag else _EMB_SIG).bind(*node.args, **node.kwargs)
+            a.apply_defaults()
+            a = a.arguments
+            path = _param_path(gm, a["weight"])
+            if path is None:
+                dense_lookups[node.name] = "weight is not a parameter of the model"
+                continue
+            name = path[:-len(".weight")] if path.endswith(".weight") else path
+            if is_bag:
+                why = _unsupported_bag(a["mode"], a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"],
+                                       a["include_last_offset"])
+                if why:
+                    dense_lookups[name] = why
+                    continue
+                found = (name, path, a["input"], a["offsets"], a["per_sample_weights"], a["mode"])
+            else:
+                why = _unsupported_bag("sum", a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"], False)
+                if why:
+                    dense_lookups[name] = why
+                    continue
+                found = (name, path, a["input"], None, None, "none")
+        if found is None:
+            continue
+        name, wpath, ids, offsets, psw, mode = found
+        if wpath in seen_weights:
+            raise ValueError(
+                f"discover_tables: table {name} (weight {wpath}) is looked up at more than one call site "
+                f"({seen_weights[wpath]} and {node.name}); recc places and updates each table through "
+                f"exactly one lookup — give each feature its own table or look the table up once")
+        seen_weights[wpath] = node.name
+        weight = gm.get_parameter(wpath) if _is_param(gm, wpath) else None
+        if weight is None:
+            raise ValueError(f"discover_tables: table {name}: {wpath} is not a parameter")
+        if weight.dim() != 2:
+            raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
+        spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
+                         pooling=mode, weight_key=wpath, weighted=psw is not None)
+        tables[name] = spec
+        old_name = node.name
+        with graph.inserting_before(node):
+            w = graph.get_attr(wpath)
+            new = graph.call_function(OPS["embedding_bag"], (w, ids, offsets, psw), {"mode": mode, "table": name})
+        new.meta["recc.table"] = spec
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        rename(new, old_name)
+    for name, why in dense_lookups.items():
+        warnings.warn(f"recc: embedding {name} stays a dense module (not fused): it uses {why}", stacklevel=2)
+    ctx.stats["tables"] = tables
+    ctx.stats["dense_lookups"] = dense_lookups
+    gm.delete_all_unused_submodules()
+    return gm
+
+
+def _is_param(gm: fx.GraphModule, path: str) -> bool:
+    try:
+        gm.get_parameter(path)
+        return True
+    except AttributeError:
+        return False

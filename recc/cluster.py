@@ -1,0 +1,108 @@
+"""The cluster a program is compiled for: a plain value, never a process group.
+
+Passes read it (world size, device kind, memory, bandwidths) to make decisions; only the
+runtime turns it into a ``torch.distributed`` world. The same type describes a local CPU world
+(``Cluster.local(n)``), a real cluster loaded from YAML for planning, and the world ``torchrun``
+set up (``Cluster.from_env()``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    kind: str = "cpu"              # "cpu" or a GPU model ("a100", "h100", ...)
+    memory_gb: float = 16.0        # usable memory per device
+    mem_bw_gbps: float = 10.0      # memory bandwidth, GB/s
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind != "cpu"
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bw_gbps: float = 10.0          # GB/s per device
+    latency_us: float = 10.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str = "local-1"
+    nodes: int = 1
+    devices_per_node: int = 1
+    device: DeviceSpec = field(default_factory=DeviceSpec)
+    intra_node: LinkSpec = field(default_factory=LinkSpec)
+    inter_node: LinkSpec = field(default_factory=lambda: LinkSpec(bw_gbps=1.0, latency_us=50.0))
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ValueError(f"cluster {self.name}: nodes ({self.nodes}) and devices_per_node "
+                             f"({self.devices_per_node}) must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.device.is_gpu else "cpu"
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.is_gpu else "gloo"
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    @classmethod
+    def local(cls, world_size: int = 1, *, device: str = "cpu") -> "Cluster":
+        """``world_size`` processes on this host (CPU + gloo, or one per GPU with ``device='cuda'``)."""
+        if world_size < 1:
+            raise ValueError(f"Cluster.local: world_size must be >= 1, got {world_size}")
+        dev = DeviceSpec() if device == "cpu" else DeviceSpec(kind="gpu", memory_gb=40.0, mem_bw_gbps=1500.0)
+        return cls(name=f"local-{world_size}", nodes=1, devices_per_node=world_size, device=dev,
+                   intra_node=LinkSpec(bw_gbps=10.0, latency_us=20.0))
+
+    @classmethod
+    def from_dict(cls, d: dict, *, name: str | None = None) -> "Cluster":
+        d = dict(d)
+        known = {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node"}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"cluster description: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(
+            name=d.get("name", name or "cluster"),
+            nodes=int(d.get("nodes", 1)),
+            devices_per_node=int(d.get("devices_per_node", 1)),
+            device=DeviceSpec(**d.get("device", {})),
+            intra_node=LinkSpec(**d.get("intra_node", {})),
+            inter_node=LinkSpec(**d.get("inter_node", {})),
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "Cluster":
+        p = Path(path)
+        with open(p) as f:
+            return cls.from_dict(yaml.safe_load(f) or {}, name=p.stem)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_env(cls) -> "Cluster":
+        """The world ``torchrun`` describes through WORLD_SIZE / LOCAL_WORLD_SIZE."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        if world % local:
+            raise ValueError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}")
+        import torch
+        on_gpu = torch.cuda.is_available() and os.environ.get("RECC_DEVICE", "") != "cpu"
+        base = cls.local(local, device="cuda" if on_gpu else "cpu")
+        return cls(name=f"env-{world // local}x{local}", nodes=world // local, devices_per_node=local,
+                   device=base.device, intra_node=base.intra_node, inter_node=base.inter_node)

@@ -1,0 +1,145 @@
+"""``recc.compile``: trace, run the pass pipeline with verification after every pass, keep every
+stage. Pure: no process group, no allocation of tables, deterministic."""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from recc import ir
+from recc.cluster import Cluster
+from recc.config import CompileConfig
+from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline
+from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
+from recc.trace import default_example_inputs, model_is_meta, propagate_shapes, trace
+
+DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,lower"
+
+
+def _ensure_builtin_passes():
+    import recc.passes  # noqa: F401  (registers the built-in passes)
+
+
+def _print_after_set(print_after, names: list[str]) -> set[str]:
+    if print_after is None:
+        print_after = os.environ.get("RECC_PRINT_AFTER") or None
+    if print_after is None:
+        return set()
+    if isinstance(print_after, str):
+        return set(names) | {"trace"} if print_after == "all" else {s.strip() for s in print_after.split(",")}
+    return set(print_after)
+
+
+def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Union[CompileConfig, dict, str, None] = None,
+            pipeline: Union[str, Sequence[Any], None] = None, example_inputs: Optional[Sequence[Any]] = None,
+            disable: Sequence[str] = (), print_after: Union[str, Sequence[str], None] = None,
+            dump_dir: Optional[str] = None) -> Program:
+    """Compile a plain PyTorch model for ``cluster``; see DESIGN.md for the contract."""
+    _ensure_builtin_passes()
+    cluster = cluster or Cluster.local(1)
+    if config is None:
+        config = CompileConfig()
+    elif isinstance(config, dict):
+        config = CompileConfig.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = CompileConfig.from_yaml(config)
+    if "RECC_VERIFY" in os.environ:
+        config.verify = int(os.environ["RECC_VERIFY"])
+    dump_dir = dump_dir or os.environ.get("RECC_DUMP_DIR") or None
+
+    abstract = model_is_meta(model)
+    if example_inputs is None:
+        example_inputs = default_example_inputs(model, config.batch_size or 8)
+    example_inputs = list(example_inputs)
+    eager_out = None
+    if not abstract and config.verify >= 2:
+        with torch.no_grad():
+            eager_out = model(*example_inputs)
+
+    t0 = time.perf_counter()
+    gm = trace(model, example_inputs)
+    propagate_shapes(gm, example_inputs, abstract)
+    trace_ms = (time.perf_counter() - t0) * 1e3
+
+    passes = resolve_pipeline(pipeline if pipeline is not None else DEFAULT_PIPELINE, config, disable)
+    total = len(passes)
+    ctx = PassContext(cluster=cluster, config=config, example_inputs=example_inputs, abstract=abstract)
+    show = _print_after_set(print_after, [i.name for i, _ in passes])
+
+    stages: "OrderedDict[str, Stage]" = OrderedDict()
+    text = ir.format(gm)
+    n_nodes = len(gm.graph.nodes)
+    stages["trace"] = Stage(0, total, "trace", "trace", snapshot(gm), text, "", trace_ms, n_nodes, n_nodes, "ok")
+    _maybe_print(stages["trace"], show)
+
+    for idx, (info, opts) in enumerate(passes, start=1):
+        before_nodes = set(gm.graph.nodes)
+        before_text, before_n = text, len(gm.graph.nodes)
+        t0 = time.perf_counter()
+        out = info.fn(gm, ctx, **opts)
+        gm = out if out is not None else gm
+        gm.recompile()
+        dt = (time.perf_counter() - t0) * 1e3
+        for n in gm.graph.nodes:
+            if n not in before_nodes and "recc.pass" not in n.meta:
+                n.meta["recc.pass"] = info.name
+        try:
+            got = propagate_shapes(gm, example_inputs, abstract)
+        except Exception as e:
+            raise RuntimeError(f"recc: the graph after pass '{info.name}' does not run on the example "
+                               f"inputs (passes before it: {', '.join(ctx.passes_run) or '(none)'}): {e}") from e
+        ir.verify(gm, pass_name=info.name, passes_before=list(ctx.passes_run), level=config.verify,
+                  reference=eager_out, run_reference=lambda: got)
+        ctx.passes_run.append(info.name)
+        text = ir.format(gm)
+        key = info.name if info.name not in stages else f"{info.name}#{idx}"
+        verified = "ok" if config.verify else "off"
+        if config.verify >= 2 and eager_out is not None:
+            verified = "ok+eager"
+        stages[key] = Stage(idx, total, info.name, format_item(info.name, opts), snapshot(gm), text,
+                            ir.diff(before_text, text, before_name=list(stages)[-1], after_name=key),
+                            dt, before_n, len(gm.graph.nodes), verified)
+        _maybe_print(stages[key], show)
+
+    if dump_dir:
+        dump_stages(stages, dump_dir)
+
+    sig_names = [p.name for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(example_inputs)]
+    tables = ctx.stats.get("tables", {})
+    state_keys = []
+    table_by_key = {spec.weight_key: name for name, spec in tables.items()}
+    detached_state = {}
+    for key, value in model.state_dict().items():
+        if key in table_by_key:
+            state_keys.append(("table", table_by_key[key]))
+            continue
+        state_keys.append(("dense", key))
+        if not _resolves(gm, key):
+            # State the forward never reads (an unused buffer) is not in the graph; keep a copy
+            # so state_dict() still round-trips the user's model exactly.
+            detached_state[key] = value.detach().clone()
+    return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
+                   pipeline=format_spec([(i.name, o) for i, o in passes]), state_keys=state_keys,
+                   signature=InputSignature.of(sig_names, example_inputs, list(tables)), stats=ctx.stats,
+                   detached_state=detached_state)
+
+
+def _resolves(gm, key: str) -> bool:
+    obj = gm
+    for part in key.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return isinstance(obj, torch.Tensor)
+
+
+def _maybe_print(stage: Stage, show: set[str]):
+    if stage.name in show:
+        print(stage.ir, file=sys.stderr)

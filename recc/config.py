@@ -1,0 +1,79 @@
+"""``CompileConfig``: every knob of a compilation in one value, from code or YAML."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from recc.specs import SHARDING_KINDS, OptimizerSpec
+
+SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
+
+
+@dataclass
+class CompileConfig:
+    """What to build. ``optimizer``/``lr``/``eps``/``beta1``/``beta2``/``weight_decay`` configure
+    the sparse optimizer fused into the embedding backward (``rowwise_adagrad`` follows FBGEMM:
+    ``m += mean(g^2)``; ``w -= lr*g/(sqrt(m)+eps)`` with eps=1e-8 by default, unlike torch's
+    Adagrad which adds eps after the square root on a per-element accumulator).
+
+    ``sharding`` forces one kind for every table or ``auto``; ``pass_options`` sets any pass's
+    options by name (``{"shard_tables": {"strategy": "row_wise"}}``); ``batch_size`` is the
+    global batch used for example inputs and cost estimates; ``verify`` is the verification level
+    (0 off, 1 invariants, 2 also runs each stage against eager).
+    """
+
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 0.0
+    sharding: str = "auto"
+    comm_fwd: str = "fp16"
+    comm_bwd: str = "bf16"
+    pipelining: bool = True
+    batch_size: Optional[int] = None
+    verify: int = 1
+    pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"CompileConfig.optimizer={self.optimizer!r}: choose one of {SPARSE_OPTIMIZERS}")
+        if self.sharding != "auto" and self.sharding not in SHARDING_KINDS:
+            raise ValueError(f"CompileConfig.sharding={self.sharding!r}: choose 'auto' or one of {SHARDING_KINDS}")
+        for k in ("comm_fwd", "comm_bwd"):
+            if getattr(self, k) not in PRECISIONS:
+                raise ValueError(f"CompileConfig.{k}={getattr(self, k)!r}: choose one of {PRECISIONS}")
+        if self.verify not in (0, 1, 2):
+            raise ValueError(f"CompileConfig.verify={self.verify!r}: choose 0, 1 or 2")
+        if not self.lr > 0:
+            raise ValueError(f"CompileConfig.lr must be > 0, got {self.lr}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"CompileConfig.batch_size must be >= 1, got {self.batch_size}")
+
+    @property
+    def sparse_optimizer(self) -> OptimizerSpec:
+        return OptimizerSpec(self.optimizer, self.lr, self.eps, self.beta1, self.beta2, self.weight_decay)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompileConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"CompileConfig: unknown keys {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path) -> "CompileConfig":
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f) or {})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)

@@ -1,0 +1,51 @@
+"""Small graph-editing helpers shared by passes."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+
+def stable_toposort(graph: fx.Graph) -> None:
+    """Reorder nodes so every node follows its inputs, moving as little as possible.
+
+    Passes that replace several nodes by one batched node insert it where all its inputs exist;
+    a user of one of the replaced nodes may then sit earlier than the batched node. This puts
+    each node at the earliest position its inputs allow while keeping the original relative
+    order of independent nodes (placeholders first, output last).
+    """
+    order = list(graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    placed: set[fx.Node] = set()
+    result: list[fx.Node] = []
+    pending = list(order)
+    while pending:
+        progressed = False
+        rest = []
+        for n in pending:
+            if all(i in placed for i in n.all_input_nodes):
+                result.append(n)
+                placed.add(n)
+                progressed = True
+            else:
+                rest.append(n)
+        if not progressed:
+            raise RuntimeError(f"graph has a cycle through {rest[0].name}")
+        pending = sorted(rest, key=position.__getitem__)
+    if result == order:
+        return
+    anchor = result[0]
+    for n in result[1:]:
+        anchor.append(n)
+        anchor = n
+
+
+def rename(node: fx.Node, name: str) -> None:
+    """Give ``node`` the name of a node that was just erased, so the IR reads the same.
+
+    fx keeps an erased node's name reserved; it is released here, which is safe because the
+    node that held it is gone from the graph.
+    """
+    if node.name != name:
+        if any(n.name == name for n in node.graph.nodes):
+            raise ValueError(f"rename: {name} is still used by a node of the graph")
+        node.graph._graph_namespace._used_names.discard(name)
+        node._rename(name)

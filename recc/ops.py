@@ -1,0 +1,409 @@
+"""The op registry: every op a pass can insert into the IR is defined here, once.
+
+An ``Op`` has a name (printed as ``recc.<name>``), a docstring that states its signature and
+semantics, a shape rule (``meta``: abstract values in, abstract values out, used to annotate
+graphs of models built on the ``meta`` device) and a CPU reference implementation (plain torch,
+used to run any stage's graph in one CPU process). Backends in ``recc.runtime`` register faster
+implementations per device with ``register_impl``; the ``lower`` pass binds graph nodes to them
+(``BoundOp``, printed ``recc.tbe_lookup[cpu]``).
+
+Graph nodes are ``call_function`` nodes whose target is an ``Op``; collectives are always a
+``*_start`` returning a ``Handle`` and a ``*_wait`` consuming it, so reordering them is all that
+pipelining needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+OPS: dict[str, "Op"] = {}
+
+
+class Op:
+    def __init__(self, name: str, reference: Callable, meta: Callable, doc: str):
+        self.name = name
+        self.__name__ = name
+        self.__qualname__ = name
+        self.__module__ = "recc"
+        self.__doc__ = doc
+        self.reference = reference
+        self.meta = meta
+        self._impls: dict[str, Callable] = {}
+
+    def __call__(self, *args, **kwargs):
+        return self.reference(*args, **kwargs)
+
+    def impl(self, device: str) -> Optional[Callable]:
+        return self._impls.get(device)
+
+    def __repr__(self):
+        return f"recc.{self.name}"
+
+    # Graphs are deep-copied per stage; an op is a singleton, never copied.
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (get_op, (self.name,))
+
+
+class BoundOp:
+    """An op bound to one backend by ``lower``: calls that backend's implementation."""
+
+    def __init__(self, op: Op, device: str):
+        self.op = op
+        self.device = device
+        self.__name__ = f"{op.name}_{device}"
+        self.__qualname__ = self.__name__
+        self.__module__ = "recc"
+        self.__doc__ = op.__doc__
+        self._fn: Optional[Callable] = None
+
+    def __call__(self, *args, **kwargs):
+        fn = self._fn or self.op.impl(self.device)
+        if fn is None:
+            raise RuntimeError(
+                f"recc.{self.op.name} is bound to device {self.device!r} but no implementation is "
+                f"registered for it; import recc.runtime (program.instantiate() does) or lower for another device")
+        self._fn = fn
+        return fn(*args, **kwargs)
+
+    def __repr__(self):
+        return f"recc.{self.op.name}[{self.device}]"
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (_bound, (self.op.name, self.device))
+
+
+_BOUND: dict[tuple[str, str], BoundOp] = {}
+
+
+def _bound(name: str, device: str) -> BoundOp:
+    key = (name, device)
+    if key not in _BOUND:
+        _BOUND[key] = BoundOp(OPS[name], device)
+    return _BOUND[key]
+
+
+def bind(op: Op, device: str) -> BoundOp:
+    return _bound(op.name, device)
+
+
+def get_op(name: str) -> Op:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"no recc op named {name!r}; known: {sorted(OPS)}") from None
+
+
+def op_of(target) -> Optional[Op]:
+    """The recc op a node target denotes (bound or not), else None."""
+    if isinstance(target, Op):
+        return target
+    if isinstance(target, BoundOp):
+        return target.op
+    return None
+
+
+def define_op(name: str, *, meta: Callable):
+    """Decorator: the decorated function is the op's CPU reference implementation."""
+    def deco(fn):
+        if name in OPS:
+            raise ValueError(f"recc op {name!r} defined twice")
+        op = Op(name, fn, meta, fn.__doc__ or "")
+        OPS[name] = op
+        return op
+    return deco
+
+
+def register_impl(name: str, device: str):
+    """Decorator for backends: register ``fn`` as op ``name``'s implementation on ``device``."""
+    def deco(fn):
+        get_op(name)._impls[device] = fn
+        return fn
+    return deco
+
+
+# ----------------------------------------------------------------------------- values
+
+@dataclass
+class SparseBatch:
+    """The sparse features of one table group, packed the way FBGEMM's TBE takes them.
+
+    Pooled groups: ``indices`` holds every table's ids (local to their table) back to back,
+    table-major; ``offsets`` has length T*B+1 and bag b of table t is
+    ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``. Gather groups (pooling none): ``offsets`` has
+    length T+1 and delimits each table's ids; ``shapes`` keeps each table's index shape.
+    """
+
+    tables: tuple[str, ...]
+    indices: torch.Tensor
+    offsets: torch.Tensor
+    per_sample_weights: Optional[torch.Tensor]
+    batch_size: int
+    pooled: bool = True
+    shapes: Optional[tuple[tuple[int, ...], ...]] = None
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+
+@dataclass
+class Handle:
+    """An in-flight collective: returned by ``*_start``, consumed by exactly one ``*_wait``."""
+
+    value: Any
+    work: Any = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _meta_like(shape, dtype=torch.float32):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _is_meta(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
+def check_bags(table: str, indices: torch.Tensor, offsets: Optional[torch.Tensor], rows: int,
+               per_sample_weights: Optional[torch.Tensor] = None) -> None:
+    """Validate one table's ids/offsets before any row is touched; errors name the table."""
+    if _is_meta(indices):
+        return
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"table {table}: indices must be int64/int32, got {indices.dtype}")
+    flat = indices.reshape(-1)
+    if flat.numel():
+        lo, hi = torch.aminmax(flat)
+        if lo.item() < 0 or hi.item() >= rows:
+            bad = ((flat < 0) | (flat >= rows)).nonzero()[0, 0].item()
+            raise IndexError(f"table {table}: id {flat[bad].item()} at position {bad} is outside the "
+                             f"table's rows [0, {rows})")
+    if offsets is not None:
+        if offsets.dim() != 1:
+            raise ValueError(f"table {table}: offsets must be 1-D, got shape {tuple(offsets.shape)}")
+        if offsets.numel():
+            if offsets[0].item() != 0:
+                raise ValueError(f"table {table}: offsets must start at 0, got {offsets[0].item()}")
+            d = offsets[1:] - offsets[:-1]
+            if d.numel() and d.min().item() < 0:
+                bad = (d < 0).nonzero()[0, 0].item() + 1
+                raise ValueError(f"table {table}: offsets are not non-decreasing at bag {bad} "
+                                 f"({offsets[bad - 1].item()} then {offsets[bad].item()})")
+            if offsets[-1].item() > flat.numel():
+                raise ValueError(f"table {table}: last offset {offsets[-1].item()} is past the "
+                                 f"{flat.numel()} indices")
+    if per_sample_weights is not None and per_sample_weights.numel() != flat.numel():
+        raise ValueError(f"table {table}: per_sample_weights has {per_sample_weights.numel()} "
+                         f"entries for {flat.numel()} indices")
+
+
+def bag_offsets(indices: torch.Tensor, offsets: Optional[torch.Tensor]):
+    """(flat ids, offsets of length B+1) for either calling convention of nn.EmbeddingBag."""
+    if offsets is None:
+        if indices.dim() != 2:
+            raise ValueError(f"indices without offsets must be 2-D [B, L], got shape {tuple(indices.shape)}")
+        b, l = indices.shape
+        return indices.reshape(-1), torch.arange(0, (b + 1) * l, l, dtype=torch.int64, device=indices.device)
+    flat = indices.reshape(-1)
+    end = torch.tensor([flat.numel()], dtype=offsets.dtype, device=offsets.device)
+    return flat, torch.cat([offsets, end])
+
+
+# ----------------------------------------------------------------------------- lookups
+
+def _embedding_bag_meta(weight, indices, offsets, per_sample_weights=None, *, mode, table):
+    if mode == "none":
+        return _meta_like(tuple(indices.shape) + (weight.shape[1],), weight.dtype)
+    b = indices.shape[0] if offsets is None else offsets.shape[0]
+    return _meta_like((b, weight.shape[1]), weight.dtype)
+
+
+@define_op("embedding_bag", meta=_embedding_bag_meta)
+def embedding_bag(weight, indices, offsets, per_sample_weights=None, *, mode: str, table: str):
+    """recc.embedding_bag(weight, indices, offsets, per_sample_weights, mode=, table=) -> f32[B, D]
+
+    One logical table's lookup, as ``discover_tables`` normalises every form it finds
+    (``nn.EmbeddingBag`` modules, ``F.embedding_bag`` calls, ``nn.Embedding`` gathers with
+    ``mode='none'``, returning ``indices.shape + [D]``). ``table`` is the table's module path.
+    """
+    check_bags(table, indices, offsets, weight.shape[0], per_sample_weights)
+    if mode == "none":
+        return F.embedding(indices, weight)
+    return F.embedding_bag(indices, weight, offsets, mode=mode, per_sample_weights=per_sample_weights)
+
+
+def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows, pooled):
+    b = _batch_of(indices[0], offsets[0]) if pooled else 0
+    n = sum(i.numel() for i in indices)
+    t = len(tables)
+    off = _meta_like((t * b + 1,) if pooled else (t + 1,), torch.int64)
+    psw = None if per_sample_weights is None else _meta_like((n,))
+    shapes = None if pooled else tuple(tuple(i.shape) for i in indices)
+    return SparseBatch(tuple(tables), _meta_like((n,), torch.int64), off, psw, b, pooled, shapes)
+
+
+def _batch_of(indices, offsets) -> int:
+    return indices.shape[0] if offsets is None else offsets.shape[0]
+
+
+@define_op("pack_sparse", meta=_pack_sparse_meta)
+def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
+    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=, pooled=) -> kjt
+
+    Packs the per-table inputs of one table group into a ``SparseBatch`` (FBGEMM layout: ids
+    table-major, offsets of length T*B+1). Validates every table's ids and offsets first, so a
+    bad id is an error naming its table and position before any row is read or written.
+    """
+    tables = tuple(tables)
+    if len(indices) != len(tables):
+        raise ValueError(f"pack_sparse: {len(indices)} index tensors for tables {tables}")
+    ids, offs, psws = [], [], []
+    batch = None
+    for k, name in enumerate(tables):
+        psw = None if per_sample_weights is None else per_sample_weights[k]
+        check_bags(name, indices[k], offsets[k] if pooled else None, rows[k], psw)
+        if pooled:
+            flat, off = bag_offsets(indices[k], offsets[k])
+            b = off.numel() - 1
+            if batch is None:
+                batch = b
+            elif b != batch:
+                raise ValueError(f"table {name}: batch of {b} bags, but table {tables[0]} has {batch}; "
+                                 f"every table needs one bag per sample")
+        else:
+            flat = indices[k].reshape(-1)
+            off = None
+        ids.append(flat.to(torch.int64))
+        offs.append(off)
+        if psw is not None:
+            psws.append(psw.reshape(-1))
+    base = 0
+    if pooled:
+        parts = []
+        for k, off in enumerate(offs):
+            parts.append((off[:-1] if k < len(offs) - 1 else off).to(torch.int64) + base)
+            base += ids[k].numel()
+        offsets_all = torch.cat(parts)
+        shapes = None
+    else:
+        counts = [i.numel() for i in ids]
+        offsets_all = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
+        shapes = tuple(tuple(i.shape) for i in indices)
+        batch = 0
+    return SparseBatch(tables, torch.cat(ids), offsets_all, torch.cat(psws) if psws else None,
+                       batch or 0, pooled, shapes)
+
+
+def _tbe_lookup_meta(group, sparse):
+    if sparse.pooled:
+        return _meta_like((sparse.batch_size, sparse.num_tables * group.dim))
+    return _meta_like((sparse.indices.shape[0], group.dim))
+
+
+@define_op("tbe_lookup", meta=_tbe_lookup_meta)
+def tbe_lookup(group, sparse):
+    """recc.tbe_lookup(group, kjt) -> f32[B, T*D] (pooled) | f32[N, D] (gather)
+
+    One table-batched lookup for every table of ``group`` (a ``TableGroup`` submodule): the
+    output row b is the pooled rows of sample b for table 0, then table 1, ... (FBGEMM's
+    ``D_offsets``). On the runtime backends its backward is fused with the sparse optimizer:
+    the group's rows are updated inside ``loss.backward()`` and no weight gradient is produced.
+    This reference runs one ``F.embedding_bag`` per table and has no fused update.
+    """
+    return group.reference_lookup(sparse)
+
+
+def _slice_cols_meta(x, start, end):
+    return _meta_like((x.shape[0], end - start), x.dtype)
+
+
+@define_op("slice_cols", meta=_slice_cols_meta)
+def slice_cols(x, start: int, end: int):
+    """recc.slice_cols(x, start, end) -> x[:, start:end]: one table's columns of a batched lookup."""
+    return x[:, start:end]
+
+
+def _unpack_rows_meta(rows, sparse, t):
+    return _meta_like(tuple(sparse.shapes[t]) + (rows.shape[1],), rows.dtype)
+
+
+@define_op("unpack_rows", meta=_unpack_rows_meta)
+def unpack_rows(rows, sparse, t: int):
+    """recc.unpack_rows(rows, kjt, t) -> table t's gathered rows, shaped like its indices + [D]."""
+    start, end = sparse.offsets[t].item(), sparse.offsets[t + 1].item()
+    return rows[start:end].reshape(tuple(sparse.shapes[t]) + (rows.shape[1],))
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def _define_collective(kind: str, layout: str):
+    def start_meta(x, *, comm):
+        return Handle(x)
+
+    def start_ref(x, *, comm):
+        if len(comm.group) != 1:
+            raise RuntimeError(f"recc.{kind}_start: the CPU reference runs one process; "
+                               f"collective over ranks {list(comm.group)} needs the runtime")
+        return Handle(x)
+
+    def wait_meta(handle):
+        return handle.value
+
+    def wait_ref(handle):
+        return handle.value
+
+    start_ref.__doc__ = (f"recc.{kind}_start(x, comm=CommSpec) -> handle\n\n"
+                         f"Starts a {kind.replace('_', '-')} of ``x`` over ``comm.group``; {layout}\n"
+                         f"The matching recc.{kind}_wait(handle) returns the result.")
+    wait_ref.__doc__ = f"recc.{kind}_wait(handle) -> tensor: completes the {kind} started by recc.{kind}_start."
+    define_op(f"{kind}_start", meta=start_meta)(start_ref)
+    define_op(f"{kind}_wait", meta=wait_meta)(wait_ref)
+
+
+_define_collective("all_to_all", "rank r sends split r of its payload to rank r and receives its "
+                   "piece from every rank, concatenated in rank order.")
+_define_collective("reduce_scatter", "every rank contributes the full payload; rank r receives the "
+                   "sum over ranks of split r.")
+_define_collective("all_reduce", "every rank receives the sum over ranks of the payload.")
+
+COLLECTIVE_STARTS = {name for name in OPS if name.endswith("_start")}
+
+
+# ----------------------------------------------------------------------------- codecs
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _quantize_meta(x, *, precision, grad_precision="fp32"):
+    return _meta_like(tuple(x.shape), _DTYPES[precision])
+
+
+@define_op("quantize", meta=_quantize_meta)
+def quantize(x, *, precision: str, grad_precision: str = "fp32"):
+    """recc.quantize(x, precision=, grad_precision=) -> x encoded for the wire.
+
+    Each quantize must be balanced by one later recc.dequantize of its result.
+    """
+    if precision not in _DTYPES:
+        raise ValueError(f"recc.quantize: precision {precision!r} has no CPU reference codec; "
+                         f"available: {sorted(_DTYPES)}")
+    return x.to(_DTYPES[precision])
+
+
+def _dequantize_meta(x, *, dtype="fp32"):
+    return _meta_like(tuple(x.shape), _DTYPES[dtype])
+
+
+@define_op("dequantize", meta=_dequantize_meta)
+def dequantize(x, *, dtype: str = "fp32"):
+    """recc.dequantize(x, dtype=) -> x decoded back to ``dtype``."""
+    return x.to(_DTYPES[dtype])

@@ -1,0 +1,190 @@
+"""The pass manager: registration, pipeline spec strings, and running passes with verification.
+
+A pass is ``fn(gm, ctx, **options) -> gm`` registered with ``@register_pass``; its keyword-only
+arguments are its options. A pipeline spec names passes in order with options in braces and
+round-trips through ``parse_spec``/``format_spec``:
+
+    discover_tables,shard_tables{strategy=auto},batch_tables,lower
+
+User passes use the same decorator and can then be named in a spec, or be given as callables.
+"""
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch.fx as fx
+
+from recc.cluster import Cluster
+from recc.config import CompileConfig
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the graph: plain values only, never a process group."""
+
+    cluster: Cluster
+    config: CompileConfig
+    example_inputs: Sequence[Any]
+    stats: dict[str, Any] = field(default_factory=dict)
+    plan: Any = None
+    passes_run: list[str] = field(default_factory=list)
+    abstract: bool = False  # the model's state lives on the meta device
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    fn: Callable
+    after: tuple[str, ...]
+    defaults: dict[str, Any]
+    doc: str
+
+    def __call__(self, gm, ctx, **opts):
+        return self.fn(gm, ctx, **opts)
+
+
+PASSES: dict[str, PassInfo] = {}
+
+
+def register_pass(fn: Optional[Callable] = None, *, name: Optional[str] = None, after: Sequence[str] = ()):
+    """Register a pass (built-in or user). ``after`` names passes that must run before it when
+    they are in the pipeline. Usable as ``@register_pass`` or ``@register_pass(after=(...))``."""
+    def deco(f):
+        info = _info_for(f, name=name, after=after)
+        PASSES[info.name] = info
+        f.recc_pass = info
+        return f
+    return deco(fn) if fn is not None else deco
+
+
+def _info_for(f: Callable, *, name: Optional[str] = None, after: Sequence[str] = ()) -> PassInfo:
+    sig = inspect.signature(f)
+    params = list(sig.parameters.values())
+    if len(params) < 2 or params[0].kind == params[0].KEYWORD_ONLY:
+        raise TypeError(f"pass {f.__name__}: signature must be (gm, ctx, *, option=default, ...)")
+    defaults = {}
+    for p in params[2:]:
+        if p.kind != p.KEYWORD_ONLY:
+            raise TypeError(f"pass {f.__name__}: option {p.name!r} must be keyword-only (after '*')")
+        defaults[p.name] = None if p.default is p.empty else p.default
+    return PassInfo(name or f.__name__, f, tuple(after), defaults, inspect.getdoc(f) or "")
+
+
+def get_pass(name: str) -> PassInfo:
+    if name not in PASSES:
+        raise KeyError(f"unknown pass {name!r}; registered passes: {', '.join(sorted(PASSES))}")
+    return PASSES[name]
+
+
+# ----------------------------------------------------------------------------- spec strings
+
+_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.]*)\s*(?:\{([^{}]*)\})?\s*")
+
+
+def _parse_value(s: str) -> Any:
+    s = s.strip()
+    low = s.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(s)
+        except ValueError:
+            pass
+    return s
+
+
+def _format_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "none"
+    return str(v)
+
+
+def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """``"a,b{k=v,k2=2},c"`` -> ``[("a", {}), ("b", {"k": "v", "k2": 2}), ("c", {})]``."""
+    items, pos = [], 0
+    spec = spec.strip()
+    while pos < len(spec):
+        m = _ITEM.match(spec, pos)
+        if not m or m.end() == pos:
+            raise ValueError(f"bad pipeline spec at character {pos}: {spec[pos:pos + 30]!r}")
+        name, body = m.group(1), m.group(2)
+        opts = {}
+        if body:
+            for kv in body.split(","):
+                if not kv.strip():
+                    continue
+                if "=" not in kv:
+                    raise ValueError(f"bad option {kv.strip()!r} for pass {name}: expected key=value")
+                k, v = kv.split("=", 1)
+                opts[k.strip()] = _parse_value(v)
+        items.append((name, opts))
+        pos = m.end()
+        if pos < len(spec):
+            if spec[pos] != ",":
+                raise ValueError(f"bad pipeline spec at character {pos}: expected ',' in {spec!r}")
+            pos += 1
+    return items
+
+
+def format_item(name: str, opts: dict[str, Any]) -> str:
+    if not opts:
+        return name
+    return name + "{" + ",".join(f"{k}={_format_value(v)}" for k, v in opts.items()) + "}"
+
+
+def format_spec(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    return ",".join(format_item(n, o) for n, o in items)
+
+
+PipelineItem = Union[str, Callable, tuple]
+
+
+def resolve_pipeline(pipeline: Union[str, Sequence[PipelineItem]], config: CompileConfig,
+                     disable: Sequence[str] = ()) -> list[tuple[PassInfo, dict[str, Any]]]:
+    """Pass infos with their options: defaults < config.pass_options < spec options."""
+    if isinstance(pipeline, str):
+        raw: list = parse_spec(pipeline)
+    else:
+        raw = []
+        for item in pipeline:
+            if isinstance(item, str):
+                raw.extend(parse_spec(item))
+            elif isinstance(item, tuple):
+                raw.append(item)
+            elif callable(item):
+                raw.append((item, {}))
+            else:
+                raise TypeError(f"pipeline item {item!r} is neither a spec string nor a callable pass")
+    out = []
+    for entry, opts in raw:
+        if callable(entry):
+            info = getattr(entry, "recc_pass", None) or _info_for(entry)
+        else:
+            info = get_pass(entry)
+        if info.name in disable:
+            continue
+        merged = dict(info.defaults)
+        merged.update(config.pass_options.get(info.name, {}))
+        merged.update(opts)
+        unknown = set(merged) - set(info.defaults)
+        if unknown:
+            raise ValueError(f"pass {info.name}: unknown option(s) {sorted(unknown)}; "
+                             f"options: {sorted(info.defaults) or 'none'}")
+        out.append((info, merged))
+    names = [i.name for i, _ in out]
+    for idx, (info, _) in enumerate(out):
+        for req in info.after:
+            if req in names and names.index(req) > idx:
+                raise ValueError(f"pass {info.name} must run after {req}, but the pipeline has it before")
+    unknown_disabled = set(disable) - set(PASSES)
+    if unknown_disabled:
+        raise ValueError(f"disable names unknown pass(es) {sorted(unknown_disabled)}")
+    return out

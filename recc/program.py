@@ -1,0 +1,180 @@
+"""``Program``: what ``recc.compile`` returns — every stage's graph, the plan, and the recipe to
+instantiate the distributed model on a rank."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from recc import ir
+from recc.cluster import Cluster
+from recc.config import CompileConfig
+
+
+@dataclass
+class Stage:
+    """One pass's output. ``ir`` is the banner plus the stable text; ``text`` the text alone."""
+
+    index: int
+    total: int
+    name: str
+    spec: str
+    graph: fx.GraphModule
+    text: str
+    diff: str
+    time_ms: float
+    nodes_before: int
+    nodes_after: int
+    verified: str
+
+    @property
+    def banner(self) -> str:
+        delta = self.nodes_after - self.nodes_before
+        return (f"# recc IR after [{self.index}/{self.total}] {self.spec} | {self.time_ms:.1f} ms | "
+                f"nodes {self.nodes_before} -> {self.nodes_after} ({delta:+d}) | verify {self.verified}")
+
+    @property
+    def ir(self) -> str:
+        return self.banner + "\n" + self.text
+
+    def __str__(self) -> str:
+        return self.ir
+
+
+@dataclass
+class InputSignature:
+    """The user model's calling convention, recorded from the example inputs, so a batch with
+    the wrong number of tables or the wrong dense width is an error naming the argument."""
+
+    names: list[str]
+    kinds: list[Any]          # per argument: ("tensor", dtype, trailing shape) | ("list", n, elem kinds)
+    table_names: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def _kind(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", v.dtype, tuple(v.shape[1:]))
+        if isinstance(v, (list, tuple)):
+            return ("list", len(v), [InputSignature._kind(x) for x in v])
+        return ("value", type(v).__name__, None)
+
+    @classmethod
+    def of(cls, names: Sequence[str], example_inputs: Sequence[Any], table_names=()) -> "InputSignature":
+        return cls(list(names), [cls._kind(v) for v in example_inputs], list(table_names))
+
+    def check(self, args: Sequence[Any]) -> None:
+        if len(args) != len(self.kinds):
+            raise TypeError(f"the compiled model takes {len(self.kinds)} arguments "
+                            f"({', '.join(self.names)}), got {len(args)}")
+        for name, kind, v in zip(self.names, self.kinds, args):
+            if kind[0] == "tensor":
+                if not isinstance(v, torch.Tensor):
+                    raise TypeError(f"argument {name}: expected a tensor, got {type(v).__name__}")
+                if v.dim() != len(kind[2]) + 1 or tuple(v.shape[1:]) != kind[2]:
+                    want = "[B" + "".join(f", {s}" for s in kind[2]) + "]"
+                    raise ValueError(f"argument {name}: expected shape {want}, got {list(v.shape)}")
+                if v.dtype.is_floating_point != kind[1].is_floating_point:
+                    raise TypeError(f"argument {name}: expected dtype {kind[1]}, got {v.dtype}")
+            elif kind[0] == "list":
+                if not isinstance(v, (list, tuple)):
+                    raise TypeError(f"argument {name}: expected a list of {kind[1]} tensors, got {type(v).__name__}")
+                if len(v) != kind[1]:
+                    tables = f" (one per table: {', '.join(self.table_names)})" if self.table_names else ""
+                    raise ValueError(f"argument {name}: expected {kind[1]} tensors{tables}, got {len(v)}")
+                for i, (ek, ev) in enumerate(zip(kind[2], v)):
+                    if ek[0] == "tensor" and not isinstance(ev, torch.Tensor):
+                        raise TypeError(f"argument {name}[{i}]: expected a tensor, got {type(ev).__name__}")
+                    if ek[0] == "tensor" and ev.dtype.is_floating_point != ek[1].is_floating_point:
+                        raise TypeError(f"argument {name}[{i}]: expected dtype {ek[1]}, got {ev.dtype}")
+
+
+class Program:
+    """A compiled model: ``stages`` (every pass's output), ``plan``, ``graph`` and ``instantiate``."""
+
+    def __init__(self, *, stages: "OrderedDict[str, Stage]", graph: fx.GraphModule, plan, cluster: Cluster,
+                 config: CompileConfig, pipeline: str, state_keys: list[tuple[str, str]],
+                 signature: InputSignature, stats: dict, detached_state: Optional[dict] = None):
+        self.stages = stages
+        self.graph = graph
+        self.plan = plan
+        self.cluster = cluster
+        self.config = config
+        self.pipeline = pipeline
+        # The user model's state_dict keys in order, each with where it lives in the graph:
+        # ("dense", key) for a parameter/buffer kept by name, ("table", table name) for a table.
+        self.state_keys = state_keys
+        self.signature = signature
+        self.stats = stats
+        self.detached_state = detached_state or {}
+
+    @property
+    def ir(self) -> str:
+        return next(reversed(self.stages.values())).ir
+
+    def __str__(self) -> str:
+        return self.ir
+
+    def __repr__(self) -> str:
+        return (f"<recc.Program {len(self.stages) - 1} passes, cluster {self.cluster.name}, "
+                f"pipeline {self.pipeline!r}>")
+
+    def instantiate(self, rank: Optional[int] = None, *, device: Optional[str] = None):
+        """The trainable module for this rank (its own shards only); same call signature as the
+        user's model. With one rank, works in the calling process."""
+        from recc.runtime import instantiate as _instantiate
+        return _instantiate(self, rank=rank, device=device)
+
+    def dump(self, directory) -> Path:
+        return dump_stages(self.stages, directory)
+
+
+def snapshot(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that shares parameter/buffer tensors (stages never copy tables)."""
+    memo = {id(t): t for t in list(gm.parameters()) + list(gm.buffers())}
+    return quiet_deepcopy(gm, memo)
+
+
+def quiet_deepcopy(obj, memo=None):
+    """deepcopy without torch's pytree FutureWarning about copying LeafSpec (not ours to fix)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(obj, memo)
+
+
+def dump_stages(stages: "OrderedDict[str, Stage]", directory) -> Path:
+    """Write ``NN-name.txt``, ``.diff``, ``.dot`` (``.svg`` with Graphviz) and ``summary.tsv``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    have_dot = shutil.which("dot") is not None
+    rows = []
+    prev_counts: dict[str, int] = {}
+    for st in stages.values():
+        stem = d / f"{st.index:02d}-{st.name}"
+        stem.with_suffix(".txt").write_text(st.ir)
+        stem.with_suffix(".diff").write_text(st.diff)
+        dot = ir.to_dot(st.graph, title=f"{st.index:02d} {st.spec}")
+        stem.with_suffix(".dot").write_text(dot)
+        if have_dot:
+            subprocess.run(["dot", "-Tsvg", "-o", str(stem.with_suffix(".svg"))], input=dot.encode(),
+                           check=False, capture_output=True)
+        counts = ir.op_counts(st.graph)
+        changes = []
+        for k in sorted(set(counts) | set(prev_counts)):
+            delta = counts.get(k, 0) - prev_counts.get(k, 0)
+            if delta:
+                changes.append(f"{k}{delta:+d}")
+        rows.append(f"{st.index}\t{st.spec}\t{st.time_ms:.2f}\t{st.nodes_before}\t{st.nodes_after}\t"
+                    f"{st.verified}\t{' '.join(changes)}")
+        prev_counts = counts
+    (d / "summary.tsv").write_text("index\tpass\tms\tnodes_before\tnodes_after\tverify\top_count_changes\n"
+                                   + "\n".join(rows) + "\n")
+    return d

@@ -1,0 +1,67 @@
+"""CPU implementations of the recc ops: the fused table-batched embedding and the rest.
+
+``recc.tbe_lookup`` runs ``recc.kernels``' table-batched forward and, in backward, the kernel
+that sums duplicate ids and applies the sparse optimizer to each touched row once, in place. No
+gradient for the table weights ever exists, which is what makes the fused path fast: the
+weights are never read twice and no sparse gradient tensor is built.
+"""
+from __future__ import annotations
+
+import torch
+
+from recc.ops import OPS, register_impl
+from recc.kernels import linearize_indices, tbe_backward_update, tbe_forward
+
+
+class TBELookup(torch.autograd.Function):
+    """Forward: pooled rows for every table of a group. Backward: fused optimizer update."""
+
+    @staticmethod
+    def forward(ctx, weights, group, sparse):
+        if sparse.pooled:
+            t, b = sparse.num_tables, sparse.batch_size
+            lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
+            offsets = sparse.offsets
+        else:
+            # A gather is a sum-pooled bag of one id per row, over one virtual table.
+            counts = sparse.offsets[1:] - sparse.offsets[:-1]
+            lin = sparse.indices + torch.repeat_interleave(group.hash_size_cumsum[:-1], counts)
+            t, b = 1, lin.numel()
+            offsets = torch.arange(b + 1, dtype=torch.int64)
+        pooling = group.pooling if sparse.pooled else "sum"
+        out = tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
+                          per_sample_weights=sparse.per_sample_weights)
+        ctx.group, ctx.lin, ctx.offsets, ctx.t, ctx.b, ctx.pooling = group, lin, offsets, t, b, pooling
+        ctx.psw = sparse.per_sample_weights
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        group.step += 1
+        o = group.optimizer
+        grad = grad.contiguous()
+        if group.grad_scale != 1.0:
+            grad = grad * group.grad_scale
+        tbe_backward_update(group.weights.detach(), group.optimizer_state(), ctx.lin, ctx.offsets, grad,
+                            T=ctx.t, B=ctx.b, pooling=ctx.pooling, per_sample_weights=ctx.psw,
+                            optimizer=o.name, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
+                            weight_decay=o.weight_decay, step=group.step)
+        return None, None, None
+
+
+@register_impl("tbe_lookup", "cpu")
+def tbe_lookup_cpu(group, sparse):
+    if not group.materialized:
+        raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
+                           f"run the model from program.instantiate()")
+    return TBELookup.apply(group.weights, group, sparse)
+
+
+def _register_references():
+    for name, op in OPS.items():
+        if op.impl("cpu") is None:
+            op._impls["cpu"] = op.reference
+
+
+_register_references()

@@ -1,0 +1,160 @@
+"""The module a rank trains: the final graph with its table groups materialised.
+
+``instantiate`` copies the compiled graph (dense parameters included, so the user's model is
+never touched), allocates each ``TableGroup``'s weights for this rank's shards from the user's
+tables, and wraps it in ``DistributedModel``: the same call signature as the user's model,
+``dense_parameters()`` for the dense optimizer, and ``state_dict()`` keyed and shaped exactly like
+the user's model (logical tables), so checkpoints load into the eager model and back.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.fx as fx
+
+from recc.kernels import optimizer_state_shapes
+from recc.program import quiet_deepcopy
+from recc.tables import TableGroup
+
+
+def materialize(group: TableGroup, device: torch.device, generator: Optional[torch.Generator] = None) -> None:
+    """Give ``group`` its concatenated weights (this rank's shards) and zeroed optimizer state."""
+    rows, dim = group.total_rows, group.dim
+    weights = torch.empty(rows, dim, dtype=torch.float32, device=device)
+    for t, spec in enumerate(group.tables):
+        r0, r1 = int(group.hash_size_cumsum[t]), int(group.hash_size_cumsum[t + 1])
+        src = group.source_block(t)
+        if src.device.type == "meta":
+            # Tables built on the meta device get the DLRM reference initialisation here, on
+            # their owner only, so no rank ever holds a table it does not own.
+            bound = math.sqrt(1.0 / spec.rows)
+            weights[r0:r1].uniform_(-bound, bound, generator=generator)
+        else:
+            weights[r0:r1].copy_(src.detach())
+    group.weights = nn.Parameter(weights)
+    for name, shape in optimizer_state_shapes(group.optimizer.name, rows, dim).items():
+        group.register_buffer(name, torch.zeros(shape, dtype=torch.float32, device=device))
+    group.state_names = list(optimizer_state_shapes(group.optimizer.name, rows, dim))
+    group.step = 0
+    group.grad_scale = 1.0
+    group._sources = []
+    group.materialized = True
+    for key in ("hash_size_cumsum", "weights_offsets", "D_offsets"):
+        group.register_buffer(key, getattr(group, key).to(device), persistent=False)
+
+    def optimizer_state():
+        return {n: getattr(group, n) for n in group.state_names}
+    group.optimizer_state = optimizer_state
+
+
+class DistributedModel(nn.Module):
+    """One rank's trainable model. Call it like the user's model with this rank's batch slice."""
+
+    def __init__(self, program, gm: fx.GraphModule, rank: int):
+        super().__init__()
+        self.graph_module = gm
+        self.rank = rank
+        self._program = program
+
+    def forward(self, *args):
+        self._program.signature.check(args)
+        return self.graph_module(*args)
+
+    def table_groups(self) -> list[TableGroup]:
+        return [m for m in self.graph_module.modules() if isinstance(m, TableGroup)]
+
+    def dense_parameters(self):
+        """Every parameter except the embedding tables (which update inside backward)."""
+        skip = {id(g.weights) for g in self.table_groups()}
+        return [p for p in self.graph_module.parameters() if id(p) not in skip]
+
+    def _table_locations(self):
+        where = {}
+        for g in self.table_groups():
+            for t, spec in enumerate(g.tables):
+                where[spec.name] = (g, t)
+        return where
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The user model's state_dict: same keys, order and shapes; tables are whole."""
+        out = OrderedDict() if destination is None else destination
+        where = self._table_locations()
+        tables = self._program.stats.get("tables", {})
+        for kind, key in self._program.state_keys:
+            if kind == "table":
+                g, t = where[key]
+                w = g.table_weight(t)
+                out[prefix + tables[key].weight_key] = w if keep_vars else w.detach().clone()
+            else:
+                v = _get_tensor(self.graph_module, key, self._program.detached_state)
+                out[prefix + key] = v if keep_vars else v.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        where = self._table_locations()
+        tables = self._program.stats.get("tables", {})
+        expected = {}
+        for kind, key in self._program.state_keys:
+            expected[tables[key].weight_key if kind == "table" else key] = (kind, key)
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for k, (kind, key) in expected.items():
+                if k not in state_dict:
+                    continue
+                src = state_dict[k]
+                if kind == "table":
+                    g, t = where[key]
+                    dst = g.table_weight(t)
+                else:
+                    dst = _get_tensor(self.graph_module, key, self._program.detached_state)
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise RuntimeError(f"load_state_dict: {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(src)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _get_tensor(gm: nn.Module, key: str, detached: dict):
+    if key in detached:
+        return detached[key]
+    obj = gm
+    for p in key.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def instantiate(program, rank: Optional[int] = None, device: Optional[str] = None) -> DistributedModel:
+    from recc.launch import rank as current_rank
+    rank = current_rank() if rank is None else rank
+    if not 0 <= rank < program.cluster.world_size:
+        raise ValueError(f"instantiate: rank {rank} is outside the cluster's {program.cluster.world_size} ranks")
+    device = torch.device(device or "cpu")
+    if device.type != "cpu":
+        raise ValueError(f"instantiate: device {device} has no backend in this recc build (cpu only)")
+    sources = [s for m in program.graph.modules() if isinstance(m, TableGroup) for s in m._sources]
+    memo = {id(s): s for s in sources}
+    gm = quiet_deepcopy(program.graph, memo)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    for m in gm.modules():
+        if isinstance(m, TableGroup):
+            materialize(m, device, gen)
+    _materialize_dense(gm, device)
+    return DistributedModel(program, gm.to(device), rank)
+
+
+def _materialize_dense(gm: nn.Module, device) -> None:
+    """Dense parameters built on the meta device are allocated and re-initialised here."""
+    for mod in gm.modules():
+        if isinstance(mod, TableGroup):
+            continue
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if any(t.device.type == "meta" for t in own):
+            mod.to_empty(device=device, recurse=False)
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
