@@ -3,8 +3,8 @@
 Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups this rank's lookups by
 (dim, pooling, weighted, optimizer) — one group per distinct key, tables in discovery order —
 and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pack_sparse`` and
-one ``recc.tbe_lookup``; each original lookup becomes a ``recc.slice_cols`` of the batched
-output (``recc.unpack_rows`` for gathers) keeping its name, table and shard annotations. The
+one ``recc.tbe_lookup``; the batched output is split per table by one ``recc.split_cols`` and
+each original lookup becomes a ``getitem`` of it (``recc.unpack_rows`` for gathers) keeping its name, table and shard annotations. The
 user's embedding modules leave the graph. Must not change what the graph computes.
 
 Before:
@@ -14,10 +14,13 @@ After:
     tbe_g0    : module      = get_attr tbe_g0  # g0=[t0,t1] dim=4 sum sgd(lr=0.01)
     sparse_g0 : kjt[t=2,b=8] = recc.pack_sparse([l_s_i_1, l_s_i_2], [l_s_o_1, l_s_o_2], None, tables=(...), rows=(10, 20), pooled=True)
     pooled_g0 : f32[8,8]    = recc.tbe_lookup(tbe_g0, sparse_g0)
-    emb_l_0   : f32[8,4]    = recc.slice_cols(pooled_g0, 0, 4)
-    emb_l_1   : f32[8,4]    = recc.slice_cols(pooled_g0, 4, 8)
+    tables_g0 : tuple[2x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4))
+    emb_l_0   : f32[8,4]    = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; ...
+    emb_l_1   : f32[8,4]    = getitem(tables_g0, 1)  # table t1=emb_l.1[20x4,sum]; ...
 """
 from __future__ import annotations
+
+import operator
 
 import torch.fx as fx
 
@@ -90,12 +93,17 @@ def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank):
     rename(sparse, f"sparse_{name[4:]}")
     rename(out, f"{'pooled' if pooling != 'none' else 'rows'}_{name[4:]}")
     prev = out
+    if pooling != "none":
+        with graph.inserting_after(out):
+            split = graph.call_function(OPS["split_cols"], (out, (dim,) * len(members)))
+        rename(split, f"tables_{name[4:]}")
+        prev = split
     for k, (n, t) in enumerate(zip(members, specs)):
         with graph.inserting_after(prev):
             if pooling == "none":
                 piece = graph.call_function(OPS["unpack_rows"], (out, sparse, k))
             else:
-                piece = graph.call_function(OPS["slice_cols"], (out, k * dim, (k + 1) * dim))
+                piece = graph.call_function(operator.getitem, (split, k))
         piece.meta["recc.table"] = t
         piece.meta["recc.shard"] = n.meta["recc.shard"]
         old = n.name

@@ -322,14 +322,18 @@ def tbe_lookup(group, sparse):
     return group.reference_lookup(sparse)
 
 
-def _slice_cols_meta(x, start, end):
-    return _meta_like((x.shape[0], end - start), x.dtype)
+def _split_cols_meta(x, sizes):
+    return tuple(_meta_like((x.shape[0], n), x.dtype) for n in sizes)
 
 
-@define_op("slice_cols", meta=_slice_cols_meta)
-def slice_cols(x, start: int, end: int):
-    """recc.slice_cols(x, start, end) -> x[:, start:end]: one table's columns of a batched lookup."""
-    return x[:, start:end]
+@define_op("split_cols", meta=_split_cols_meta)
+def split_cols(x, sizes):
+    """recc.split_cols(x, sizes) -> tuple of x's column blocks: each table's part of a batched lookup.
+
+    One split rather than a slice per table: autograd then builds the batched gradient with one
+    concatenation instead of zero-filling a full-width gradient for every table.
+    """
+    return torch.split(x, list(sizes), dim=1)
 
 
 def _unpack_rows_meta(rows, sparse, t):
