@@ -1,0 +1,31 @@
+"""CPU kernels: table-batched embedding forward and fused backward + sparse optimizer."""
+
+from .tbe import (
+    OPTIMIZERS,
+    POOLINGS,
+    linearize_indices,
+    optimizer_state_shapes,
+    tbe_backward_update,
+    tbe_backward_update_native,
+    tbe_backward_update_reference,
+    tbe_forward,
+    tbe_forward_native,
+    tbe_forward_reference,
+    validate_inputs,
+)
+from .native import backend as cpu_backend
+
+__all__ = [
+    "OPTIMIZERS",
+    "POOLINGS",
+    "cpu_backend",
+    "linearize_indices",
+    "optimizer_state_shapes",
+    "tbe_backward_update",
+    "tbe_backward_update_native",
+    "tbe_backward_update_reference",
+    "tbe_forward",
+    "tbe_forward_native",
+    "tbe_forward_reference",
+    "validate_inputs",
+]

@@ -1,0 +1,422 @@
+"""Table-batched embedding (TBE) kernels for CPU: one group of T tables sharing a dim D.
+
+The group's tables live in one concatenated fp32 weight ``weights[R_total, D]``; table t owns
+rows ``[hash_size_cumsum[t], hash_size_cumsum[t+1])``.  Inputs are feature-major like FBGEMM:
+``indices[N]`` holds LOCAL ids, tables concatenated in order, and ``offsets[T*B+1]`` delimits
+bag b of table t as ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``.  Pooled outputs are
+batch-major, ``[B, T*D]`` with ``D_offsets[t] = t*D``.
+
+Every kernel comes in a pure-torch reference (``*_reference``: short, obviously correct) and
+a C fast path (``tbe_backward.c``, see ``native.py``); the public names dispatch to the fast
+path when it is available and ``RECC_CPU_KERNELS`` does not say ``reference``.  Both have the
+same semantics and sum each row's gradients in index order; results agree to fp32 rounding
+(reductions inside a row, and mean's 1/len, are rounded differently).  The C path's results do
+not depend on the thread count.
+
+Backward is fused with the sparse optimizer in "exact" mode: gradients of duplicate ids are
+summed first, then every touched row (and its optimizer state) is updated exactly once, in
+place; rows absent from the batch are not touched at all.  ``rowwise_adagrad`` follows
+FBGEMM: ``m[row] += mean(g*g)``, ``w -= lr * g / (sqrt(m[row]) + eps)``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+POOLINGS = ("sum", "mean")
+_OPTIMIZER_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}  # matches the C enum
+
+
+def optimizer_state_shapes(optimizer: str, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the state tensors ``tbe_backward_update`` expects (all fp32, zero-initialised)."""
+    if optimizer == "sgd":
+        return {}
+    if optimizer == "rowwise_adagrad":
+        return {"momentum1": (rows,)}
+    if optimizer == "adagrad":
+        return {"momentum1": (rows, dim)}
+    if optimizer == "adam":
+        return {"momentum1": (rows, dim), "momentum2": (rows, dim)}
+    raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _as_cumsum(hash_size_cumsum) -> torch.Tensor:
+    return torch.as_tensor(hash_size_cumsum, dtype=torch.int64).reshape(-1)
+
+
+def _table_counts(offsets: torch.Tensor, T: int, B: int) -> torch.Tensor:
+    """Number of ids of each table: offsets[(t+1)*B] - offsets[t*B]."""
+    if B == 0:
+        return torch.zeros(T, dtype=torch.int64)
+    starts = offsets[::B]  # offsets[t*B] for t = 0..T
+    return starts[1:] - starts[:-1]
+
+
+def validate_inputs(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cumsum, T: int,
+                    B: int, table_names: Sequence[str]) -> None:
+    """Checks a group's sparse inputs; raises before any row is touched.
+
+    ValueError for malformed offsets (wrong length, ``offsets[0] != 0``,
+    ``offsets[-1] != len(indices)``, a decrease), IndexError for an id outside its table.
+    Messages name the table and the bag / position.  Vectorised: no Python loop over ids.
+    """
+    if len(table_names) != T:
+        raise ValueError(f"got {len(table_names)} table names for T={T} tables")
+    hsc = _as_cumsum(hash_size_cumsum)
+    if hsc.numel() != T + 1:
+        raise ValueError(f"hash_size_cumsum has {hsc.numel()} entries, expected T+1 = {T + 1}")
+    if T > 0 and bool((hsc[1:] < hsc[:-1]).any()):
+        raise ValueError(f"hash_size_cumsum must be non-decreasing, got {hsc.tolist()}")
+    for name, x in (("indices", indices), ("offsets", offsets)):
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
+    n_bags = T * B
+    if offsets.numel() != n_bags + 1:
+        raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {n_bags + 1} "
+                         f"(T={T} tables, B={B} bags per table)")
+    offsets = offsets.to(torch.int64)
+    N = indices.numel()
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        where = f" (start of table {table_names[0]!r}, bag 0)" if n_bags else ""
+        raise ValueError(f"offsets[0] must be 0, got {first}{where}")
+    if last != N:
+        where = f" (end of table {table_names[-1]!r}, bag {B - 1})" if n_bags else ""
+        raise ValueError(f"offsets[-1] must equal len(indices) = {N}, got {last}{where}")
+    if n_bags == 0:
+        return
+    decreasing = (offsets[1:] < offsets[:-1]).nonzero()
+    if decreasing.numel():
+        k = int(decreasing[0, 0])
+        t, b = divmod(k, B)
+        raise ValueError(
+            f"offsets must be non-decreasing: table {table_names[t]!r} bag {b} has "
+            f"offsets[{k + 1}] = {int(offsets[k + 1])} < offsets[{k}] = {int(offsets[k])}")
+    if N == 0:
+        return
+    rows = hsc[1:] - hsc[:-1]
+    counts = _table_counts(offsets, T, B)
+    ids = indices.to(torch.int64)
+    bad = (ids < 0) | (ids >= torch.repeat_interleave(rows, counts, output_size=N))
+    if bool(bad.any()):
+        p = int(bad.to(torch.uint8).argmax())
+        table_starts = offsets[::B].contiguous()
+        t = int(torch.searchsorted(table_starts, torch.tensor([p]), right=True)[0]) - 1
+        table_offsets = offsets[t * B:(t + 1) * B + 1]
+        b = int(torch.searchsorted(table_offsets, torch.tensor([p]), right=True)[0]) - 1
+        start = int(table_offsets[0])
+        raise IndexError(
+            f"table {table_names[t]!r} (table {t} of the group): id {int(ids[p])} in bag {b} "
+            f"(position {p - start} of the table's indices, position {p} overall) is out of "
+            f"range [0, {int(rows[t])})")
+
+
+def linearize_indices(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cumsum, T: int,
+                      B: int) -> torch.Tensor:
+    """Local ids -> rows of the concatenated weight: ``indices + hash_size_cumsum[t]``."""
+    hsc = _as_cumsum(hash_size_cumsum)
+    offsets = offsets.to(torch.int64)
+    N = indices.numel()
+    base = torch.repeat_interleave(hsc[:-1], _table_counts(offsets, T, B), output_size=N)
+    return indices.to(torch.int64) + base
+
+
+def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights):
+    if weights.dim() != 2 or weights.dtype != torch.float32:
+        raise ValueError(f"weights must be a 2-D float32 tensor, got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
+    if lin_indices.dim() != 1 or offsets.dim() != 1:
+        raise ValueError("lin_indices and offsets must be 1-D")
+    if offsets.numel() != T * B + 1:
+        raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {T * B + 1}")
+    # The C kernels trust offsets to index lin_indices: check what makes that safe (cheap,
+    # O(T*B)); validate_inputs gives the detailed, per-table diagnosis.
+    if int(offsets[0]) != 0 or int(offsets[-1]) != lin_indices.numel() or \
+            bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError("offsets must start at 0, be non-decreasing and end at "
+                         f"len(lin_indices) = {lin_indices.numel()}; run validate_inputs for "
+                         "the table and bag at fault")
+    if per_sample_weights is not None:
+        if pooling != "sum":
+            raise ValueError("per_sample_weights are only supported with pooling='sum' "
+                             f"(got pooling={pooling!r}), like nn.EmbeddingBag")
+        if per_sample_weights.shape != lin_indices.shape:
+            raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
+                             f"expected {tuple(lin_indices.shape)} (one per index)")
+
+
+def _num_threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
+                          offsets: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
+                          per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One F.embedding_bag over the concatenated weight, reordered to batch-major [B, T*D]."""
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    D = weights.shape[1]
+    with torch.no_grad():
+        pooled = F.embedding_bag(lin_indices.to(torch.int64), weights, offsets.to(torch.int64),
+                                 mode=pooling, per_sample_weights=per_sample_weights,
+                                 include_last_offset=True)  # [T*B, D], feature-major
+        return pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
+
+
+def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
+                       offsets: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
+                       per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """C pooling written straight into [B, T*D]; raises if the C kernels are unavailable."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    R, D = weights.shape
+    w = weights.detach().contiguous()
+    lin = lin_indices.to(torch.int64).contiguous()
+    off = offsets.to(torch.int64).contiguous()
+    psw = None if per_sample_weights is None else \
+        per_sample_weights.detach().to(torch.float32).contiguous()
+    out = torch.empty(B, T * D, dtype=torch.float32)
+    rc = lib.recc_tbe_forward(w.data_ptr(), R, D, lin.data_ptr(), off.data_ptr(), T, B,
+                              None if psw is None else psw.data_ptr(), int(pooling == "mean"),
+                              out.data_ptr(), _num_threads())
+    if rc == 1:
+        raise IndexError(f"lin_indices has a row outside [0, {R}); run validate_inputs on the "
+                         f"local ids to find the table and bag")
+    if rc != 0:
+        raise RuntimeError(f"recc_tbe_forward failed with code {rc}")
+    return out
+
+
+def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor, *,
+                T: int, B: int, pooling: str = "sum",
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Pooled embeddings ``[B, T*D]``: row b is [pooled(table 0, b), pooled(table 1, b), ...].
+
+    ``pooling`` is 'sum' or 'mean' (an empty bag pools to 0); ``per_sample_weights`` scale
+    each id (sum pooling only).  No autograd: the caller wraps this in an autograd.Function.
+    """
+    if native.library() is not None and weights.dtype == torch.float32 and \
+            _native_sizes_ok(lin_indices, T, B):
+        return tbe_forward_native(weights, lin_indices, offsets, T=T, B=B, pooling=pooling,
+                                  per_sample_weights=per_sample_weights)
+    return tbe_forward_reference(weights, lin_indices, offsets, T=T, B=B, pooling=pooling,
+                                 per_sample_weights=per_sample_weights)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _check_update(weights, state, optimizer, grad_output, T, B):
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    R, D = weights.shape
+    for name, shape in optimizer_state_shapes(optimizer, R, D).items():
+        s = state.get(name)
+        if s is None:
+            raise ValueError(f"optimizer {optimizer!r} needs state[{name!r}] of shape {shape}")
+        if s.dtype != torch.float32 or s.numel() != R * (D if len(shape) == 2 else 1):
+            raise ValueError(f"state[{name!r}] must be float32 of shape {shape}, got "
+                             f"{s.dtype} {tuple(s.shape)}")
+    if tuple(grad_output.shape) != (B, T * D):
+        raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, expected "
+                         f"(B, T*D) = ({B}, {T * D})")
+
+
+def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.Tensor],
+                                  lin_indices: torch.Tensor, offsets: torch.Tensor,
+                                  grad_output: torch.Tensor, *, T: int, B: int,
+                                  pooling: str = "sum",
+                                  per_sample_weights: torch.Tensor | None = None,
+                                  optimizer: str = "sgd", lr: float, eps: float = 1e-8,
+                                  beta1: float = 0.9, beta2: float = 0.999,
+                                  weight_decay: float = 0.0, step: int = 1) -> None:
+    """Pure-torch backward + fused optimizer: unique + index_add + one row update."""
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_update(weights, state, optimizer, grad_output, T, B)
+    R, D = weights.shape
+    N = lin_indices.numel()
+    if N == 0:
+        return
+    with torch.no_grad():
+        lin = lin_indices.to(torch.int64)
+        off = offsets.to(torch.int64)
+        lengths = off[1:] - off[:-1]
+        bag_of = torch.repeat_interleave(torch.arange(T * B), lengths, output_size=N)
+        # grad_output rows in bag order (bag j = t*B + b).
+        grad_bags = grad_output.detach().to(torch.float32).reshape(B, T, D).transpose(0, 1) \
+            .reshape(T * B, D)
+        grad_ids = grad_bags[bag_of]
+        if per_sample_weights is not None:
+            grad_ids = grad_ids * per_sample_weights.detach().to(torch.float32)[:, None]
+        if pooling == "mean":
+            grad_ids = grad_ids / lengths[bag_of].to(torch.float32)[:, None]
+
+        rows, slot = torch.unique(lin, sorted=True, return_inverse=True)
+        if int(rows[0]) < 0 or int(rows[-1]) >= R:
+            raise IndexError(f"lin_indices has a row outside [0, {R}); run validate_inputs on "
+                             f"the local ids to find the table and bag")
+        g = torch.zeros(rows.numel(), D, dtype=torch.float32).index_add_(0, slot, grad_ids)
+        w = weights[rows]
+        if weight_decay:
+            g += weight_decay * w
+
+        if optimizer == "sgd":
+            w -= lr * g
+        elif optimizer == "rowwise_adagrad":
+            m1 = state["momentum1"].view(R)
+            m = m1[rows] + (g * g).mean(dim=1)
+            m1.index_copy_(0, rows, m)
+            w -= (lr / (m.sqrt() + eps))[:, None] * g
+        elif optimizer == "adagrad":
+            m1 = state["momentum1"].view(R, D)
+            s = m1[rows] + g * g
+            m1.index_copy_(0, rows, s)
+            w -= lr * g / (s.sqrt() + eps)
+        elif optimizer == "adam":
+            m1 = state["momentum1"].view(R, D)
+            m2 = state["momentum2"].view(R, D)
+            m = beta1 * m1[rows] + (1 - beta1) * g
+            v = beta2 * m2[rows] + (1 - beta2) * g * g
+            m1.index_copy_(0, rows, m)
+            m2.index_copy_(0, rows, v)
+            bc1 = 1 - beta1 ** step
+            bc2 = 1 - beta2 ** step
+            w -= lr * (m / bc1) / ((v / bc2).sqrt() + eps)
+        weights.index_copy_(0, rows, w)
+
+
+class _Workspace(threading.local):
+    """Per-caller-thread slot map over weight rows: all -1 between calls (the C kernel
+    resets exactly the entries it touched), so one map serves every weight of size <= its
+    length, and concurrent callers in different threads never share one."""
+
+    def __init__(self):
+        self.slot_map = torch.empty(0, dtype=torch.int32)
+
+    def get(self, rows: int) -> torch.Tensor:
+        if self.slot_map.numel() < rows:
+            self.slot_map = torch.full((rows,), -1, dtype=torch.int32)
+        return self.slot_map
+
+
+_workspace = _Workspace()
+
+
+def _bump_version(t: torch.Tensor) -> None:
+    # Raw writes through data_ptr bypass autograd's version counter; a zero-size in-place op
+    # bumps it so stale saved tensors are detected as they would be after index_copy_.
+    with torch.no_grad():
+        t.narrow(0, 0, 0).zero_()
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _native_sizes_ok(lin_indices, T, B) -> bool:
+    # The C kernels index ids and bags with int32.
+    return lin_indices.numel() <= _INT32_MAX and T * B <= _INT32_MAX
+
+
+def _native_update_ok(weights, state, optimizer) -> bool:
+    return weights.is_contiguous() and all(
+        state.get(name) is None or state[name].is_contiguous()
+        for name in optimizer_state_shapes(optimizer, 0, 0))
+
+
+def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Tensor],
+                               lin_indices: torch.Tensor, offsets: torch.Tensor,
+                               grad_output: torch.Tensor, *, T: int, B: int,
+                               pooling: str = "sum",
+                               per_sample_weights: torch.Tensor | None = None,
+                               optimizer: str = "sgd", lr: float, eps: float = 1e-8,
+                               beta1: float = 0.9, beta2: float = 0.999,
+                               weight_decay: float = 0.0, step: int = 1) -> None:
+    """The C fast path (same semantics as the reference); raises if it is unavailable."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_update(weights, state, optimizer, grad_output, T, B)
+    if not _native_update_ok(weights, state, optimizer):
+        raise ValueError("the C kernels update weights and state in place: they must be "
+                         "contiguous")
+    R, D = weights.shape
+    lin = lin_indices.to(torch.int64).contiguous()
+    off = offsets.to(torch.int64).contiguous()
+    go = grad_output.detach().to(torch.float32).contiguous()
+    psw = None if per_sample_weights is None else \
+        per_sample_weights.detach().to(torch.float32).contiguous()
+    m1 = state.get("momentum1") if optimizer != "sgd" else None
+    m2 = state.get("momentum2") if optimizer == "adam" else None
+    slot_map = _workspace.get(R)
+    rc = lib.recc_tbe_backward_update(
+        weights.data_ptr(), R, D,
+        None if m1 is None else m1.data_ptr(), None if m2 is None else m2.data_ptr(),
+        lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(),
+        None if psw is None else psw.data_ptr(), int(pooling == "mean"),
+        _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay,
+        1.0 - beta1 ** step, 1.0 - beta2 ** step, slot_map.data_ptr(), _num_threads())
+    if rc == 1:
+        raise IndexError(f"lin_indices has a row outside [0, {R}); nothing was updated; run "
+                         f"validate_inputs on the local ids to find the table and bag")
+    if rc != 0:
+        raise RuntimeError(f"recc_tbe_backward_update failed with code {rc}; nothing was "
+                           f"updated")
+    _bump_version(weights)
+    for s in (m1, m2):
+        if s is not None:
+            _bump_version(s)
+
+
+def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
+                        lin_indices: torch.Tensor, offsets: torch.Tensor,
+                        grad_output: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
+                        per_sample_weights: torch.Tensor | None = None,
+                        optimizer: str = "sgd", lr: float, eps: float = 1e-8,
+                        beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
+                        step: int = 1) -> None:
+    """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
+
+    ``grad_output`` is dLoss/d(tbe_forward output), ``[B, T*D]``.  Each id's gradient is its
+    bag's gradient (times its per-sample weight; divided by the bag length for mean); the
+    gradients of duplicate ids are summed, ``weight_decay * w`` is added, and each touched
+    row of ``weights`` and ``state`` (shapes: ``optimizer_state_shapes``) is updated once:
+
+    - sgd: ``w -= lr * g``
+    - rowwise_adagrad (FBGEMM): ``m[row] += mean(g*g)``; ``w -= lr * g / (sqrt(m[row]) + eps)``
+    - adagrad: ``s += g*g``; ``w -= lr * g / (sqrt(s) + eps)``
+    - adam (lazy, rows present only): ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
+      ``w -= lr * (m/(1-b1^step)) / (sqrt(v/(1-b2^step)) + eps)``, ``step`` 1-based and global.
+      (eps as in torch.optim.Adam; torch.optim.SparseAdam adds eps to sqrt(v) before the bias
+      correction, i.e. an effective eps of ``eps*sqrt(1-b2^step)``.)
+
+    Ids must be valid rows (``validate_inputs`` on the local ids, then ``linearize_indices``);
+    a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
+    to ``per_sample_weights``.
+    """
+    if native.library() is not None and _native_update_ok(weights, state, optimizer) \
+            and weights.dtype == torch.float32 and _native_sizes_ok(lin_indices, T, B):
+        fn = tbe_backward_update_native
+    else:
+        fn = tbe_backward_update_reference
+    fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
+       per_sample_weights=per_sample_weights, optimizer=optimizer, lr=lr, eps=eps, beta1=beta1,
+       beta2=beta2, weight_decay=weight_decay, step=step)

@@ -1,0 +1,634 @@
+/*
+ * CPU kernels for one table-batched embedding (TBE) group: T tables sharing an embedding
+ * dim D, stored as one concatenated fp32 weight [R, D].  Plain C + OpenMP (GNU C vector
+ * extensions for the row accumulators), no torch headers; tbe.py compiles this at first use
+ * and calls it through ctypes with raw data pointers of contiguous tensors.
+ *
+ * Layout (FBGEMM's names): `lin` holds linearized row ids (local id + hash_size_cumsum[t]),
+ * `offsets` has T*B+1 entries and is feature-major (bag j = t*B + b), `go`/`out` are
+ * batch-major [B, T*D] (D_offsets[t] = t*D).
+ *
+ * Forward (recc_tbe_forward): each bag sums its rows in index order straight into [B, T*D].
+ *
+ * Backward + fused optimizer (recc_tbe_backward_update; "exact": duplicate ids summed, each
+ * row updated once), O(N), no sort:
+ *  - One pass checks every id is in [0, R) and finds each table's row interval, before any
+ *    write.  When the tables' intervals are disjoint (always, for validated + linearized
+ *    ids) each table is a work unit; big tables are split into parts by a hash of row/16, a
+ *    part keeping only its rows.  Otherwise (a caller mixing tables' rows) the whole batch is
+ *    split by that hash.  Every row therefore belongs to exactly one unit, so units run in
+ *    parallel without atomics or races.
+ *  - A unit gives each of its rows a compact first-seen slot through a persistent int32 slot
+ *    map (all -1 between calls; only touched entries are reset), counting-sorts its ids by
+ *    slot (stable: a row's ids stay in index order), then reduces each row's gradient in a
+ *    register accumulator and applies the optimizer once.  A row's sum order is the index
+ *    order whatever the thread count or unit split: results are deterministic.
+ *
+ * Compiled with -std=c11, so gcc does not contract a*b+c into FMAs: the arithmetic is the
+ * same as the pure-torch reference's up to summation order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAGRAD = 2, OPT_ADAM = 3 };
+
+enum {
+    RC_OK = 0,
+    RC_BAD_ID = 1,     /* an id outside [0, R): nothing was written */
+    RC_NO_MEMORY = 2,  /* nothing was written */
+    RC_BAD_ARGS = 3,
+};
+
+#ifndef ROW_PREFETCH
+#define ROW_PREFETCH 8   /* rows ahead: weight/state rows, backward apply loop */
+#endif
+#ifndef GO_PREFETCH
+#define GO_PREFETCH 4    /* rows ahead: grad_output rows, backward apply loop */
+#endif
+#ifndef SLOT_PREFETCH
+#define SLOT_PREFETCH 32 /* ids ahead: slot map entries, backward slot assignment */
+#endif
+#ifndef ID_PREFETCH
+#define ID_PREFETCH 24   /* ids ahead, forward pooling */
+#endif
+#define MAX_REG_D 256    /* row accumulators up to this D live on the stack */
+
+static inline void prefetch_span(const void* p, int64_t bytes, int rw) {
+    const char* c = (const char*)p;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (rw) __builtin_prefetch(c + o, 1, 3);
+        else __builtin_prefetch(c + o, 0, 3);
+    }
+}
+
+/* Which of `parts` parts a row belongs to: a multiplicative hash of row/16, range-reduced. */
+static inline uint32_t row_part(int64_t row, uint32_t parts) {
+    const uint32_t h = (uint32_t)(((uint64_t)row >> 4) * 0x9E3779B97F4A7C15ull >> 32);
+    return (uint32_t)(((uint64_t)h * parts) >> 32);
+}
+
+/* ------------------------------------------------------------------ per-thread workspace */
+
+typedef struct {
+    int32_t slot;
+    int32_t go_row; /* b * T + t: row of grad_output viewed as [B*T, D] */
+    float scale;    /* per-sample weight, divided by the bag length for mean pooling */
+} pending_t;
+
+typedef struct {
+    int32_t go_row;
+    float scale;
+} contrib_t;
+
+typedef struct {
+    pending_t* pend;
+    contrib_t* contrib;
+    int64_t* urows;
+    int32_t* ends;
+    float* acc;
+    size_t cap, dcap;
+} workspace_t;
+
+/* Grow-only and per OS thread: OpenMP teams of concurrent callers never share one, and
+ * steady-state calls take no page faults. */
+static __thread workspace_t tls_ws;
+
+static int ws_reserve(workspace_t* ws, size_t n, size_t D) {
+    if (n > ws->cap) {
+        size_t cap = n + n / 4 + 1024;
+        free(ws->pend);
+        free(ws->contrib);
+        free(ws->urows);
+        free(ws->ends);
+        ws->pend = malloc(cap * sizeof(pending_t));
+        ws->contrib = malloc(cap * sizeof(contrib_t));
+        ws->urows = malloc(cap * sizeof(int64_t));
+        ws->ends = malloc(cap * sizeof(int32_t));
+        if (!ws->pend || !ws->contrib || !ws->urows || !ws->ends) {
+            free(ws->pend);
+            free(ws->contrib);
+            free(ws->urows);
+            free(ws->ends);
+            ws->pend = NULL;
+            ws->contrib = NULL;
+            ws->urows = NULL;
+            ws->ends = NULL;
+            ws->cap = 0;
+            return 0;
+        }
+        ws->cap = cap;
+    }
+    if (D > ws->dcap) {
+        free(ws->acc);
+        ws->acc = aligned_alloc(64, (D * sizeof(float) + 63) / 64 * 64);
+        if (!ws->acc) {
+            ws->dcap = 0;  /* acc is NULL: the next call retries */
+            return 0;
+        }
+        ws->dcap = D;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ backward */
+
+typedef struct {
+    float* weights;
+    int64_t R, D;
+    float* m1;
+    float* m2;
+    const int64_t* lin;
+    const int64_t* offsets;
+    int64_t T, B;
+    const float* go;
+    const float* psw;
+    int mean, optimizer;
+    float lr, eps, beta1, beta2, wd, bc1, bc2;
+    int32_t* slot_map;
+} bwd_t;
+
+typedef struct {
+    int64_t bag_lo, bag_hi; /* bags [bag_lo, bag_hi) of the feature-major offsets */
+    int64_t ids;            /* ids in those bags, for scheduling big units first */
+    uint32_t parts, part;   /* keep rows with row_part(row, parts) == part */
+} unit_t;
+
+static inline __attribute__((always_inline)) void apply_row(const bwd_t* c, int64_t row,
+                                                            float* restrict g,
+                                                            const int64_t D) {
+    float* restrict w = c->weights + row * D;
+    const float lr = c->lr, eps = c->eps, wd = c->wd;
+    if (wd != 0.0f) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) g[d] += wd * w[d];
+    }
+    switch (c->optimizer) {
+    case OPT_SGD:
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) w[d] -= lr * g[d];
+        break;
+    case OPT_ROWWISE_ADAGRAD: {
+        float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+        for (int64_t d = 0; d < D; ++d) sq += g[d] * g[d];
+        const float m = c->m1[row] + sq / (float)D;
+        c->m1[row] = m;
+        const float mult = lr / (sqrtf(m) + eps);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) w[d] -= mult * g[d];
+        break;
+    }
+    case OPT_ADAGRAD: {
+        float* restrict s = c->m1 + row * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+            const float sd = s[d] + g[d] * g[d];
+            s[d] = sd;
+            w[d] -= lr * g[d] / (sqrtf(sd) + eps);
+        }
+        break;
+    }
+    case OPT_ADAM: {
+        float* restrict m = c->m1 + row * D;
+        float* restrict v = c->m2 + row * D;
+        const float b1 = c->beta1, b2 = c->beta2, bc1 = c->bc1, bc2 = c->bc2;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+            const float md = b1 * m[d] + (1.0f - b1) * g[d];
+            const float vd = b2 * v[d] + (1.0f - b2) * g[d] * g[d];
+            m[d] = md;
+            v[d] = vd;
+            w[d] -= lr * (md / bc1) / (sqrtf(vd / bc2) + eps);
+        }
+        break;
+    }
+    }
+}
+
+/* Row accumulator: D/16 vectors of 16 floats kept in registers when D is a multiple of 16
+ * and at most 16*MAX_VECS (GNU C vector extensions; plain loops otherwise). */
+#define MAX_VECS 16
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+
+static inline v16f load16(const float* p) {
+    v16f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof(v)); }
+
+static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
+                                                               const unit_t* u,
+                                                               workspace_t* ws,
+                                                               const int64_t D) {
+    const int64_t T = c->T, B = c->B;
+    const int64_t* restrict lin = c->lin;
+    const int64_t* restrict offsets = c->offsets;
+    const float* restrict psw = c->psw;
+    const int mean = c->mean;
+    const uint32_t parts = u->parts, part = u->part;
+    int32_t* restrict slot_map = c->slot_map;
+    pending_t* restrict pend = ws->pend;
+    contrib_t* restrict contrib = ws->contrib;
+    int64_t* restrict urows = ws->urows;
+    int32_t* restrict ends = ws->ends;
+    const int64_t i_lo = offsets[u->bag_lo], i_hi = offsets[u->bag_hi];
+    memset(ends, 0, (size_t)(i_hi - i_lo) * sizeof(int32_t));
+
+    /* 1. First-seen slots for the unit's rows; count each slot's ids. */
+    int64_t n = 0, U = 0;
+    for (int64_t j = u->bag_lo; j < u->bag_hi; ++j) {
+        const int64_t t = j / B, b = j - t * B;
+        const int32_t go_row = (int32_t)(b * T + t);
+        const int64_t lo = offsets[j], hi = offsets[j + 1];
+        const float inv_len = (mean && hi > lo) ? 1.0f / (float)(hi - lo) : 1.0f;
+        for (int64_t i = lo; i < hi; ++i) {
+            if (i + SLOT_PREFETCH < i_hi)
+                __builtin_prefetch(slot_map + lin[i + SLOT_PREFETCH], 1, 3);
+            const int64_t row = lin[i];
+            if (parts > 1 && row_part(row, parts) != part) continue;
+            int32_t s = slot_map[row];
+            const int is_new = s < 0;
+            s = is_new ? (int32_t)U : s;
+            slot_map[row] = s;
+            urows[U] = row;
+            U += is_new;
+            ends[s] += 1;
+            pend[n].slot = s;
+            pend[n].go_row = go_row;
+            pend[n].scale = psw ? psw[i] * inv_len : inv_len;
+            ++n;
+        }
+    }
+    /* 2. Stable counting sort by slot: each row's ids stay in index order. */
+    int32_t run = 0;
+    for (int64_t s = 0; s < U; ++s) {
+        const int32_t cnt = ends[s];
+        ends[s] = run;
+        run += cnt;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+        const int32_t pos = ends[pend[k].slot]++;
+        contrib[pos].go_row = pend[k].go_row;
+        contrib[pos].scale = pend[k].scale;
+    }
+    /* 3. Reduce each row's gradient, update the row once, reset its slot.  Rows come in
+     *    first-seen (random) order: prefetch the weight/state rows and grad_output rows of
+     *    the rows a few slots ahead. */
+    const int vec = D % 16 == 0 && D / 16 <= MAX_VECS;
+    const int64_t NV = D / 16;
+    float acc_stack[D <= MAX_REG_D ? D : 1] __attribute__((aligned(64)));
+    float* restrict acc = D <= MAX_REG_D ? acc_stack : ws->acc;
+    const int64_t w_bytes = D * 4;
+    const int64_t m1_bytes = c->optimizer == OPT_ROWWISE_ADAGRAD ? 4
+                             : c->optimizer == OPT_SGD             ? 0
+                                                                   : D * 4;
+    const int64_t m1_stride = c->optimizer == OPT_ROWWISE_ADAGRAD ? 1 : D;
+    const int has_m2 = c->optimizer == OPT_ADAM;
+    const float* restrict go = c->go;
+    int32_t begin = 0;
+    for (int64_t s = 0; s < U; ++s) {
+        if (s + ROW_PREFETCH < U) {
+            const int64_t prow = urows[s + ROW_PREFETCH];
+            prefetch_span(c->weights + prow * D, w_bytes, 1);
+            if (m1_bytes) prefetch_span(c->m1 + prow * m1_stride, m1_bytes, 1);
+            if (has_m2) prefetch_span(c->m2 + prow * D, w_bytes, 1);
+        }
+        if (s + GO_PREFETCH < U) {
+            const int32_t p0 = ends[s + GO_PREFETCH - 1], p1 = ends[s + GO_PREFETCH];
+            for (int32_t p = p0; p < p1 && p < p0 + 4; ++p)
+                prefetch_span(go + (int64_t)contrib[p].go_row * D, w_bytes, 0);
+        }
+        const int32_t end = ends[s];
+        if (vec) {
+            v16f a[MAX_VECS];
+            {
+                const contrib_t e = contrib[begin];
+                const float* gr = go + (int64_t)e.go_row * D;
+                for (int64_t v = 0; v < NV; ++v) a[v] = load16(gr + 16 * v) * e.scale;
+            }
+            for (int32_t p = begin + 1; p < end; ++p) {
+                const contrib_t e = contrib[p];
+                const float* gr = go + (int64_t)e.go_row * D;
+                for (int64_t v = 0; v < NV; ++v) a[v] += load16(gr + 16 * v) * e.scale;
+            }
+            for (int64_t v = 0; v < NV; ++v) store16(acc + 16 * v, a[v]);
+        } else {
+            {
+                const contrib_t e = contrib[begin];
+                const float* restrict gr = go + (int64_t)e.go_row * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) acc[d] = gr[d] * e.scale;
+            }
+            for (int32_t p = begin + 1; p < end; ++p) {
+                const contrib_t e = contrib[p];
+                const float* restrict gr = go + (int64_t)e.go_row * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) acc[d] += gr[d] * e.scale;
+            }
+        }
+        begin = end;
+        const int64_t row = urows[s];
+        apply_row(c, row, acc, D);
+        slot_map[row] = -1;
+    }
+}
+
+#define UNIT_FN(DV)                                                                     \
+    static void process_unit_##DV(const bwd_t* c, const unit_t* u, workspace_t* ws) { \
+        process_unit(c, u, ws, DV);                                                    \
+    }
+UNIT_FN(16)
+UNIT_FN(32)
+UNIT_FN(64)
+UNIT_FN(128)
+static void process_unit_any(const bwd_t* c, const unit_t* u, workspace_t* ws) {
+    process_unit(c, u, ws, c->D);
+}
+
+typedef struct {
+    int64_t lo, hi;
+} interval_t;
+
+static int cmp_interval(const void* a, const void* b) {
+    const int64_t x = ((const interval_t*)a)->lo, y = ((const interval_t*)b)->lo;
+    return (x > y) - (x < y);
+}
+
+static int cmp_unit_bigger_first(const void* a, const void* b) {
+    const int64_t x = ((const unit_t*)a)->ids, y = ((const unit_t*)b)->ids;
+    return (x < y) - (x > y);
+}
+
+/*
+ * weights [R, D]; m1/m2: optimizer state (NULL when unused; rowwise_adagrad m1 is [R]);
+ * lin [N]; offsets [T*B+1]; go [B, T*D]; psw [N] or NULL; mean: 1 for mean pooling;
+ * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return.
+ */
+int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, float* m2,
+                             const int64_t* lin, const int64_t* offsets, int64_t T,
+                             int64_t B, const float* go, const float* psw, int mean,
+                             int optimizer, float lr, float eps, float beta1, float beta2,
+                             float wd, float bc1, float bc2, int32_t* slot_map,
+                             int nthreads) {
+    if (D <= 0 || T < 0 || B < 0 || optimizer < 0 || optimizer > 3) return RC_BAD_ARGS;
+    if (optimizer != OPT_SGD && !m1) return RC_BAD_ARGS;
+    if (optimizer == OPT_ADAM && !m2) return RC_BAD_ARGS;
+    const int64_t NB = T * B;
+    const int64_t N = offsets[NB];
+    if (N == 0) return RC_OK;
+    if (N > INT32_MAX || NB > INT32_MAX) return RC_BAD_ARGS;
+    if (nthreads < 1) nthreads = 1;
+
+    /* 0. Every id in [0, R), and each table's row interval: before any write. */
+    interval_t* iv = malloc((size_t)T * (size_t)nthreads * sizeof(interval_t));
+    if (!iv) return RC_NO_MEMORY;
+    int team = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        if (tid == 0) team = (int)nth;
+        const int64_t i0 = N * tid / nth, i1 = N * (tid + 1) / nth;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t lo = offsets[t * B] > i0 ? offsets[t * B] : i0;
+            const int64_t hi = offsets[(t + 1) * B] < i1 ? offsets[(t + 1) * B] : i1;
+            int64_t mn = INT64_MAX, mx = INT64_MIN;
+#pragma omp simd reduction(min : mn) reduction(max : mx)
+            for (int64_t i = lo; i < hi; ++i) {
+                mn = lin[i] < mn ? lin[i] : mn;
+                mx = lin[i] > mx ? lin[i] : mx;
+            }
+            iv[tid * T + t].lo = mn;
+            iv[tid * T + t].hi = mx;
+        }
+    }
+    /* Combine the per-thread intervals (team: the threads the region really had). */
+    int bad = 0;
+    interval_t* sorted = malloc((size_t)(T > 0 ? T : 1) * sizeof(interval_t));
+    unit_t* units = NULL;
+    int rc = RC_OK;
+    if (!sorted) {
+        rc = RC_NO_MEMORY;
+        goto done;
+    }
+    int64_t n_nonempty = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        int64_t mn = INT64_MAX, mx = INT64_MIN;
+        for (int k = 0; k < team; ++k) {
+            const int64_t i0 = N * k / team, i1 = N * (k + 1) / team;
+            const int64_t lo = offsets[t * B] > i0 ? offsets[t * B] : i0;
+            const int64_t hi = offsets[(t + 1) * B] < i1 ? offsets[(t + 1) * B] : i1;
+            if (hi <= lo) continue;
+            if (iv[k * T + t].lo < mn) mn = iv[k * T + t].lo;
+            if (iv[k * T + t].hi > mx) mx = iv[k * T + t].hi;
+        }
+        if (mn <= mx) {
+            if (mn < 0 || mx >= R) bad = 1;
+            sorted[n_nonempty].lo = mn;
+            sorted[n_nonempty].hi = mx;
+            ++n_nonempty;
+        }
+    }
+    if (bad) {
+        rc = RC_BAD_ID;
+        goto done;
+    }
+    qsort(sorted, (size_t)n_nonempty, sizeof(interval_t), cmp_interval);
+    int disjoint = 1;
+    for (int64_t k = 1; k < n_nonempty; ++k) disjoint &= sorted[k].lo > sorted[k - 1].hi;
+
+    /* 1. Work units: a table (or the whole batch), split into parts of ~N/(2*threads) ids. */
+    const int64_t target = (N + 2 * nthreads - 1) / (2 * nthreads);
+    const int64_t max_parts = 4 * (int64_t)nthreads;
+    int64_t n_units = 0, max_unit_ids = 0;
+    units = malloc((size_t)(disjoint ? T : 1) * (size_t)max_parts * sizeof(unit_t));
+    if (!units) {
+        rc = RC_NO_MEMORY;
+        goto done;
+    }
+    for (int64_t t = 0; t < (disjoint ? T : 1); ++t) {
+        const int64_t bag_lo = disjoint ? t * B : 0, bag_hi = disjoint ? (t + 1) * B : NB;
+        const int64_t count = offsets[bag_hi] - offsets[bag_lo];
+        if (count == 0) continue;
+        int64_t parts = (count + target - 1) / target;
+        if (parts > max_parts) parts = max_parts;
+        if (parts < 1) parts = 1;
+        if (count > max_unit_ids) max_unit_ids = count;
+        for (int64_t p = 0; p < parts; ++p) {
+            units[n_units].bag_lo = bag_lo;
+            units[n_units].bag_hi = bag_hi;
+            units[n_units].ids = count / parts;
+            units[n_units].parts = (uint32_t)parts;
+            units[n_units].part = (uint32_t)p;
+            ++n_units;
+        }
+    }
+
+    /* Biggest first, so the dynamic schedule ends balanced; the order cannot change any
+     * result (each row lives in one unit and is reduced in index order). */
+    qsort(units, (size_t)n_units, sizeof(unit_t), cmp_unit_bigger_first);
+
+    /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
+    const bwd_t ctx = {weights, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
+                       psw,     mean, optimizer, lr, eps, beta1, beta2, wd, bc1, bc2,
+                       slot_map};
+    void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
+        D == 16 ? process_unit_16
+        : D == 32 ? process_unit_32
+        : D == 64 ? process_unit_64
+        : D == 128 ? process_unit_128
+                   : process_unit_any;
+    int no_mem = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        workspace_t* ws = &tls_ws;
+        if (!ws_reserve(ws, (size_t)max_unit_ids, (size_t)D)) {
+#pragma omp atomic write
+            no_mem = 1;
+        }
+#pragma omp barrier
+        int give_up;
+#pragma omp atomic read
+        give_up = no_mem;
+        if (!give_up) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t k = 0; k < n_units; ++k) fn(&ctx, &units[k], ws);
+        }
+    }
+    if (no_mem) rc = RC_NO_MEMORY;
+
+done:
+    free(iv);
+    free(sorted);
+    free(units);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ forward */
+
+static inline __attribute__((always_inline)) int pool_range(
+    const float* restrict weights, int64_t R, const int64_t* restrict lin,
+    const int64_t* restrict offsets, int64_t T, int64_t B, const float* restrict psw,
+    int mean, float* restrict out, int64_t j0, int64_t j1, const int64_t D) {
+    const int vec = D % 16 == 0 && D / 16 <= MAX_VECS;
+    const int64_t NV = D / 16;
+    int bad = 0;
+    const int64_t TD = T * D;
+    const int64_t i_end = offsets[j1];
+    for (int64_t j = j0; j < j1; ++j) {
+        const int64_t t = j / B, b = j - t * B;
+        float* restrict o = out + b * TD + t * D;
+        const int64_t lo = offsets[j], hi = offsets[j + 1];
+        v16f a[MAX_VECS];
+        if (vec) {
+            for (int64_t v = 0; v < NV; ++v) a[v] = (v16f){0};
+        } else {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+        }
+        for (int64_t i = lo; i < hi; ++i) {
+            if (i + ID_PREFETCH < i_end) {
+                const uint64_t prow = (uint64_t)lin[i + ID_PREFETCH];
+                if (prow < (uint64_t)R) prefetch_span(weights + prow * D, D * 4, 0);
+            }
+            const uint64_t row = (uint64_t)lin[i];
+            if (row >= (uint64_t)R) {
+                bad = 1;
+                continue;
+            }
+            const float* restrict wr = weights + row * D;
+            const float sc = psw ? psw[i] : 1.0f;
+            if (vec) {
+                if (psw) {
+                    for (int64_t v = 0; v < NV; ++v) a[v] += sc * load16(wr + 16 * v);
+                } else {
+                    for (int64_t v = 0; v < NV; ++v) a[v] += load16(wr + 16 * v);
+                }
+            } else if (psw) {
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) o[d] += sc * wr[d];
+            } else {
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) o[d] += wr[d];
+            }
+        }
+        const float len = (float)(hi - lo);
+        if (vec) {
+            if (mean && hi > lo) {
+                for (int64_t v = 0; v < NV; ++v) a[v] /= len;
+            }
+            for (int64_t v = 0; v < NV; ++v) store16(o + 16 * v, a[v]);
+        } else if (mean && hi > lo) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) o[d] /= len;
+        }
+    }
+    return bad;
+}
+
+#define POOL_FN(DV)                                                                        \
+    static int pool_range_##DV(const float* w, int64_t R, const int64_t* lin,              \
+                               const int64_t* off, int64_t T, int64_t B, const float* psw, \
+                               int mean, float* out, int64_t j0, int64_t j1, int64_t D) {  \
+        (void)D;                                                                           \
+        return pool_range(w, R, lin, off, T, B, psw, mean, out, j0, j1, DV);               \
+    }
+POOL_FN(16)
+POOL_FN(32)
+POOL_FN(64)
+POOL_FN(128)
+static int pool_range_any(const float* w, int64_t R, const int64_t* lin, const int64_t* off,
+                          int64_t T, int64_t B, const float* psw, int mean, float* out,
+                          int64_t j0, int64_t j1, int64_t D) {
+    return pool_range(w, R, lin, off, T, B, psw, mean, out, j0, j1, D);
+}
+
+/* First bag j in [0, NB] with offsets[j] >= target (offsets non-decreasing). */
+static int64_t first_bag_at(const int64_t* offsets, int64_t NB, int64_t target) {
+    int64_t lo = 0, hi = NB;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (offsets[mid] < target) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/*
+ * Pooling straight into the batch-major [B, T*D] output (no reorder copy).  Bags are cut
+ * into runs of ~N/(8*threads) ids handed out dynamically (a thread that gets descheduled
+ * does not hold the others up); rows are prefetched ahead across bag boundaries within a
+ * run, and a bag sums its rows in index order.
+ */
+int recc_tbe_forward(const float* weights, int64_t R, int64_t D, const int64_t* lin,
+                     const int64_t* offsets, int64_t T, int64_t B, const float* psw, int mean,
+                     float* out, int nthreads) {
+    if (D <= 0 || T < 0 || B < 0) return RC_BAD_ARGS;
+    const int64_t NB = T * B;
+    if (NB == 0) return RC_OK;
+    const int64_t N = offsets[NB];
+    if (nthreads < 1) nthreads = 1;
+    int (*fn)(const float*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+              const float*, int, float*, int64_t, int64_t, int64_t) =
+        D == 16 ? pool_range_16
+        : D == 32 ? pool_range_32
+        : D == 64 ? pool_range_64
+        : D == 128 ? pool_range_128
+                   : pool_range_any;
+    int64_t runs = 8 * (int64_t)nthreads;
+    if (runs > NB) runs = NB;
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : bad)
+    for (int64_t k = 0; k < runs; ++k) {
+        /* Run k: the bags starting in [N*k/runs, N*(k+1)/runs); empty bags go with the
+         * first run whose range reaches their offset, the last run takes the tail. */
+        const int64_t j0 = k == 0 ? 0 : first_bag_at(offsets, NB, N * k / runs);
+        const int64_t j1 = k == runs - 1 ? NB : first_bag_at(offsets, NB, N * (k + 1) / runs);
+        if (j1 > j0) bad |= fn(weights, R, lin, offsets, T, B, psw, mean, out, j0, j1, D);
+    }
+    return bad ? RC_BAD_ID : RC_OK;
+}
