@@ -10,6 +10,9 @@ from .cpu import (
     cpu_backend,
     linearize_indices,
     optimizer_state_shapes,
+    pairwise_dot_backward,
+    pairwise_dot_forward,
+    pairwise_dot_reference,
     tbe_backward_update,
     tbe_backward_update_native,
     tbe_backward_update_reference,
@@ -20,6 +23,9 @@ from .cpu import (
 )
 
 __all__ = [
+    "pairwise_dot_backward",
+    "pairwise_dot_forward",
+    "pairwise_dot_reference",
     "OPTIMIZERS",
     "POOLINGS",
     "cpu_backend",

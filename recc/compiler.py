@@ -2,6 +2,7 @@
 stage. Pure: no process group, no allocation of tables, deterministic."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import sys
@@ -19,7 +20,7 @@ from recc.passmanager import PassContext, format_item, format_spec, resolve_pipe
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.trace import default_example_inputs, model_is_meta, propagate_shapes, trace
 
-DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,lower"
+DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,fuse_interaction,lower"
 
 
 def _ensure_builtin_passes():
@@ -49,8 +50,12 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
         config = CompileConfig.from_dict(config)
     elif isinstance(config, (str, os.PathLike)):
         config = CompileConfig.from_yaml(config)
-    if "RECC_VERIFY" in os.environ:
-        config.verify = int(os.environ["RECC_VERIFY"])
+    if os.environ.get("RECC_VERIFY"):
+        try:
+            level = int(os.environ["RECC_VERIFY"])
+        except ValueError:
+            raise ValueError(f"RECC_VERIFY={os.environ['RECC_VERIFY']!r}: expected 0, 1 or 2") from None
+        config = dataclasses.replace(config, verify=level)  # validates; the caller's config is untouched
     dump_dir = dump_dir or os.environ.get("RECC_DUMP_DIR") or None
 
     abstract = model_is_meta(model)
@@ -66,6 +71,8 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
     gm = trace(model, example_inputs)
     propagate_shapes(gm, example_inputs, abstract)
     trace_ms = (time.perf_counter() - t0) * 1e3
+    ir.verify(gm, pass_name="trace", level=config.verify)
+    verified = "ok" if config.verify else "off"
 
     passes = resolve_pipeline(pipeline if pipeline is not None else DEFAULT_PIPELINE, config, disable)
     total = len(passes)
@@ -75,7 +82,7 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
     stages: "OrderedDict[str, Stage]" = OrderedDict()
     text = ir.format(gm)
     n_nodes = len(gm.graph.nodes)
-    stages["trace"] = Stage(0, total, "trace", "trace", snapshot(gm), text, "", trace_ms, n_nodes, n_nodes, "ok")
+    stages["trace"] = Stage(0, total, "trace", "trace", snapshot(gm), text, "", trace_ms, n_nodes, n_nodes, verified)
     _maybe_print(stages["trace"], show)
 
     for idx, (info, opts) in enumerate(passes, start=1):
@@ -99,7 +106,6 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
         ctx.passes_run.append(info.name)
         text = ir.format(gm)
         key = info.name if info.name not in stages else f"{info.name}#{idx}"
-        verified = "ok" if config.verify else "off"
         if config.verify >= 2 and eager_out is not None:
             verified = "ok+eager"
         stages[key] = Stage(idx, total, info.name, format_item(info.name, opts), snapshot(gm), text,

@@ -347,6 +347,23 @@ def unpack_rows(rows, sparse, t: int):
     return rows[start:end].reshape(tuple(sparse.shapes[t]) + (rows.shape[1],))
 
 
+# ----------------------------------------------------------------------------- dense
+
+def _pairwise_dot_meta(x, li, lj):
+    return _meta_like((x.shape[0], li.shape[0]), x.dtype)
+
+
+@define_op("pairwise_dot", meta=_pairwise_dot_meta)
+def pairwise_dot(x, li, lj):
+    """recc.pairwise_dot(x: f32[B,F,D], li: i64[P], lj: i64[P]) -> f32[B,P]
+
+    The DLRM dot interaction: ``out[b, p] = <x[b, li[p]], x[b, lj[p]]>``, i.e.
+    ``torch.bmm(x, x.transpose(1, 2))[:, li, lj]`` without building the F x F matrix or the
+    index gather and its scatter-add backward.
+    """
+    return torch.bmm(x, x.transpose(1, 2))[:, li, lj]
+
+
 # ----------------------------------------------------------------------------- collectives
 
 def _define_collective(kind: str, layout: str):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from recc.ops import OPS, register_impl
-from recc.kernels import linearize_indices, tbe_backward_update, tbe_forward
+from recc.kernels import (linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
+                          tbe_forward)
 
 
 class TBELookup(torch.autograd.Function):
@@ -56,6 +57,23 @@ def tbe_lookup_cpu(group, sparse):
         raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
                            f"run the model from program.instantiate()")
     return TBELookup.apply(group.weights, group, sparse)
+
+
+class PairwiseDot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, li, lj):
+        ctx.save_for_backward(x, li, lj)
+        return pairwise_dot_forward(x, li, lj)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, li, lj = ctx.saved_tensors
+        return pairwise_dot_backward(x, li, lj, grad), None, None
+
+
+@register_impl("pairwise_dot", "cpu")
+def pairwise_dot_cpu(x, li, lj):
+    return PairwiseDot.apply(x, li, lj)
 
 
 def _register_references():

@@ -14,8 +14,12 @@ from .tbe import (
     validate_inputs,
 )
 from .native import backend as cpu_backend
+from .interaction import pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference
 
 __all__ = [
+    "pairwise_dot_backward",
+    "pairwise_dot_forward",
+    "pairwise_dot_reference",
     "OPTIMIZERS",
     "POOLINGS",
     "cpu_backend",
