@@ -11,7 +11,7 @@ Before:
     emb_l_0 : f32[8,4] = recc.embedding_bag(emb_l_0_weight, l_s_i_1, l_s_o_1, None, mode='sum', table='emb_l.0')
     emb_l_1 : f32[8,4] = recc.embedding_bag(emb_l_1_weight, l_s_i_2, l_s_o_2, None, mode='sum', table='emb_l.1')
 After:
-    tbe_g0    : module      = get_attr tbe_g0  # g0=[t0,t1] dim=4 sum sgd(lr=0.01)
+    tbe_g0    : module      = get_attr tbe_g0  # tbe_g0=[t0,t1] dim=4 sum sgd(lr=0.01)
     sparse_g0 : kjt[t=2,b=8] = recc.pack_sparse([l_s_i_1, l_s_i_2], [l_s_o_1, l_s_o_2], None, tables=(...), rows=(10, 20), pooled=True)
     pooled_g0 : f32[8,8]    = recc.tbe_lookup(tbe_g0, sparse_g0)
     tables_g0 : tuple[2x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4))
@@ -43,6 +43,9 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
     groups: dict[tuple, list[list[fx.Node]]] = {}
     for n in lookups:
         t = n.meta["recc.table"]
+        if "recc.shard" not in n.meta:
+            raise ValueError(f"batch_tables: table {t.name} has no placement; batch_tables runs after "
+                             f"shard_tables (add it to the pipeline before batch_tables)")
         key = (t.dim, t.pooling, t.weighted, opt)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
@@ -77,9 +80,11 @@ def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank):
     ids = [n.args[1] for n in members]
     offsets = [n.args[2] for n in members]
     psw = [n.args[3] for n in members] if weighted else None
-    # Insert where every member's inputs exist: after the latest-defined input node.
+    # Insert where every member's inputs exist: after the latest-defined input node, and never
+    # among the placeholders (they stay first, in the user's argument order).
     order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = [a for n in members for a in n.args[1:] if isinstance(a, fx.Node)]
+    inputs += [n for n in graph.nodes if n.op == "placeholder"]
     anchor = max(inputs, key=order.__getitem__) if inputs else members[0].prev
     with graph.inserting_after(anchor):
         g = graph.get_attr(name)

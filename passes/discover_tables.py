@@ -126,7 +126,8 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         tables[name] = spec
         old_name = node.name
         with graph.inserting_before(node):
-            w = graph.get_attr(wpath)
+            # A functional lookup already reads its weight through a get_attr: reuse it.
+            w = a_weight if (a_weight := _weight_node(node, wpath)) is not None else graph.get_attr(wpath)
             new = graph.call_function(OPS["embedding_bag"], (w, ids, offsets, psw), {"mode": mode, "table": name})
         new.meta["recc.table"] = spec
         node.replace_all_uses_with(new)
@@ -138,6 +139,13 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.stats["dense_lookups"] = dense_lookups
     gm.delete_all_unused_submodules()
     return gm
+
+
+def _weight_node(node: fx.Node, wpath: str):
+    for a in node.all_input_nodes:
+        if a.op == "get_attr" and a.target == wpath:
+            return a
+    return None
 
 
 def _is_param(gm: fx.GraphModule, path: str) -> bool:

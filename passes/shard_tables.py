@@ -21,11 +21,9 @@ from recc.passmanager import PassContext, register_pass
 from recc.specs import SHARDING_KINDS, Plan, ShardSpec
 
 
-@register_pass(after=("discover_tables",))
+@register_pass(after=("discover_tables",), from_config={"strategy": "sharding"})
 def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto") -> fx.GraphModule:
     """Place every table (whole tables on rank 0 of a one-rank cluster)."""
-    if strategy == "auto" and ctx.config.sharding != "auto":
-        strategy = ctx.config.sharding
     if strategy != "auto" and strategy not in SHARDING_KINDS:
         raise ValueError(f"shard_tables: strategy {strategy!r} is not 'auto' or one of {SHARDING_KINDS}")
     world = ctx.cluster.world_size

@@ -41,11 +41,11 @@ def stable_toposort(graph: fx.Graph) -> None:
 def rename(node: fx.Node, name: str) -> None:
     """Give ``node`` the name of a node that was just erased, so the IR reads the same.
 
-    fx keeps an erased node's name reserved; it is released here, which is safe because the
-    node that held it is gone from the graph.
+    fx keeps an erased node's name reserved; it is released here when no live node holds it.
     """
-    if node.name != name:
-        if any(n.name == name for n in node.graph.nodes):
-            raise ValueError(f"rename: {name} is still used by a node of the graph")
+    if node.name == name:
+        return
+    if not any(n.name == name for n in node.graph.nodes):
         node.graph._graph_namespace._used_names.discard(name)
-        node._rename(name)
+    # If a live node (e.g. one of the user's) already has the name, fx picks a unique variant.
+    node._rename(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import operator
+import re
 from typing import Any, Optional, Sequence
 
 import torch
@@ -130,13 +131,18 @@ def _resolve(gm, target: str):
     return obj
 
 
+_NAME_WIDTH = 10
+_TYPE_WIDTH = 12
+
+
 def _lines(gm: fx.GraphModule) -> list[tuple[fx.Node, str]]:
     rows = []
     for n in gm.graph.nodes:
         ty = type_of(n.meta["val"]) if "val" in n.meta else ("" if n.op == "output" else "?")
         rows.append((n, n.name, ty, _rhs(n), _comment(n, gm)))
-    wn = max((len(r[1]) for r in rows), default=0)
-    wt = max((len(r[2]) for r in rows), default=0)
+    # Fixed minimum column widths (not graph-wide maxima): a pass that adds one long name must
+    # not re-pad every other line, or stage diffs would show the whole graph as changed.
+    wn, wt = _NAME_WIDTH, _TYPE_WIDTH
     out = []
     for n, name, ty, rhs, comment in rows:
         if n.op == "output":
@@ -199,7 +205,7 @@ def to_dot(gm: fx.GraphModule, *, title: str = "recc") -> str:
              '  node [shape=box, fontname="monospace", fontsize=10, style=filled, fillcolor="#ffffff"];']
     for n in gm.graph.nodes:
         ty = type_of(n.meta["val"]) if "val" in n.meta else ""
-        label = f"{n.name} : {ty}\\n{_dot_escape(_rhs(n))[:80]}"
+        label = _dot_escape(f"{n.name} : {ty}") + "\\n" + _dot_escape(_rhs(n)[:80])
         fill = "#ffffff"
         op = op_of(n.target) if n.op == "call_function" else None
         if op is not None:
@@ -246,6 +252,14 @@ def _fail(gm, pass_name, passes_before, invariant, detail, node=None):
                             node=node.name if node is not None else None)
 
 
+def _node_named_in(gm: fx.GraphModule, message: str) -> Optional[fx.Node]:
+    """The node a lint message is about (fx quotes node names in its messages)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    named = re.findall(r"[Nn]ode '([A-Za-z_][A-Za-z0-9_]*)'", message)
+    quoted = re.findall(r"'([A-Za-z_][A-Za-z0-9_]*)'", message)
+    return next((by_name[q] for q in named + quoted if q in by_name), None)
+
+
 def _op_name(n: fx.Node) -> Optional[str]:
     op = op_of(n.target) if n.op == "call_function" else None
     return op.name if op is not None else None
@@ -267,7 +281,7 @@ def verify(gm: fx.GraphModule, *, pass_name: str = "?", passes_before: Sequence[
     try:
         gm.graph.lint()
     except Exception as e:
-        _fail(gm, pass_name, passes_before, "lint", str(e))
+        _fail(gm, pass_name, passes_before, "lint", str(e), _node_named_in(gm, str(e)))
     for n in gm.graph.nodes:
         if n.op != "output" and "val" not in n.meta:
             _fail(gm, pass_name, passes_before, "shapes", f"node {n.name} has no value/shape annotation", n)

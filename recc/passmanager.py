@@ -41,6 +41,7 @@ class PassInfo:
     after: tuple[str, ...]
     defaults: dict[str, Any]
     doc: str
+    from_config: dict[str, str] = field(default_factory=dict)
 
     def __call__(self, gm, ctx, **opts):
         return self.fn(gm, ctx, **opts)
@@ -49,18 +50,22 @@ class PassInfo:
 PASSES: dict[str, PassInfo] = {}
 
 
-def register_pass(fn: Optional[Callable] = None, *, name: Optional[str] = None, after: Sequence[str] = ()):
+def register_pass(fn: Optional[Callable] = None, *, name: Optional[str] = None, after: Sequence[str] = (),
+                  from_config: Optional[dict[str, str]] = None):
     """Register a pass (built-in or user). ``after`` names passes that must run before it when
-    they are in the pipeline. Usable as ``@register_pass`` or ``@register_pass(after=(...))``."""
+    they are in the pipeline; ``from_config`` maps an option to the ``CompileConfig`` field that
+    sets it (e.g. ``{"strategy": "sharding"}``), so the stage banner shows the value in force.
+    Usable as ``@register_pass`` or ``@register_pass(after=(...))``."""
     def deco(f):
-        info = _info_for(f, name=name, after=after)
+        info = _info_for(f, name=name, after=after, from_config=from_config)
         PASSES[info.name] = info
         f.recc_pass = info
         return f
     return deco(fn) if fn is not None else deco
 
 
-def _info_for(f: Callable, *, name: Optional[str] = None, after: Sequence[str] = ()) -> PassInfo:
+def _info_for(f: Callable, *, name: Optional[str] = None, after: Sequence[str] = (),
+              from_config: Optional[dict[str, str]] = None) -> PassInfo:
     sig = inspect.signature(f)
     params = list(sig.parameters.values())
     if len(params) < 2 or params[0].kind == params[0].KEYWORD_ONLY:
@@ -70,7 +75,10 @@ def _info_for(f: Callable, *, name: Optional[str] = None, after: Sequence[str] =
         if p.kind != p.KEYWORD_ONLY:
             raise TypeError(f"pass {f.__name__}: option {p.name!r} must be keyword-only (after '*')")
         defaults[p.name] = None if p.default is p.empty else p.default
-    return PassInfo(name or f.__name__, f, tuple(after), defaults, inspect.getdoc(f) or "")
+    for opt in from_config or {}:
+        if opt not in defaults:
+            raise TypeError(f"pass {f.__name__}: from_config names {opt!r}, which is not one of its options")
+    return PassInfo(name or f.__name__, f, tuple(after), defaults, inspect.getdoc(f) or "", dict(from_config or {}))
 
 
 def get_pass(name: str) -> PassInfo:
@@ -81,7 +89,8 @@ def get_pass(name: str) -> PassInfo:
 
 # ----------------------------------------------------------------------------- spec strings
 
-_ITEM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_.]*)\s*(?:\{([^{}]*)\})?\s*")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_SPECIAL = set(',{}="') | set(" \t\n")
 
 
 def _parse_value(s: str) -> Any:
@@ -104,34 +113,84 @@ def _format_value(v: Any) -> str:
         return "true" if v else "false"
     if v is None:
         return "none"
-    return str(v)
+    if isinstance(v, str):
+        # Quote strings that would not read back as the same string.
+        if not v or any(c in _SPECIAL for c in v) or _parse_value(v) != v:
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return v
+    if isinstance(v, (int, float)):
+        return repr(v)
+    raise ValueError(f"pipeline spec option values are bool/int/float/str/None, got {type(v).__name__}")
+
+
+def _read_value(spec: str, pos: int) -> tuple[Any, int]:
+    if pos < len(spec) and spec[pos] == '"':
+        out, pos = [], pos + 1
+        while pos < len(spec) and spec[pos] != '"':
+            if spec[pos] == "\\" and pos + 1 < len(spec):
+                pos += 1
+            out.append(spec[pos])
+            pos += 1
+        if pos >= len(spec):
+            raise ValueError(f"bad pipeline spec: unterminated quoted value in {spec!r}")
+        return "".join(out), pos + 1
+    end = pos
+    while end < len(spec) and spec[end] not in ",}":
+        end += 1
+    return _parse_value(spec[pos:end]), end
 
 
 def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
-    """``"a,b{k=v,k2=2},c"`` -> ``[("a", {}), ("b", {"k": "v", "k2": 2}), ("c", {})]``."""
-    items, pos = [], 0
-    spec = spec.strip()
-    while pos < len(spec):
-        m = _ITEM.match(spec, pos)
-        if not m or m.end() == pos:
-            raise ValueError(f"bad pipeline spec at character {pos}: {spec[pos:pos + 30]!r}")
-        name, body = m.group(1), m.group(2)
-        opts = {}
-        if body:
-            for kv in body.split(","):
-                if not kv.strip():
-                    continue
-                if "=" not in kv:
-                    raise ValueError(f"bad option {kv.strip()!r} for pass {name}: expected key=value")
-                k, v = kv.split("=", 1)
-                opts[k.strip()] = _parse_value(v)
-        items.append((name, opts))
-        pos = m.end()
-        if pos < len(spec):
-            if spec[pos] != ",":
-                raise ValueError(f"bad pipeline spec at character {pos}: expected ',' in {spec!r}")
+    """``'a,b{k=v,k2=2},c'`` -> ``[("a", {}), ("b", {"k": "v", "k2": 2}), ("c", {})]``.
+
+    Values are bools, ints, floats, ``none`` or strings; strings holding ``,{}="`` or that would
+    read as another type are double-quoted (``format_spec`` does this, so specs round-trip).
+    """
+    items: list[tuple[str, dict[str, Any]]] = []
+    s = spec.strip()
+    pos = 0
+
+    def fail(what):
+        raise ValueError(f"bad pipeline spec at character {pos}: {what} in {spec!r}")
+
+    while True:
+        while pos < len(s) and s[pos].isspace():
             pos += 1
-    return items
+        m = _NAME.match(s, pos)
+        if not m:
+            fail("expected a pass name")
+        name, pos = m.group(0), m.end()
+        opts: dict[str, Any] = {}
+        if pos < len(s) and s[pos] == "{":
+            pos += 1
+            while True:
+                while pos < len(s) and s[pos].isspace():
+                    pos += 1
+                if pos < len(s) and s[pos] == "}":
+                    pos += 1
+                    break
+                km = _NAME.match(s, pos)
+                if not km:
+                    fail(f"expected an option name for pass {name}")
+                key, pos = km.group(0), km.end()
+                if pos >= len(s) or s[pos] != "=":
+                    fail(f"expected '=' after option {key} of pass {name}")
+                value, pos = _read_value(s, pos + 1)
+                opts[key] = value
+                if pos < len(s) and s[pos] == ",":
+                    pos += 1
+                elif pos < len(s) and s[pos] == "}":
+                    continue
+                else:
+                    fail(f"unterminated options of pass {name}")
+        items.append((name, opts))
+        while pos < len(s) and s[pos].isspace():
+            pos += 1
+        if pos == len(s):
+            return items
+        if s[pos] != ",":
+            fail("expected ','")
+        pos += 1
 
 
 def format_item(name: str, opts: dict[str, Any]) -> str:
@@ -172,12 +231,22 @@ def resolve_pipeline(pipeline: Union[str, Sequence[PipelineItem]], config: Compi
         if info.name in disable:
             continue
         merged = dict(info.defaults)
+        for opt, cfg_field in info.from_config.items():
+            merged[opt] = getattr(config, cfg_field)
         merged.update(config.pass_options.get(info.name, {}))
         merged.update(opts)
         unknown = set(merged) - set(info.defaults)
         if unknown:
             raise ValueError(f"pass {info.name}: unknown option(s) {sorted(unknown)}; "
                              f"options: {sorted(info.defaults) or 'none'}")
+        for opt, value in merged.items():
+            default = info.defaults[opt]
+            if default is None or value is None or isinstance(value, type(default)):
+                continue
+            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                continue
+            raise ValueError(f"pass {info.name}: option {opt}={value!r} should be a {type(default).__name__} "
+                             f"(default {default!r})")
         out.append((info, merged))
     names = [i.name for i, _ in out]
     for idx, (info, _) in enumerate(out):

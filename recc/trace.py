@@ -51,8 +51,30 @@ def trace(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphModule:
             f"recc could not trace {type(model).__name__} with torch.fx: {e}\n"
             f"recc needs a forward without data-dependent Python control flow; list arguments "
             f"are traced element by element") from e
+    _name_placeholders(graph, [p.name for p in params], example_inputs)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     return gm
+
+
+def _name_placeholders(graph: fx.Graph, names: Sequence[str], example_inputs: Sequence[Any]) -> None:
+    """Name flattened list arguments ``lS_i_0, lS_i_1, ...`` after the user's argument and the
+    element's index (fx would print ``l_s_i_1`` for ``lS_i[0]``)."""
+    wanted = []
+    for name, v in zip(names, example_inputs):
+        if isinstance(v, (list, tuple)):
+            wanted.extend(f"{name}_{k}" for k in range(len(v)))
+        else:
+            wanted.append(name)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(wanted):
+        return
+    taken = {n.name for n in graph.nodes}
+    for n, name in zip(placeholders, wanted):
+        if n.name != name and name not in taken:
+            taken.discard(n.name)
+            graph._graph_namespace._used_names.discard(n.name)
+            n._rename(name)
+            taken.add(n.name)
 
 
 def model_is_meta(model: nn.Module) -> bool:

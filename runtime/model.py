@@ -149,12 +149,21 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
 
 
 def _materialize_dense(gm: nn.Module, device) -> None:
-    """Dense parameters built on the meta device are allocated and re-initialised here."""
-    for mod in gm.modules():
+    """Dense layers built on the meta device are allocated and initialised with their own
+    ``reset_parameters``; state that no layer can initialise (e.g. a model's index buffers set
+    up in its constructor) has no values to give, which is an error naming it."""
+    for qual, mod in gm.named_modules():
         if isinstance(mod, TableGroup):
             continue
-        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
-        if any(t.device.type == "meta" for t in own):
-            mod.to_empty(device=device, recurse=False)
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
+        own = dict(mod.named_parameters(recurse=False)) | dict(mod.named_buffers(recurse=False))
+        on_meta = [k for k, t in own.items() if t.device.type == "meta"]
+        if not on_meta:
+            continue
+        if not hasattr(mod, "reset_parameters"):
+            names = ", ".join(f"{qual + '.' if qual else ''}{k}" for k in on_meta)
+            raise ValueError(
+                f"instantiate: the model was built on the meta device and {names} cannot be "
+                f"initialised by recc (no reset_parameters on its module); build the model on a real "
+                f"device to train it — compiling and planning on meta needs no values")
+        mod.to_empty(device=device, recurse=False)
+        mod.reset_parameters()
