@@ -1,6 +1,6 @@
 """Micro-benchmark of the CPU TBE kernels on the `small` shapes.
 
-    python -m recc.kernels.cpu.microbench [--tables 8 --rows 100000 --dim 64 --batch 2048
+    python bench/tbe_kernels.py [--tables 8 --rows 100000 --dim 64 --batch 2048
                                            --pooling-factor 20 --zipf 1.05 --steps 50]
 
 Runs training steps the way a model does (forward of a batch, then backward+update of the
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from . import native
-from .tbe import (
+from recc.kernels.cpu import native
+from recc.kernels.cpu.tbe import (
     OPTIMIZERS,
     linearize_indices,
     optimizer_state_shapes,
