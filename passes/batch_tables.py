@@ -51,10 +51,10 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
         bucket[-1].append(n)
-    index = 0
+    index, last = 0, None
     for (dim, pooling, weighted, _), chunks in groups.items():
         for members in chunks:
-            _emit_group(gm, ctx, f"tbe_g{index}", members, dim, pooling, weighted, opt, rank)
+            last = _emit_group(gm, ctx, f"tbe_g{index}", members, dim, pooling, weighted, opt, rank, last)
             index += 1
     stable_toposort(graph)
     for n in list(graph.nodes):
@@ -65,7 +65,9 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
     return gm
 
 
-def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank):
+def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank, after):
+    """Insert one group's nodes (after ``after``, the previous group's last node, if later than
+    the group's inputs, so groups read in order) and return its last node."""
     graph = gm.graph
     specs = [n.meta["recc.table"] for n in members]
     shards, sources = [], []
@@ -85,6 +87,8 @@ def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank):
     order = {n: i for i, n in enumerate(graph.nodes)}
     inputs = [a for n in members for a in n.args[1:] if isinstance(a, fx.Node)]
     inputs += [n for n in graph.nodes if n.op == "placeholder"]
+    if after is not None:
+        inputs.append(after)
     anchor = max(inputs, key=order.__getitem__) if inputs else members[0].prev
     with graph.inserting_after(anchor):
         g = graph.get_attr(name)
@@ -116,3 +120,4 @@ def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank):
         graph.erase_node(n)
         rename(piece, old)
         prev = piece
+    return prev

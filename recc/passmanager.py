@@ -150,6 +150,11 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
     s = spec.strip()
     pos = 0
 
+    def skip_ws(p: int) -> int:
+        while p < len(s) and s[p].isspace():
+            p += 1
+        return p
+
     def fail(what):
         raise ValueError(f"bad pipeline spec at character {pos}: {what} in {spec!r}")
 
@@ -160,6 +165,7 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
         if not m:
             fail("expected a pass name")
         name, pos = m.group(0), m.end()
+        pos = skip_ws(pos)
         opts: dict[str, Any] = {}
         if pos < len(s) and s[pos] == "{":
             pos += 1
@@ -172,10 +178,11 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
                 km = _NAME.match(s, pos)
                 if not km:
                     fail(f"expected an option name for pass {name}")
-                key, pos = km.group(0), km.end()
+                key, pos = km.group(0), skip_ws(km.end())
                 if pos >= len(s) or s[pos] != "=":
                     fail(f"expected '=' after option {key} of pass {name}")
-                value, pos = _read_value(s, pos + 1)
+                value, pos = _read_value(s, skip_ws(pos + 1))
+                pos = skip_ws(pos)
                 opts[key] = value
                 if pos < len(s) and s[pos] == ",":
                     pos += 1
@@ -241,6 +248,9 @@ def resolve_pipeline(pipeline: Union[str, Sequence[PipelineItem]], config: Compi
                              f"options: {sorted(info.defaults) or 'none'}")
         for opt, value in merged.items():
             default = info.defaults[opt]
+            if isinstance(value, bool) != isinstance(default, bool) and default is not None and value is not None:
+                raise ValueError(f"pass {info.name}: option {opt}={value!r} should be a {type(default).__name__} "
+                                 f"(default {default!r})")
             if default is None or value is None or isinstance(value, type(default)):
                 continue
             if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):

@@ -1,0 +1,104 @@
+"""The ``recc`` command line: compile (print, plan, dump), train, and planning on the meta device."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from recc.cli import main
+
+
+@pytest.fixture
+def one_thread_cli():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_compile_prints_the_final_ir_and_plan_and_dumps(tmp_path, capsys):
+    dump = tmp_path / "ir"
+    assert main(["compile", "--model", "tiny", "--dump-dir", str(dump)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# recc IR after [5/5] lower{device=auto} | ")
+    assert "\npooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables\n" in out
+    assert "# sharding plan: 3 tables over 1 rank(s), strategy=auto" in out
+    assert "emb_l.2  30x4        table_wise  0      r0:30x4" in out
+    assert "\ngetitem    : f32[8,6]     = recc.pairwise_dot[cpu](stack, li, lj)  # @fuse_interaction\n" in out
+    assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 5 passes, pipeline discover_tables,"
+                     r"shard_tables\{strategy=auto\},batch_tables\{max_tables_per_group=0\},fuse_interaction,"
+                     r"lower\{device=auto\}$", out, re.M)
+    assert f"# wrote every stage's .txt/.diff/.dot and summary.tsv to {dump}" in out
+    assert err == ""
+    names = sorted(p.name for p in dump.iterdir())
+    assert names == sorted([f"{i:02d}-{n}.{ext}" for i, n in enumerate(
+        ["trace", "discover_tables", "shard_tables", "batch_tables", "fuse_interaction", "lower"])
+        for ext in ("txt", "diff", "dot")]
+        + ["summary.tsv"])
+
+
+def test_compile_with_a_pipeline_and_print_after(capsys):
+    assert main(["compile", "--model", "tiny", "--pipeline", "discover_tables,shard_tables",
+                 "--print-after", "discover_tables"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# recc IR after [2/2] shard_tables{strategy=auto} | ")
+    assert err.startswith("# recc IR after [1/2] discover_tables | ")
+    assert "2 passes, pipeline discover_tables,shard_tables{strategy=auto}" in out
+
+
+def test_compile_with_a_config_file(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("optimizer: adagrad\nlr: 0.3\n")
+    assert main(["compile", "--model", "tiny", "--config", str(cfg), "--optimizer", "rowwise_adagrad"]) == 0
+    out = capsys.readouterr().out
+    assert "tbe_g0=[t0,t1,t2] dim=4 sum rowwise_adagrad(lr=0.3)" in out
+
+
+def test_compile_with_sharding_from_the_config_file(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("sharding: column_wise\n")
+    assert main(["compile", "--model", "tiny", "--config", str(cfg), "--pipeline", "discover_tables,shard_tables"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# recc IR after [2/2] shard_tables{strategy=column_wise} | ")
+    assert "# sharding plan: 3 tables over 1 rank(s), strategy=column_wise" in out
+    assert "2 passes, pipeline discover_tables,shard_tables{strategy=column_wise}" in out
+
+
+def test_compile_unknown_model():
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'; available presets: .*tiny"):
+        main(["compile", "--model", "huge"])
+
+
+def test_train_tiny(capsys, one_thread_cli):
+    assert main(["train", "--model", "tiny", "--steps", "30", "--eval-batches", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"^held-out: log loss \d+\.\d{4}, AUC \d\.\d{4} \(2 batches\); training throughput "
+                     r"[\d,]+ samples/s$", out, re.M), out
+    assert ("recc train: tiny (3 tables, 1 table groups), batch 8, 30 steps, sparse optimizer sgd lr=0.1, "
+            "world size 1") in err
+    assert re.search(r"\[#{30}\] 30/30 loss \d+\.\d{4} auc \d\.\d{4} [\d,]+ samples/s", err)
+    loss = float(re.search(r"log loss (\d+\.\d+)", out).group(1))
+    assert 0 < loss < 5
+
+
+def test_train_with_another_optimizer(capsys, one_thread_cli):
+    assert main(["train", "--model", "tiny", "--steps", "3", "--eval-batches", "1", "--optimizer", "adam",
+                 "--lr", "0.01", "--batch-size", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "batch 16, 3 steps, sparse optimizer adam lr=0.01" in err
+
+
+def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
+    assert main(["compile", "--model", "terabyte", "--meta"]) == 0
+    out = capsys.readouterr().out
+    assert "# sharding plan: 26 tables over 1 rank(s), strategy=auto" in out
+    assert re.search(r"^emb_l\.0\s+39884406x128\s+table_wise\s+0\s+r0:39884406x128$", out, re.M)
+    assert "tbe_g0=[t0,t1,t2,t3,t4,t5,t6,t7,t8,t9,t10,t11,t12,t13,t14,t15,t16,t17,t18,t19,t20,t21,t22,t23,t24,t25]" \
+           " dim=128 sum" in out
+    assert "# compiled terabyte for local-1" in out
+
+
+def test_cli_needs_a_command():
+    with pytest.raises(SystemExit):
+        main([])
