@@ -261,46 +261,97 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
 
     Packs the per-table inputs of one table group into a ``SparseBatch`` (FBGEMM layout: ids
     table-major, offsets of length T*B+1). Validates every table's ids and offsets first, so a
-    bad id is an error naming its table and position before any row is read or written.
+    bad id is an error naming its table and position before any row is read or written. The
+    work is a fixed handful of tensor ops whatever the number of tables: a model with 26
+    one-id tables must not pay 26 times the per-op overhead.
     """
     tables = tuple(tables)
-    if len(indices) != len(tables):
-        raise ValueError(f"pack_sparse: {len(indices)} index tensors for tables {tables}")
-    ids, offs, psws = [], [], []
-    batch = None
+    t = len(tables)
+    if len(indices) != t or len(offsets) != t:
+        raise ValueError(f"pack_sparse: {len(indices)} index and {len(offsets)} offset tensors for tables {tables}")
+    if per_sample_weights is not None and len(per_sample_weights) != t:
+        raise ValueError(f"pack_sparse: {len(per_sample_weights)} per-sample-weight tensors for tables {tables}")
     for k, name in enumerate(tables):
-        psw = None if per_sample_weights is None else per_sample_weights[k]
-        check_bags(name, indices[k], offsets[k] if pooled else None, rows[k], psw)
-        if pooled:
-            flat, off = bag_offsets(indices[k], offsets[k])
-            b = off.numel() - 1
-            if batch is None:
-                batch = b
-            elif b != batch:
-                raise ValueError(f"table {name}: batch of {b} bags, but table {tables[0]} has {batch}; "
-                                 f"every table needs one bag per sample")
-        else:
-            flat = indices[k].reshape(-1)
-            off = None
-        ids.append(flat.to(torch.int64))
+        ids = indices[k]
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"table {name}: indices must be an int64/int32 tensor, got "
+                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if not pooled:
+        return _pack_gather(indices, per_sample_weights, tables, rows)
+    flat, offs = [], []
+    for k, name in enumerate(tables):
+        ids, off = indices[k], offsets[k]
+        if off is None:
+            f, o = bag_offsets(ids, None)
+            flat.append(f)
+            offs.append(o[:-1])
+            continue
+        if off.dim() != 1:
+            raise ValueError(f"table {name}: offsets must be 1-D, got shape {tuple(off.shape)}")
+        flat.append(ids.reshape(-1))
         offs.append(off)
-        if psw is not None:
-            psws.append(psw.reshape(-1))
-    base = 0
-    if pooled:
-        parts = []
-        for k, off in enumerate(offs):
-            parts.append((off[:-1] if k < len(offs) - 1 else off).to(torch.int64) + base)
-            base += ids[k].numel()
-        offsets_all = torch.cat(parts)
-        shapes = None
-    else:
-        counts = [i.numel() for i in ids]
-        offsets_all = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
-        shapes = tuple(tuple(i.shape) for i in indices)
-        batch = 0
-    return SparseBatch(tables, torch.cat(ids), offsets_all, torch.cat(psws) if psws else None,
-                       batch or 0, pooled, shapes)
+    batch = offs[0].numel()
+    for k, o in enumerate(offs):
+        if o.numel() != batch:
+            raise ValueError(f"table {tables[k]}: batch of {o.numel()} bags, but table {tables[0]} has "
+                             f"{batch}; every table needs one bag per sample")
+    counts = torch.tensor([f.numel() for f in flat], dtype=torch.int64)
+    ids = torch.cat(flat).to(torch.int64) if t > 1 else flat[0].to(torch.int64)
+    off = torch.stack(offs).to(torch.int64)                       # [T, B]
+    psw = None
+    if per_sample_weights is not None:
+        psw = torch.cat([w.reshape(-1) for w in per_sample_weights])
+        if psw.numel() != ids.numel():
+            sizes = [w.numel() for w in per_sample_weights]
+            k = next(k for k in range(t) if sizes[k] != counts[k])
+            raise ValueError(f"table {tables[k]}: per_sample_weights has {sizes[k]} entries for "
+                             f"{int(counts[k])} indices")
+    _check_packed(tables, rows, ids, off, counts)
+    starts = counts.cumsum(0) - counts
+    combined = torch.cat([(off + starts[:, None]).reshape(-1), counts.sum().reshape(1)])
+    return SparseBatch(tables, ids, combined, psw, batch, True, None)
+
+
+def _check_packed(tables, rows, ids, off, counts) -> None:
+    """Vectorised validation of a packed pooled group; the error names the first bad table."""
+    if ids.device.type == "meta":
+        return
+    t, b = off.shape
+    if b:
+        bad_first = off[:, 0] != 0
+        if bool(bad_first.any()):
+            k = int(bad_first.nonzero()[0, 0])
+            raise ValueError(f"table {tables[k]}: offsets must start at 0, got {int(off[k, 0])}")
+        step = off[:, 1:] - off[:, :-1]
+        if step.numel() and bool((step < 0).any()):
+            k, bag = (int(v) for v in (step < 0).nonzero()[0])
+            raise ValueError(f"table {tables[k]}: offsets are not non-decreasing at bag {bag + 1} "
+                             f"({int(off[k, bag])} then {int(off[k, bag + 1])})")
+        past = off[:, -1] > counts
+        if bool(past.any()):
+            k = int(past.nonzero()[0, 0])
+            raise ValueError(f"table {tables[k]}: last offset {int(off[k, -1])} is past the "
+                             f"{int(counts[k])} indices")
+    if ids.numel():
+        limit = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
+        bad = (ids < 0) | (ids >= limit)
+        if bool(bad.any()):
+            pos = int(bad.nonzero()[0, 0])
+            k = int(torch.searchsorted(counts.cumsum(0), torch.tensor(pos), right=True))
+            local = pos - int(counts[:k].sum())
+            raise IndexError(f"table {tables[k]}: id {int(ids[pos])} at position {local} is outside the "
+                             f"table's rows [0, {rows[k]})")
+
+
+def _pack_gather(indices, per_sample_weights, tables, rows):
+    ids, shapes = [], []
+    for k, name in enumerate(tables):
+        check_bags(name, indices[k], None, rows[k])
+        ids.append(indices[k].reshape(-1).to(torch.int64))
+        shapes.append(tuple(indices[k].shape))
+    counts = [i.numel() for i in ids]
+    offsets_all = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
+    return SparseBatch(tables, torch.cat(ids), offsets_all, None, 0, False, tuple(shapes))
 
 
 def _tbe_lookup_meta(group, sparse):
