@@ -2,7 +2,8 @@
 from recc.passes.discover_tables import discover_tables
 from recc.passes.shard_tables import shard_tables
 from recc.passes.batch_tables import batch_tables
+from recc.passes.insert_comm import insert_comm
 from recc.passes.fuse_interaction import fuse_interaction
 from recc.passes.lower import lower
 
-__all__ = ["discover_tables", "shard_tables", "batch_tables", "fuse_interaction", "lower"]
+__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "fuse_interaction", "lower"]

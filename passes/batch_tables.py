@@ -1,7 +1,8 @@
 """batch_tables: replace per-table lookups by one table-batched lookup (TBE) per group.
 
-Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups this rank's lookups by
-(dim, pooling, weighted, optimizer) — one group per distinct key, tables in discovery order —
+Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups lookups by (shard
+width, pooling, weighted, optimizer, data-parallel) — one group per distinct key, tables in
+discovery order; a group holds every shard of its tables on every rank (the graph is SPMD) —
 and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pack_sparse`` and
 one ``recc.tbe_lookup``; the batched output is split per table by one ``recc.split_cols`` and
 each original lookup becomes a ``getitem`` of it (``recc.unpack_rows`` for gathers) keeping its name, table and shard annotations. The
@@ -32,12 +33,9 @@ from recc.tables import TableGroup
 
 @register_pass(after=("shard_tables",))
 def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: int = 0) -> fx.GraphModule:
-    """Fuse lookups into one table-batched kernel call per (dim, pooling, weighted, optimizer) group.
-
-    ``max_tables_per_group`` (0 = unlimited) splits large groups, e.g. to bound kernel size.
-    """
+    """Fuse lookups into one table-batched kernel call per (width, pooling, weighted, optimizer,
+    data-parallel) group. ``max_tables_per_group`` (0 = unlimited) splits large groups."""
     opt = ctx.config.sparse_optimizer
-    rank = 0
     graph = gm.graph
     lookups = [n for n in graph.nodes if n.op == "call_function" and op_of(n.target) is OPS["embedding_bag"]]
     groups: dict[tuple, list[list[fx.Node]]] = {}
@@ -46,15 +44,20 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         if "recc.shard" not in n.meta:
             raise ValueError(f"batch_tables: table {t.name} has no placement; batch_tables runs after "
                              f"shard_tables (add it to the pipeline before batch_tables)")
-        key = (t.dim, t.pooling, t.weighted, opt)
+        shard = n.meta["recc.shard"]
+        widths = {c1 - c0 for _, _, _, c0, c1 in shard.shards}
+        if len(widths) != 1:
+            raise ValueError(f"batch_tables: table {t.name} has shards of widths {sorted(widths)}; "
+                             f"column blocks of one table must be equally wide")
+        key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel")
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
         bucket[-1].append(n)
     index, last = 0, None
-    for (dim, pooling, weighted, _), chunks in groups.items():
+    for (width, pooling, weighted, _, dp), chunks in groups.items():
         for members in chunks:
-            last = _emit_group(gm, ctx, f"tbe_g{index}", members, dim, pooling, weighted, opt, rank, last)
+            last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, last)
             index += 1
     stable_toposort(graph)
     for n in list(graph.nodes):
@@ -65,20 +68,18 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
     return gm
 
 
-def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank, after):
+def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, after):
     """Insert one group's nodes (after ``after``, the previous group's last node, if later than
     the group's inputs, so groups read in order) and return its last node."""
     graph = gm.graph
     specs = [n.meta["recc.table"] for n in members]
-    shards, sources = [], []
-    for n, t in zip(members, specs):
-        local = n.meta["recc.shard"].local_shards(rank)
-        if len(local) != 1:
-            raise ValueError(f"batch_tables: table {t.name} has {len(local)} shards on rank {rank}; expected one")
-        _, r0, r1, c0, c1 = local[0]
-        shards.append((r0, r1, c0, c1))
+    placements, sources = [], []
+    for k, (n, t) in enumerate(zip(members, specs)):
+        for rank, r0, r1, c0, c1 in n.meta["recc.shard"].shards:
+            placements.append((k, rank, r0, r1, c0, c1))
         sources.append(gm.get_parameter(t.weight_key))
-    gm.add_submodule(name, TableGroup(name, specs, shards, dim, pooling, weighted, opt, sources))
+    gm.add_submodule(name, TableGroup(name, specs, placements, width, pooling, weighted, opt, sources,
+                                      data_parallel=dp, world_size=ctx.cluster.world_size))
     ids = [n.args[1] for n in members]
     offsets = [n.args[2] for n in members]
     psw = [n.args[3] for n in members] if weighted else None
@@ -95,7 +96,7 @@ def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank, after
     with graph.inserting_after(g):
         sparse = graph.call_function(OPS["pack_sparse"], (ids, offsets, psw),
                                      {"tables": tuple(t.name for t in specs),
-                                      "rows": tuple(r1 - r0 for r0, r1, _, _ in shards),
+                                      "rows": tuple(t.rows for t in specs),
                                       "pooled": pooling != "none"})
     with graph.inserting_after(sparse):
         out = graph.call_function(OPS["tbe_lookup"], (g, sparse))
@@ -104,7 +105,7 @@ def _emit_group(gm, ctx, name, members, dim, pooling, weighted, opt, rank, after
     prev = out
     if pooling != "none":
         with graph.inserting_after(out):
-            split = graph.call_function(OPS["split_cols"], (out, (dim,) * len(members)))
+            split = graph.call_function(OPS["split_cols"], (out, tuple(t.dim for t in specs)))
         rename(split, f"tables_{name[4:]}")
         prev = split
     for k, (n, t) in enumerate(zip(members, specs)):

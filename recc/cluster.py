@@ -14,11 +14,25 @@ from pathlib import Path
 import yaml
 
 
+# Dense FLOP rates (TFLOP/s) assumed when a description gives none: a few CPU cores; A100 TF32
+# tensor cores (156); H100 SXM TF32 sustained (~400 of its 495 peak); any other GPU, 100.
+DEFAULT_TFLOPS = {"cpu": 0.1, "a100": 156.0, "h100": 400.0}
+DEFAULT_GPU_TFLOPS = 100.0
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     kind: str = "cpu"              # "cpu" or a GPU model ("a100", "h100", ...)
-    memory_gb: float = 16.0        # usable memory per device
-    mem_bw_gbps: float = 10.0      # memory bandwidth, GB/s
+    memory_gb: float = 8.0         # memory per device, GiB (the planner's cap)
+    mem_bw_gbps: float = 10.0      # memory bandwidth, GB/s (embedding lookups are bound by it)
+    tflops: float | None = None    # dense FLOP rate, TFLOP/s (dense-time estimate); None: by kind
+
+    def __post_init__(self):
+        if self.tflops is None:
+            object.__setattr__(self, "tflops", DEFAULT_TFLOPS.get(self.kind.lower(), DEFAULT_GPU_TFLOPS))
+        for name in ("memory_gb", "mem_bw_gbps", "tflops"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"device {self.kind}: {name} must be > 0, got {getattr(self, name)}")
 
     @property
     def is_gpu(self) -> bool:
@@ -27,8 +41,12 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    bw_gbps: float = 10.0          # GB/s per device
-    latency_us: float = 10.0
+    bw_gbps: float = 10.0          # GB/s per device, one direction (what one rank can push)
+    latency_us: float = 10.0       # paid once per collective step that crosses this link
+
+    def __post_init__(self):
+        if not self.bw_gbps > 0 or self.latency_us < 0:
+            raise ValueError(f"link: bw_gbps must be > 0 and latency_us >= 0, got {self.bw_gbps}, {self.latency_us}")
 
 
 @dataclass(frozen=True)
@@ -60,9 +78,20 @@ class Cluster:
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
 
+    def node_ranks(self, node: int) -> range:
+        """The ranks of ``node`` (ranks are numbered node-major, as torchrun numbers them)."""
+        return range(node * self.devices_per_node, (node + 1) * self.devices_per_node)
+
+    def link(self, a: int, b: int) -> LinkSpec:
+        """The link two different ranks talk over: intra-node if they share a node."""
+        return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
+
     @classmethod
     def local(cls, world_size: int = 1, *, device: str = "cpu") -> "Cluster":
-        """``world_size`` processes on this host (CPU + gloo, or one per GPU with ``device='cuda'``)."""
+        """``world_size`` processes on this host (CPU + gloo, or one per GPU with ``device='cuda'``).
+
+        The CPU world is what ``clusters/local-2.yaml`` / ``local-4.yaml`` describe: 8 GiB and
+        10 GB/s of memory bandwidth per rank, ranks talking over loopback (gloo/TCP)."""
         if world_size < 1:
             raise ValueError(f"Cluster.local: world_size must be >= 1, got {world_size}")
         dev = DeviceSpec() if device == "cpu" else DeviceSpec(kind="gpu", memory_gb=40.0, mem_bw_gbps=1500.0)

@@ -20,7 +20,7 @@ from recc.passmanager import PassContext, format_item, format_spec, resolve_pipe
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.trace import default_example_inputs, model_is_meta, propagate_shapes, trace
 
-DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,fuse_interaction,lower"
+DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,fuse_interaction,lower"
 
 
 def _ensure_builtin_passes():
@@ -58,7 +58,9 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
         config = dataclasses.replace(config, verify=level)  # validates; the caller's config is untouched
     dump_dir = dump_dir or os.environ.get("RECC_DUMP_DIR") or None
 
-    abstract = model_is_meta(model)
+    # Graphs for several ranks are annotated with shape rules (rank 0's view): their
+    # collectives cannot run in one process.
+    abstract = model_is_meta(model) or cluster.world_size > 1
     if example_inputs is None:
         example_inputs = default_example_inputs(model, config.batch_size or 8)
     example_inputs = list(example_inputs)

@@ -161,6 +161,7 @@ class Handle:
 
     value: Any
     work: Any = None
+    comm: Any = None
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -355,9 +356,13 @@ def _pack_gather(indices, per_sample_weights, tables, rows):
 
 
 def _tbe_lookup_meta(group, sparse):
-    if sparse.pooled:
-        return _meta_like((sparse.batch_size, sparse.num_tables * group.dim))
-    return _meta_like((sparse.indices.shape[0], group.dim))
+    if not sparse.pooled:
+        return _meta_like((sparse.indices.shape[0], group.dim))
+    if tuple(sparse.tables) == group.logical_names:
+        # Before the input dist (or on one rank): the logical tables, in group order.
+        return _meta_like((sparse.batch_size, group.logical_width))
+    # After the input dist: this rank's shards for the global batch.
+    return _meta_like((sparse.batch_size, sparse.num_tables * group.dim))
 
 
 @define_op("tbe_lookup", meta=_tbe_lookup_meta)
@@ -417,15 +422,29 @@ def pairwise_dot(x, li, lj):
 
 # ----------------------------------------------------------------------------- collectives
 
+def _dist_meta(x, comm):
+    """Rank 0's view of an embedding distribution's result (the IR prints rank 0's shapes)."""
+    world = len(comm.group)
+    if comm.op == "input_dist":
+        j0 = sum(1 for p in comm.layout if p[1] == 0)
+        return SparseBatch(tuple(f"shard{j}" for j in range(j0)), _meta_like((x.indices.shape[0],), torch.int64),
+                           _meta_like((j0 * world * x.batch_size + 1,), torch.int64),
+                           None if x.per_sample_weights is None else _meta_like((x.indices.shape[0],)),
+                           world * x.batch_size, True, None)
+    if comm.op == "output_dist":
+        return _meta_like((x.shape[0] // world, sum(comm.dims)), x.dtype)
+    return x
+
+
 def _define_collective(kind: str, layout: str):
     def start_meta(x, *, comm):
-        return Handle(x)
+        return Handle(_dist_meta(x, comm), None, comm)
 
     def start_ref(x, *, comm):
         if len(comm.group) != 1:
             raise RuntimeError(f"recc.{kind}_start: the CPU reference runs one process; "
                                f"collective over ranks {list(comm.group)} needs the runtime")
-        return Handle(x)
+        return Handle(x, None, comm)
 
     def wait_meta(handle):
         return handle.value
@@ -441,8 +460,15 @@ def _define_collective(kind: str, layout: str):
     define_op(f"{kind}_wait", meta=wait_meta)(wait_ref)
 
 
-_define_collective("all_to_all", "rank r sends split r of its payload to rank r and receives its "
-                   "piece from every rank, concatenated in rank order.")
+_define_collective("all_to_all", """rank r sends split o of its payload to rank o and receives a piece
+from every rank, in rank order. Embedding distributions (``comm.op``), for tables t0 (table-wise
+on r0), t1 (row-wise over r0,r1) and a local batch of B bags on 2 ranks:
+
+    input_dist   r0 sends r0: [t0 lengths, t1 lengths(rows<n/2)] + ids;  r1: [t1 lengths(rows>=n/2)] + ids
+                 r0 receives t0's and t1's low-row bags of both ranks (2B bags each); r1 t1's high rows
+    output_dist  r0 sends r1 rows [B:2B] of its [2B, 2*D] pooled output, keeps [0:B]; r1 likewise;
+                 each rank then holds [B, t0 | t1] with t1's two row-block partial sums added.
+""")
 _define_collective("reduce_scatter", "every rank contributes the full payload; rank r receives the "
                    "sum over ranks of split r.")
 _define_collective("all_reduce", "every rank receives the sum over ranks of the payload.")

@@ -3,6 +3,7 @@ instantiate the distributed model on a rank."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -127,6 +128,19 @@ class Program:
         return (f"<recc.Program {len(self.stages) - 1} passes, cluster {self.cluster.name}, "
                 f"pipeline {self.pipeline!r}>")
 
+    def __getstate__(self):
+        # A program travels to every rank of a launched world. fx's own GraphModule pickling
+        # re-imports every call target by name, which recc ops are not; ship the graph's nodes
+        # and the root's modules instead, and keep the stages' text without their graphs.
+        state = dict(self.__dict__)
+        state["graph"] = _graph_module_state(self.graph)
+        state["stages"] = OrderedDict((k, dataclasses.replace(v, graph=None)) for k, v in self.stages.items())
+        return state
+
+    def __setstate__(self, state):
+        state["graph"] = _graph_module_from_state(state["graph"])
+        self.__dict__.update(state)
+
     def instantiate(self, rank: Optional[int] = None, *, device: Optional[str] = None):
         """The trainable module for this rank (its own shards only); same call signature as the
         user's model. With one rank, works in the calling process."""
@@ -135,6 +149,30 @@ class Program:
 
     def dump(self, directory) -> Path:
         return dump_stages(self.stages, directory)
+
+
+def _graph_module_state(gm: fx.GraphModule) -> dict:
+    graph = fx.Graph()
+    graph._codegen = gm.graph._codegen
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    for n in graph.nodes:
+        n.meta = {k: v for k, v in n.meta.items() if k != "val"}  # shapes: compile-time only
+    return {"children": dict(gm.named_children()),
+            "params": dict(gm.named_parameters(recurse=False)),
+            "buffers": {k: (v, k not in gm._non_persistent_buffers_set) for k, v in gm.named_buffers(recurse=False)},
+            "graph": graph, "name": type(gm).__name__}
+
+
+def _graph_module_from_state(state: dict) -> fx.GraphModule:
+    root = torch.nn.Module()
+    for k, m in state["children"].items():
+        root.add_module(k, m)
+    for k, p in state["params"].items():
+        root.register_parameter(k, p)
+    for k, (b, persistent) in state["buffers"].items():
+        root.register_buffer(k, b, persistent=persistent)
+    return fx.GraphModule(root, state["graph"], state["name"])
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:

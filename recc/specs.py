@@ -77,8 +77,11 @@ class ShardSpec:
 class CommSpec:
     """One collective: which op, over which group, with which split sizes and payload dtype.
 
-    ``splits`` are per-rank element counts along the split dimension; the verifier checks they
-    add up to the payload's size along ``split_dim``.
+    ``splits`` are per-rank element counts along ``split_dim`` as traced on the example batch
+    (the runtime recomputes them from the actual batch); the verifier checks they add up to the
+    payload's size. Embedding distributions also carry their group's ``layout``: every shard as
+    ``(table index, rank, row0, row1, col0, col1)`` (the same on every rank), the logical
+    tables' ``dims`` and ``rows``, so each rank can work out what it sends and receives.
     """
 
     op: str
@@ -86,6 +89,10 @@ class CommSpec:
     splits: Optional[tuple[int, ...]] = None
     split_dim: int = 0
     precision: str = "fp32"
+    layout: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    dims: tuple[int, ...] = ()
+    rows: tuple[int, ...] = ()
+    width: int = 0  # the group's shard width (columns per shard in the pooled payload)
 
     def describe(self) -> str:
         s = f"{self.op} over {list(self.group)}"
@@ -93,6 +100,15 @@ class CommSpec:
             s += f" splits={list(self.splits)}"
         if self.precision != "fp32":
             s += f" {self.precision}"
+        if self.layout:
+            parts = []
+            for k, r, r0, r1, c0, c1 in self.layout:
+                whole_rows = (r0, r1) == (0, self.rows[k]) if self.rows else True
+                whole_cols = (c0, c1) == (0, self.dims[k]) if self.dims else True
+                blk = "" if whole_rows and whole_cols else (
+                    f"[{r0}:{r1}]" if whole_cols else f"[:,{c0}:{c1}]" if whole_rows else f"[{r0}:{r1},{c0}:{c1}]")
+                parts.append(f"t{k}{blk}->r{r}")
+            s += ": " + " ".join(parts)
         return s
 
 
@@ -111,34 +127,132 @@ class OptimizerSpec:
         return f"{self.name}(lr={self.lr:g})"
 
 
+def compress_ranks(ranks) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (sorted, ranges of consecutive ranks)."""
+    out, run = [], []
+    for r in sorted(set(ranks)):
+        if run and r == run[-1] + 1:
+            run.append(r)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [r]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def shard_shapes(spec: ShardSpec) -> str:
+    """Shard shapes grouped by shape, e.g. ``r0-126:312500x128, r127:312436x128``."""
+    groups: dict[str, list[int]] = {}
+    for r, r0, r1, c0, c1 in spec.shards:
+        groups.setdefault(f"{r1 - r0}x{c1 - c0}", []).append(r)
+    return ", ".join(f"r{compress_ranks(ranks)}:{shape}" for shape, ranks in groups.items())
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """What the cost model expects of one rank: its memory and its share of a training step."""
+
+    rank: int
+    weight_bytes: float   # table weights held by the rank
+    memory_bytes: float   # weights + optimizer state + lookup/communication buffers
+    lookup_ms: float      # forward + backward + optimizer of its shards (memory-bandwidth bound)
+    comm_ms: float        # its input/output dists, DP gradient reduction, collective latencies
+
+    @property
+    def total_ms(self) -> float:
+        return self.lookup_ms + self.comm_ms
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The estimated training step on the slowest rank: lookup + communication + dense compute,
+    added up (no overlap assumed; pipelining can hide part of the communication)."""
+
+    slowest_rank: int
+    lookup_ms: float
+    comm_ms: float
+    dense_ms: float = 0.0
+
+    @property
+    def sparse_ms(self) -> float:
+        """The planner's objective: the slowest rank's embedding time (lookup + communication)."""
+        return self.lookup_ms + self.comm_ms
+
+    @property
+    def total_ms(self) -> float:
+        return self.lookup_ms + self.comm_ms + self.dense_ms
+
+    def describe(self) -> str:
+        return (f"step estimate (slowest rank {self.slowest_rank}): lookup {self.lookup_ms:.3f} ms + "
+                f"communication {self.comm_ms:.3f} ms + dense {self.dense_ms:.3f} ms = {self.total_ms:.3f} ms")
+
+
 @dataclass
 class Plan:
-    """The sharding plan: one ShardSpec per table (logical name -> spec), plus notes."""
+    """The sharding plan: one ShardSpec per table (logical name -> spec), plus the cost model's
+    estimates when a planner made it (``table_cost_ms``, ``rank_estimates``, ``estimate``)."""
 
     world_size: int
     tables: dict[str, TableSpec] = field(default_factory=dict)
     shards: dict[str, ShardSpec] = field(default_factory=dict)
     strategy: str = "auto"
+    table_cost_ms: dict[str, float] = field(default_factory=dict)  # time each table adds to its busiest rank
+    rank_estimates: list[RankEstimate] = field(default_factory=list)
+    memory_cap_bytes: Optional[float] = None                      # per rank, after the reserve
+    estimate: Optional[StepEstimate] = None
+    notes: list[str] = field(default_factory=list)               # how the planner chose, caveats
+
+    @property
+    def slowest_rank_ms(self) -> Optional[float]:
+        """The estimated embedding time (lookup + communication) of the slowest rank."""
+        return None if self.estimate is None else self.estimate.sparse_ms
 
     def __str__(self) -> str:
-        rows = [("table", "rows x dim", "kind", "ranks", "shards")]
+        rows = [("table", "rows x dim", "kind", "ranks", "est ms", "shards")]
         for name, spec in self.shards.items():
             t = self.tables[name]
-            shapes = ", ".join(f"r{r}:{r1 - r0}x{c1 - c0}" for r, r0, r1, c0, c1 in spec.shards)
-            rows.append((name, f"{t.rows}x{t.dim}", spec.kind, ",".join(map(str, spec.ranks)), shapes))
+            cost = self.table_cost_ms.get(name)
+            rows.append((name, f"{t.rows}x{t.dim}", spec.kind, compress_ranks(spec.ranks),
+                         "-" if cost is None else f"{cost:.3f}", shard_shapes(spec)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"# sharding plan: {len(self.shards)} tables over {self.world_size} rank(s), strategy={self.strategy}"]
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        per_rank = {}
-        for name, spec in self.shards.items():
-            t = self.tables[name]
-            for r, r0, r1, c0, c1 in spec.shards:
-                per_rank[r] = per_rank.get(r, 0) + (r1 - r0) * (c1 - c0) * 4
-        for r in range(self.world_size):
-            lines.append(f"rank {r}: table weights {per_rank.get(r, 0) / 2**20:.2f} MiB")
+        lines.extend(f"# {note}" for note in self.notes)
+        if self.rank_estimates:
+            gib = 2 ** 30
+            cap = self.memory_cap_bytes
+            slowest = self.estimate.slowest_rank if self.estimate is not None else None
+            for e in self.rank_estimates:
+                mem = f"memory {e.memory_bytes / gib:.2f}" + (f" / {cap / gib:.2f} GiB" if cap else " GiB")
+                if cap and e.memory_bytes > cap:
+                    mem += " OVER"
+                line = (f"rank {e.rank}: table weights {e.weight_bytes / 2**20:.2f} MiB, {mem}, "
+                        f"est {e.total_ms:.3f} ms (lookup {e.lookup_ms:.3f}, comm {e.comm_ms:.3f})")
+                lines.append(line + ("  <- slowest" if e.rank == slowest else ""))
+            if self.estimate is not None:
+                lines.append("# " + self.estimate.describe())
+        else:
+            per_rank = {}
+            for name, spec in self.shards.items():
+                for r, r0, r1, c0, c1 in spec.shards:
+                    per_rank[r] = per_rank.get(r, 0) + (r1 - r0) * (c1 - c0) * 4
+            for r in range(self.world_size):
+                lines.append(f"rank {r}: table weights {per_rank.get(r, 0) / 2**20:.2f} MiB")
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _register_with_fx() -> None:
+    """Let graphs carry specs as call arguments: fx writes ``CommSpec(...)`` into the generated
+    forward, which then needs the name in its globals."""
+    from torch.fx.graph import _register_custom_builtin
+    _register_custom_builtin("CommSpec", "from recc.specs import CommSpec", CommSpec)
+
+
+_register_with_fx()

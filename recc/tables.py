@@ -1,11 +1,13 @@
 """``TableGroup``: the IR's state for one table-batched lookup.
 
 ``batch_tables`` puts one ``TableGroup`` submodule per group into the GraphModule; graph nodes
-reach it through ``get_attr``. At compile time a group only *describes* its tables and keeps a
-reference to each source weight (the user's parameter, possibly on the ``meta`` device): nothing
-is allocated, so compiling a 40M-row model is free. ``recc.runtime`` materialises a group on a
-rank into one concatenated ``weights`` tensor holding that rank's shards plus the optimizer
-state, laid out with FBGEMM's metadata (``hash_size_cumsum``, ``weights_offsets``, ``D_offsets``).
+reach it through ``get_attr``. At compile time a group only *describes* its tables — the logical
+tables, where each of their shards lives (``placements``, the same on every rank: the graph is
+SPMD) — and keeps a reference to each source weight (the user's parameter, possibly on the
+``meta`` device): nothing is allocated, so compiling a 40M-row model is free. ``recc.runtime``
+materialises a group on a rank into one concatenated ``weights`` tensor holding *that rank's*
+shards plus the optimizer state, laid out with FBGEMM's metadata (``hash_size_cumsum``,
+``weights_offsets``, ``D_offsets``) over the rank's local shards.
 """
 from __future__ import annotations
 
@@ -15,42 +17,69 @@ import torch.nn.functional as F
 
 from recc.specs import OptimizerSpec, TableSpec
 
+Placement = tuple[int, int, int, int, int, int]  # (table index in group, rank, row0, row1, col0, col1)
+
 
 class TableGroup(nn.Module):
-    """Tables sharing (dim, pooling, weighted, optimizer): one kernel call per batch.
+    """Tables whose shards share (width, pooling, weighted, optimizer): one kernel call per batch.
 
-    ``shards[t] = (row_start, row_end, col_start, col_end)`` is the block of logical table t this
-    group holds on its rank (the whole table on one rank). ``sources[t]`` is the logical weight.
+    ``placements`` lists every shard of every table of the group on every rank, sorted by
+    (rank, table, col0, row0); a rank's local shards, in that order, are the "tables" of its
+    kernel. ``width`` is the shard width (the table dim, or a column block's width).
+    ``data_parallel`` groups hold a full replica of each table on every rank.
     """
 
-    def __init__(self, name: str, tables: list[TableSpec], shards: list[tuple[int, int, int, int]],
-                 dim: int, pooling: str, weighted: bool, optimizer: OptimizerSpec,
-                 sources: list[torch.Tensor]):
+    def __init__(self, name: str, tables: list[TableSpec], placements: list[Placement], width: int,
+                 pooling: str, weighted: bool, optimizer: OptimizerSpec, sources: list[torch.Tensor],
+                 *, data_parallel: bool = False, world_size: int = 1):
         super().__init__()
         self.group_name = name
         self.tables = list(tables)
-        self.shards = [tuple(s) for s in shards]
-        self.dim = dim
+        self.placements = sorted(tuple(p) for p in placements)
+        self.placements.sort(key=lambda p: (p[1], p[0], p[4], p[2]))
+        self.dim = width
         self.pooling = pooling
         self.weighted = weighted
         self.optimizer = optimizer
-        rows = [r1 - r0 for r0, r1, _, _ in self.shards]
-        cum = [0]
-        for r in rows:
-            cum.append(cum[-1] + r)
-        # FBGEMM metadata: table t's rows are weights[hash_size_cumsum[t]:hash_size_cumsum[t+1]];
-        # weights_offsets is the same boundary in elements; D_offsets are output column offsets.
-        self.register_buffer("hash_size_cumsum", torch.tensor(cum, dtype=torch.int64), persistent=False)
-        self.register_buffer("weights_offsets", torch.tensor(cum[:-1], dtype=torch.int64) * dim, persistent=False)
-        self.register_buffer("D_offsets", torch.arange(len(tables) + 1, dtype=torch.int64) * dim, persistent=False)
+        self.data_parallel = data_parallel
+        self.world_size = world_size
         # Sources are held by reference only (not registered), so the compile-time graph owns no
         # copy of the user's tables; runtime materialisation replaces them with ``weights``.
         self._sources = list(sources)
         self.materialized = False
+        self.set_rank(0)
+
+    def set_rank(self, rank: int) -> None:
+        """Select the rank whose shards this module holds (compile time: rank 0)."""
+        self.rank = rank
+        self.shards = [(r0, r1, c0, c1) for _, _, r0, r1, c0, c1 in self.local_placements(rank)]
+        cum = [0]
+        for r0, r1, _, _ in self.shards:
+            cum.append(cum[-1] + (r1 - r0))
+        # FBGEMM metadata over this rank's shards: shard j's rows are
+        # weights[hash_size_cumsum[j]:hash_size_cumsum[j+1]]; weights_offsets is the same
+        # boundary in elements; D_offsets are the kernel output's column offsets.
+        self.register_buffer("hash_size_cumsum", torch.tensor(cum, dtype=torch.int64), persistent=False)
+        self.register_buffer("weights_offsets", torch.tensor(cum[:-1], dtype=torch.int64) * self.dim,
+                             persistent=False)
+        self.register_buffer("D_offsets", torch.arange(len(self.shards) + 1, dtype=torch.int64) * self.dim,
+                             persistent=False)
+
+    def local_placements(self, rank: int) -> list[Placement]:
+        return [p for p in self.placements if p[1] == rank]
+
+    @property
+    def logical_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tables)
+
+    @property
+    def logical_width(self) -> int:
+        return sum(t.dim for t in self.tables)
 
     @property
     def num_tables(self) -> int:
-        return len(self.tables)
+        """Number of kernel tables on this rank (local shards)."""
+        return len(self.shards)
 
     @property
     def total_rows(self) -> int:
@@ -60,39 +89,52 @@ class TableGroup(nn.Module):
     def local_rows(self) -> list[int]:
         return [r1 - r0 for r0, r1, _, _ in self.shards]
 
-    def source_block(self, t: int) -> torch.Tensor:
-        r0, r1, c0, c1 = self.shards[t]
-        return self._sources[t][r0:r1, c0:c1]
+    def local_table(self, j: int) -> TableSpec:
+        return self.tables[self.local_placements(self.rank)[j][0]]
+
+    def source_block(self, j: int) -> torch.Tensor:
+        k = self.local_placements(self.rank)[j][0]
+        r0, r1, c0, c1 = self.shards[j]
+        return self._sources[k][r0:r1, c0:c1]
 
     def reference_lookup(self, sparse):
-        """Plain-torch lookup (one F.embedding_bag per table), for stage verification."""
+        """Plain-torch lookup (one F.embedding_bag per local shard), for stage verification."""
         outs = []
-        for t in range(self.num_tables):
-            w = self.table_weight(t)
+        for j in range(self.num_tables):
+            w = self.table_weight(j)
             if sparse.pooled:
                 b = sparse.batch_size
-                lo, hi = sparse.offsets[t * b], sparse.offsets[(t + 1) * b]
+                lo, hi = sparse.offsets[j * b], sparse.offsets[(j + 1) * b]
                 ids = sparse.indices[lo:hi]
-                offs = sparse.offsets[t * b:(t + 1) * b] - lo
+                offs = sparse.offsets[j * b:(j + 1) * b] - lo
                 psw = None if sparse.per_sample_weights is None else sparse.per_sample_weights[lo:hi]
                 if ids.device.type == "meta" or w.device.type == "meta":
                     outs.append(torch.empty(b, self.dim, device="meta"))
                     continue
                 outs.append(F.embedding_bag(ids, w, offs, mode=self.pooling, per_sample_weights=psw))
             else:
-                lo, hi = sparse.offsets[t], sparse.offsets[t + 1]
+                lo, hi = sparse.offsets[j], sparse.offsets[j + 1]
                 outs.append(F.embedding(sparse.indices[lo:hi], w))
         return torch.cat(outs, dim=1 if sparse.pooled else 0)
 
-    def table_weight(self, t: int) -> torch.Tensor:
+    def table_weight(self, j: int) -> torch.Tensor:
+        """Local shard j's rows (materialised weights, or the source block at compile time)."""
         if self.materialized:
-            return self.weights[self.hash_size_cumsum[t]:self.hash_size_cumsum[t + 1]]
-        return self.source_block(t)
+            return self.weights[self.hash_size_cumsum[j]:self.hash_size_cumsum[j + 1]]
+        return self.source_block(j)
 
     def describe(self) -> str:
         names = ",".join(t.short for t in self.tables)
         w = ",weighted" if self.weighted else ""
-        return f"{self.group_name}=[{names}] dim={self.dim} {self.pooling}{w} {self.optimizer.describe()}"
+        dp = " data_parallel" if self.data_parallel else ""
+        s = f"{self.group_name}=[{names}] dim={self.dim} {self.pooling}{w} {self.optimizer.describe()}{dp}"
+        if self.world_size > 1 and not self.data_parallel:
+            per_rank = []
+            for r in range(self.world_size):
+                local = [f"{self.tables[k].short}[{r0}:{r1},{c0}:{c1}]" for k, _, r0, r1, c0, c1 in self.local_placements(r)]
+                per_rank.append(f"r{r}:{'+'.join(local) or '-'}")
+            s += " | " + " ".join(per_rank)
+        return s
 
     def extra_repr(self) -> str:
         return self.describe()
@@ -103,4 +145,6 @@ class TableGroup(nn.Module):
         memo[id(self)] = new
         new.__dict__ = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
         new._sources = list(self._sources)
+        new.placements = list(self.placements)
+        new.shards = list(self.shards)
         return new

@@ -132,7 +132,16 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], abstract
     inputs = to_meta(list(example_inputs)) if abstract else list(example_inputs)
     flat = fx_flatten_inputs(gm, inputs)
     with torch.no_grad():
-        return ShapeProp(gm, abstract).run(*flat)
+        if not abstract:
+            return ShapeProp(gm, abstract).run(*flat)
+        # Shape rules on meta values: the model's real parameters are swapped for meta stand-ins
+        # while the graph runs, so a real model compiled for many ranks is annotated like a
+        # meta one (its collectives cannot run in one process).
+        from torch.nn.utils.stateless import _reparametrize_module
+        stand_ins = {k: to_meta(v) for k, v in list(gm.named_parameters()) + list(gm.named_buffers())
+                     if v.device.type != "meta"}
+        with _reparametrize_module(gm, stand_ins):
+            return ShapeProp(gm, abstract).run(*flat)
 
 
 def fx_flatten_inputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> list:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from recc.ops import OPS, register_impl
+from recc.runtime.comm import (gather_global_batch, input_dist_start, input_dist_wait, output_dist_start,
+                               output_dist_wait)
 from recc.kernels import (linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
                           tbe_forward)
 
@@ -19,8 +21,14 @@ class TBELookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weights, group, sparse):
+        pooling = group.pooling if sparse.pooled else "sum"
+        ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
         if sparse.pooled:
             t, b = sparse.num_tables, sparse.batch_size
+            if t == 0 or b == 0:
+                # A rank may own no shard of a group; it still takes part in the collectives.
+                ctx.lin, ctx.offsets, ctx.t, ctx.b = None, sparse.offsets, t, b
+                return weights.new_zeros(b, t * group.dim)
             lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
             offsets = sparse.offsets
         else:
@@ -29,12 +37,9 @@ class TBELookup(torch.autograd.Function):
             lin = sparse.indices + torch.repeat_interleave(group.hash_size_cumsum[:-1], counts)
             t, b = 1, lin.numel()
             offsets = torch.arange(b + 1, dtype=torch.int64)
-        pooling = group.pooling if sparse.pooled else "sum"
-        out = tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
-                          per_sample_weights=sparse.per_sample_weights)
-        ctx.group, ctx.lin, ctx.offsets, ctx.t, ctx.b, ctx.pooling = group, lin, offsets, t, b, pooling
-        ctx.psw = sparse.per_sample_weights
-        return out
+        ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
+        return tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
+                           per_sample_weights=sparse.per_sample_weights)
 
     @staticmethod
     def backward(ctx, grad):
@@ -42,12 +47,18 @@ class TBELookup(torch.autograd.Function):
         group.step += 1
         o = group.optimizer
         grad = grad.contiguous()
+        lin, offsets, psw, b = ctx.lin, ctx.offsets, ctx.psw, ctx.b
+        if group.data_parallel and group.world_size > 1:
+            # Every replica applies the same update for the global batch: gather it.
+            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad)
+            lin = linearize_indices(ids, offsets, group.hash_size_cumsum, ctx.t, b)
         if group.grad_scale != 1.0:
             grad = grad * group.grad_scale
-        tbe_backward_update(group.weights.detach(), group.optimizer_state(), ctx.lin, ctx.offsets, grad,
-                            T=ctx.t, B=ctx.b, pooling=ctx.pooling, per_sample_weights=ctx.psw,
-                            optimizer=o.name, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
-                            weight_decay=o.weight_decay, step=group.step)
+        if ctx.t and b:
+            tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
+                                T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw,
+                                optimizer=o.name, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
+                                weight_decay=o.weight_decay, step=group.step)
         return None, None, None
 
 
@@ -74,6 +85,27 @@ class PairwiseDot(torch.autograd.Function):
 @register_impl("pairwise_dot", "cpu")
 def pairwise_dot_cpu(x, li, lj):
     return PairwiseDot.apply(x, li, lj)
+
+
+@register_impl("all_to_all_start", "cpu")
+def all_to_all_start_cpu(x, *, comm):
+    if len(comm.group) == 1:
+        return OPS["all_to_all_start"].reference(x, comm=comm)
+    if comm.op == "input_dist":
+        return input_dist_start(x, comm)
+    if comm.op == "output_dist":
+        return output_dist_start(x, comm)
+    raise ValueError(f"recc.all_to_all_start: no CPU implementation of {comm.op!r}")
+
+
+@register_impl("all_to_all_wait", "cpu")
+def all_to_all_wait_cpu(handle):
+    comm = handle.comm
+    if comm is None or len(comm.group) == 1:
+        return handle.value
+    if comm.op == "input_dist":
+        return input_dist_wait(handle)
+    return output_dist_wait(handle)
 
 
 def _register_references():

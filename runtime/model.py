@@ -21,13 +21,17 @@ from recc.program import quiet_deepcopy
 from recc.tables import TableGroup
 
 
-def materialize(group: TableGroup, device: torch.device, generator: Optional[torch.Generator] = None) -> None:
-    """Give ``group`` its concatenated weights (this rank's shards) and zeroed optimizer state."""
+def materialize(group: TableGroup, rank: int, device: torch.device,
+                generator: Optional[torch.Generator] = None) -> None:
+    """Give ``group`` this rank's shards in one concatenated ``weights`` plus zeroed optimizer
+    state. Only the rank's own blocks of the source tables are read; nothing else is copied."""
+    group.set_rank(rank)
     rows, dim = group.total_rows, group.dim
     weights = torch.empty(rows, dim, dtype=torch.float32, device=device)
-    for t, spec in enumerate(group.tables):
-        r0, r1 = int(group.hash_size_cumsum[t]), int(group.hash_size_cumsum[t + 1])
-        src = group.source_block(t)
+    for j in range(group.num_tables):
+        spec = group.local_table(j)
+        r0, r1 = int(group.hash_size_cumsum[j]), int(group.hash_size_cumsum[j + 1])
+        src = group.source_block(j)
         if src.device.type == "meta":
             # Tables built on the meta device get the DLRM reference initialisation here, on
             # their owner only, so no rank ever holds a table it does not own.
@@ -40,7 +44,9 @@ def materialize(group: TableGroup, device: torch.device, generator: Optional[tor
         group.register_buffer(name, torch.zeros(shape, dtype=torch.float32, device=device))
     group.state_names = list(optimizer_state_shapes(group.optimizer.name, rows, dim))
     group.step = 0
-    group.grad_scale = 1.0
+    # Per-rank mean losses: an owner receives W ranks' gradients (or, data-parallel, gathers
+    # them), so 1/W makes the update the one eager PyTorch makes for the global mean loss.
+    group.grad_scale = 1.0 / group.world_size
     group._sources = []
     group.materialized = True
     for key in ("hash_size_cumsum", "weights_offsets", "D_offsets"):
@@ -59,10 +65,19 @@ class DistributedModel(nn.Module):
         self.graph_module = gm
         self.rank = rank
         self._program = program
+        self._ddp = None
+        if program.cluster.world_size > 1:
+            # Dense parameters are replicated; DDP averages their gradients. Tables and their
+            # optimizer state are this rank's own (updated inside backward): DDP must ignore them.
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            ignore = [f"{name}.{p}" for name, m in gm.named_modules() if isinstance(m, TableGroup)
+                      for p in list(dict(m.named_parameters(recurse=False))) + list(dict(m.named_buffers(recurse=False)))]
+            DDP._set_params_and_buffers_to_ignore_for_model(gm, ignore)
+            self._ddp = DDP(gm, broadcast_buffers=False)
 
     def forward(self, *args):
         self._program.signature.check(args)
-        return self.graph_module(*args)
+        return (self._ddp or self.graph_module)(*args)
 
     def table_groups(self) -> list[TableGroup]:
         return [m for m in self.graph_module.modules() if isinstance(m, TableGroup)]
@@ -72,30 +87,54 @@ class DistributedModel(nn.Module):
         skip = {id(g.weights) for g in self.table_groups()}
         return [p for p in self.graph_module.parameters() if id(p) not in skip]
 
-    def _table_locations(self):
+    def _group_of(self):
         where = {}
         for g in self.table_groups():
-            for t, spec in enumerate(g.tables):
-                where[spec.name] = (g, t)
+            for k, spec in enumerate(g.tables):
+                where[spec.name] = (g, k)
         return where
 
+    def _whole_table(self, g: TableGroup, k: int) -> torch.Tensor:
+        """Logical table k of group g, assembled from every rank's shards (a collective when
+        the world has several ranks: every rank must call state_dict together)."""
+        spec = g.tables[k]
+        full = torch.empty(spec.rows, spec.dim, dtype=torch.float32)
+        world = g.world_size
+        local = {(p[0], p[2], p[4]): j for j, p in enumerate(g.local_placements(g.rank))}
+        for _, owner, r0, r1, c0, c1 in [p for p in g.placements if p[0] == k]:
+            if g.data_parallel and owner != 0:
+                continue  # replicas are identical: rank 0's copy is the table
+            if world == 1 or owner == g.rank:
+                block = g.table_weight(local[(k, r0, c0)]).detach().clone() if owner == g.rank else None
+            else:
+                block = None
+            if world > 1:
+                import torch.distributed as dist
+                buf = block if block is not None else torch.empty(r1 - r0, c1 - c0)
+                dist.broadcast(buf, src=owner)
+                block = buf
+            full[r0:r1, c0:c1] = block
+        return full
+
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The user model's state_dict: same keys, order and shapes; tables are whole."""
+        """The user model's state_dict: same keys, order and shapes; tables are whole (gathered
+        from their shards, so with several ranks every rank must call this together)."""
         out = OrderedDict() if destination is None else destination
-        where = self._table_locations()
+        where = self._group_of()
         tables = self._program.stats.get("tables", {})
         for kind, key in self._program.state_keys:
             if kind == "table":
-                g, t = where[key]
-                w = g.table_weight(t)
-                out[prefix + tables[key].weight_key] = w if keep_vars else w.detach().clone()
+                g, k = where[key]
+                out[prefix + tables[key].weight_key] = self._whole_table(g, k)
             else:
                 v = _get_tensor(self.graph_module, key, self._program.detached_state)
                 out[prefix + key] = v if keep_vars else v.detach().clone()
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        where = self._table_locations()
+        """Load a logical state dict (from the eager model, or any plan and world size): each
+        rank copies its own shards out of the whole tables."""
+        where = self._group_of()
         tables = self._program.stats.get("tables", {})
         expected = {}
         for kind, key in self._program.state_keys:
@@ -105,18 +144,25 @@ class DistributedModel(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
         with torch.no_grad():
-            for k, (kind, key) in expected.items():
-                if k not in state_dict:
+            for name, (kind, key) in expected.items():
+                if name not in state_dict:
                     continue
-                src = state_dict[k]
+                src = state_dict[name]
                 if kind == "table":
-                    g, t = where[key]
-                    dst = g.table_weight(t)
+                    g, k = where[key]
+                    spec = g.tables[k]
+                    if tuple(src.shape) != (spec.rows, spec.dim):
+                        raise RuntimeError(f"load_state_dict: {name} has shape {tuple(src.shape)}, "
+                                           f"expected {(spec.rows, spec.dim)}")
+                    for j, (kk, _, r0, r1, c0, c1) in enumerate(g.local_placements(g.rank)):
+                        if kk == k:
+                            g.table_weight(j).copy_(src[r0:r1, c0:c1])
                 else:
                     dst = _get_tensor(self.graph_module, key, self._program.detached_state)
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise RuntimeError(f"load_state_dict: {k} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(src)
+                    if tuple(src.shape) != tuple(dst.shape):
+                        raise RuntimeError(f"load_state_dict: {name} has shape {tuple(src.shape)}, "
+                                           f"expected {tuple(dst.shape)}")
+                    dst.copy_(src)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -132,8 +178,16 @@ def _get_tensor(gm: nn.Module, key: str, detached: dict):
 def instantiate(program, rank: Optional[int] = None, device: Optional[str] = None) -> DistributedModel:
     from recc.launch import rank as current_rank
     rank = current_rank() if rank is None else rank
-    if not 0 <= rank < program.cluster.world_size:
-        raise ValueError(f"instantiate: rank {rank} is outside the cluster's {program.cluster.world_size} ranks")
+    world = program.cluster.world_size
+    if not 0 <= rank < world:
+        raise ValueError(f"instantiate: rank {rank} is outside the cluster's {world} ranks")
+    if world > 1:
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_world_size() != world:
+            have = dist.get_world_size() if dist.is_initialized() else "no"
+            raise RuntimeError(f"instantiate: the program is compiled for {world} ranks but this process is in "
+                               f"{have} torch.distributed world; call it inside recc.launch(fn, cluster) "
+                               f"(or under torchrun)")
     device = torch.device(device or "cpu")
     if device.type != "cpu":
         raise ValueError(f"instantiate: device {device} has no backend in this recc build (cpu only)")
@@ -143,7 +197,7 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
     gen = torch.Generator().manual_seed(1234 + rank)
     for m in gm.modules():
         if isinstance(m, TableGroup):
-            materialize(m, device, gen)
+            materialize(m, rank, device, gen)
     _materialize_dense(gm, device)
     return DistributedModel(program, gm.to(device), rank)
 

@@ -1,0 +1,87 @@
+"""insert_comm: the collectives that move ids to the shards that own them and pooled rows back.
+
+Contract: requires ``batch_tables`` (one ``TableGroup`` per group, fed by ``recc.pack_sparse``).
+On a one-rank cluster it changes nothing. On W ranks, for every sharded group it inserts
+
+- the input dist between ``recc.pack_sparse`` and ``recc.tbe_lookup``: a
+  ``recc.all_to_all_start``/``recc.all_to_all_wait`` pair whose ``CommSpec(op="input_dist")``
+  carries the group's layout (ids of table-wise and column-wise shards go whole to their owner,
+  ids of row-wise/table-row-wise shards are bucketized by row block and rebased);
+- the output dist after ``recc.tbe_lookup``: a pair with ``CommSpec(op="output_dist")`` whose
+  wait returns this rank's batch slice with every logical table reassembled (column blocks
+  side by side, row blocks' partial sums added) — the reduce-scatter of row-wise sharding done
+  as an all-to-all plus a local sum, so it runs on gloo as well as NCCL;
+
+and marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allgather")``: their
+backward gathers every rank's ids and gradients so all replicas apply one identical update.
+Ensures every ``*_start`` has exactly one later ``*_wait`` and the output dist's splits add up.
+Must not change what the graph computes (per rank, on its batch slice).
+
+Before:
+    sparse_g0 : kjt[t=3,b=4] = recc.pack_sparse([lS_i_0, ...], ...)
+    pooled_g0 : f32[4,12]    = recc.tbe_lookup(tbe_g0, sparse_g0)
+After:
+    sparse_g0 : kjt[t=3,b=4] = recc.pack_sparse([lS_i_0, ...], ...)
+    ids_g0_h  : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0->r0 t1->r1 t2->r0
+    ids_g0    : kjt[t=2,b=8] = recc.all_to_all_wait(ids_g0_h)
+    pooled_g0 : f32[8,8]     = recc.tbe_lookup(tbe_g0, ids_g0)
+    emb_g0_h  : handle       = recc.all_to_all_start(pooled_g0, comm=output_dist)  # comm output_dist over [0, 1] splits=[4, 4]: ...
+    emb_g0    : f32[4,12]    = recc.all_to_all_wait(emb_g0_h)
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from recc.graph_utils import rename
+from recc.ops import OPS, op_of
+from recc.passmanager import PassContext, register_pass
+from recc.specs import CommSpec
+from recc.tables import TableGroup
+
+
+@register_pass(after=("batch_tables",))
+def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Insert the input dist, output dist and data-parallel gradient exchange for each group."""
+    world = ctx.cluster.world_size
+    if world == 1:
+        return gm
+    everyone = tuple(range(world))
+    graph = gm.graph
+    for lookup in [n for n in graph.nodes if op_of(n.target) is OPS["tbe_lookup"]]:
+        group_node, sparse = lookup.args
+        group: TableGroup = gm.get_submodule(group_node.target)
+        suffix = group.group_name[4:]
+        if group.data_parallel:
+            lookup.meta["recc.comm"] = CommSpec("dp_grad_allgather", everyone)
+            continue
+        if group.pooling == "none":
+            raise ValueError(f"insert_comm: {', '.join(group.logical_names)} are nn.Embedding gathers; recc "
+                             f"shards pooled tables across ranks — make them data_parallel")
+        for k, rank, r0, r1, c0, c1 in group.placements:
+            t = group.tables[k]
+            if group.pooling == "mean" and (r0, r1) != (0, t.rows):
+                raise ValueError(f"insert_comm: table {t.name} uses mean pooling and is split by rows; a mean "
+                                 f"cannot be assembled from partial sums — use table_wise/column_wise for it")
+        layout = tuple(group.placements)
+        dims = tuple(t.dim for t in group.tables)
+        rows = tuple(t.rows for t in group.tables)
+        in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim)
+        b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
+        out_spec = CommSpec("output_dist", everyone, splits=(b,) * world, split_dim=0, layout=layout, dims=dims,
+                            rows=rows, width=group.dim)
+        with graph.inserting_after(sparse):
+            ids_h = graph.call_function(OPS["all_to_all_start"], (sparse,), {"comm": in_spec})
+        with graph.inserting_after(ids_h):
+            ids = graph.call_function(OPS["all_to_all_wait"], (ids_h,))
+        ids_h.meta["recc.comm"] = in_spec
+        lookup.replace_input_with(sparse, ids)
+        with graph.inserting_after(lookup):
+            out_h = graph.call_function(OPS["all_to_all_start"], (lookup,), {"comm": out_spec})
+        with graph.inserting_after(out_h):
+            out = graph.call_function(OPS["all_to_all_wait"], (out_h,))
+        out_h.meta["recc.comm"] = out_spec
+        lookup.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out_h)
+        for node, name in ((ids_h, f"ids_{suffix}_h"), (ids, f"ids_{suffix}"), (out_h, f"emb_{suffix}_h"),
+                           (out, f"emb_{suffix}")):
+            rename(node, name)
+    return gm
