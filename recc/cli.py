@@ -26,7 +26,7 @@ def _config(args, cfg):
     if getattr(args, "lr", None):
         config.lr = args.lr
     config.batch_size = getattr(args, "batch_size", None) or config.batch_size
-    config.__post_init__()
+    config.__post_init__()  # validate what the flags set
     return config
 
 
@@ -78,47 +78,78 @@ def cmd_train(args) -> int:
     config = _config(args, cfg)
     batch = args.batch_size or cfg["batch_size"]
     config.batch_size = batch
-    cluster = recc.Cluster.local(args.world_size)
-    program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir)
+    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
     data = SyntheticData(args.model, batch_size=batch, seed=args.seed)
+    world = cluster.world_size
+    if batch % world:
+        raise SystemExit(f"recc train: batch {batch} does not split evenly over {world} ranks")
+    from recc.models import slice_batch
+    example = slice_batch(data.batch(0), 0, world)[:3]
+    program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir, example_inputs=example)
     print(f"recc train: {args.model} ({len(program.stats['tables'])} tables, {program.stats.get('groups', 0)} "
-          f"table groups), batch {batch}, {args.steps} steps, sparse optimizer {config.optimizer} "
-          f"lr={config.lr:g}, world size {cluster.world_size}", file=sys.stderr)
+          f"table groups), global batch {batch}, {args.steps} steps, sparse optimizer {config.optimizer} "
+          f"lr={config.lr:g}, {world} rank(s) ({cluster.name})", file=sys.stderr)
+    if world > 1:
+        print(program.plan, file=sys.stderr)
+    results = recc.launch(_train_rank, cluster, program, data, args.steps, args.eval_batches, config.lr)
+    samples_per_s = sum(r["samples"] for r in results) / max(r["seconds"] for r in results)
+    held_out = Metrics()
+    for r in results:
+        held_out.update(r["pred"], r["label"])
+    m = held_out.compute()
+    print(f"held-out: log loss {m['log_loss']:.4f}, AUC {m['auc']:.4f} ({args.eval_batches} batches); "
+          f"training throughput {samples_per_s:,.0f} samples/s")
+    return 0
 
-    def train():
-        dmodel = program.instantiate()
-        opt = torch.optim.SGD(dmodel.dense_parameters(), lr=config.lr)
-        progress = _Progress(args.steps)
-        window = Metrics()
-        seen, t_train = 0, 0.0
-        for step, (dense_x, lS_o, lS_i, y) in enumerate(
-                data.batches(args.steps, rank=recc.rank(), world_size=recc.world_size())):
-            t0 = time.perf_counter()
-            out = dmodel(dense_x, lS_o, lS_i)
-            loss = F.binary_cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t_train += time.perf_counter() - t0
-            seen += y.shape[0]
-            window.update(out.detach(), y)
-            if (step + 1) % max(1, args.steps // 20) == 0 or step + 1 == args.steps:
-                m = window.compute()
-                window = Metrics()
-                progress.update(step + 1, f"loss {m['log_loss']:.4f} auc {m['auc']:.4f} "
-                                          f"{seen / t_train:,.0f} samples/s")
+
+def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict:
+    """One rank's training loop (runs on every rank of the world)."""
+    import recc
+    from recc.models import Metrics
+    rank, world = recc.rank(), recc.world_size()
+    dmodel = program.instantiate()
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=lr)
+    progress = _Progress(steps) if rank == 0 else None
+    window = Metrics()
+    seen, t_train = 0, 0.0
+    for step, (dense_x, lS_o, lS_i, y) in enumerate(data.batches(steps, rank=rank, world_size=world)):
+        t0 = time.perf_counter()
+        out = dmodel(dense_x, lS_o, lS_i)
+        loss = F.binary_cross_entropy(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t_train += time.perf_counter() - t0
+        seen += y.shape[0]
+        window.update(out.detach(), y)
+        if progress and ((step + 1) % max(1, steps // 20) == 0 or step + 1 == steps):
+            m = window.compute()
+            window = Metrics()
+            progress.update(step + 1, f"loss {m['log_loss']:.4f} auc {m['auc']:.4f} "
+                                      f"{seen * world / t_train:,.0f} samples/s")
+    if progress:
         progress.close()
-        held_out = Metrics()
-        with torch.no_grad():
-            for dense_x, lS_o, lS_i, y in data.batches(args.eval_batches, rank=recc.rank(),
-                                                       world_size=recc.world_size(), start=1_000_000):
-                held_out.update(dmodel(dense_x, lS_o, lS_i), y)
-        return {"samples_per_s": seen * recc.world_size() / t_train, **held_out.compute()}
+    preds, labels = [], []
+    with torch.no_grad():
+        for dense_x, lS_o, lS_i, y in data.batches(eval_batches, rank=rank, world_size=world, start=1_000_000):
+            preds.append(dmodel(dense_x, lS_o, lS_i))
+            labels.append(y)
+    return {"samples": seen, "seconds": t_train, "pred": torch.cat(preds), "label": torch.cat(labels)}
 
-    results = recc.launch(train, cluster)
-    r = results[0]
-    print(f"held-out: log loss {r['log_loss']:.4f}, AUC {r['auc']:.4f} ({args.eval_batches} batches); "
-          f"training throughput {r['samples_per_s']:,.0f} samples/s")
+
+def cmd_plan(args) -> int:
+    import recc
+    from recc.models import build_model
+    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
+    model = build_model(args.model, device="meta")
+    config = _config(args, None)
+    if args.sharding:
+        config.sharding = args.sharding
+    t0 = time.perf_counter()
+    program = recc.compile(model, cluster, config=config, pipeline="discover_tables,shard_tables")
+    print(program.plan)
+    print(f"# planned {len(program.stats['tables'])} tables of {args.model} for {cluster.name} "
+          f"({cluster.world_size} ranks) in {time.perf_counter() - t0:.2f} s, nothing allocated")
     return 0
 
 
@@ -132,7 +163,7 @@ def main(argv=None) -> int:
         sp.add_argument("--optimizer", choices=["sgd", "rowwise_adagrad", "adagrad", "adam"])
         sp.add_argument("--lr", type=float)
         sp.add_argument("--batch-size", type=int)
-        sp.add_argument("--world-size", type=int, default=1)
+        sp.add_argument("--world-size", type=int, default=2 if sp.prog.endswith("train") else 1)
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--dump-dir", help="write every stage's IR, diff, DOT and a summary here")
 
@@ -144,8 +175,16 @@ def main(argv=None) -> int:
     c.add_argument("--meta", action="store_true", help="build the model on the meta device (no allocation)")
     c.set_defaults(fn=cmd_compile)
 
+    pl = sub.add_parser("plan", help="plan a preset model's sharding for a cluster (nothing is allocated)")
+    common(pl, "terabyte")
+    pl.add_argument("--cluster", help="cluster YAML, e.g. clusters/zionex-16x8.yaml")
+    pl.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                                           "data_parallel"])
+    pl.set_defaults(fn=cmd_plan)
+
     t = sub.add_parser("train", help="train a preset model on synthetic data")
     common(t, "small")
+    t.add_argument("--cluster", help="cluster YAML (default: a local world of --world-size)")
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--eval-batches", type=int, default=10)
     t.set_defaults(fn=cmd_train, lr=None)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from recc import ir
 from recc.cluster import Cluster
 from recc.config import CompileConfig
-from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline
+from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.trace import default_example_inputs, model_is_meta, propagate_shapes, trace
 
@@ -110,7 +110,7 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
         key = info.name if info.name not in stages else f"{info.name}#{idx}"
         if config.verify >= 2 and eager_out is not None:
             verified = "ok+eager"
-        stages[key] = Stage(idx, total, info.name, format_item(info.name, opts), snapshot(gm), text,
+        stages[key] = Stage(idx, total, info.name, format_item(info.name, shown_options(info, opts)), snapshot(gm), text,
                             ir.diff(before_text, text, before_name=list(stages)[-1], after_name=key),
                             dt, before_n, len(gm.graph.nodes), verified)
         _maybe_print(stages[key], show)
@@ -134,7 +134,7 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
             # so state_dict() still round-trips the user's model exactly.
             detached_state[key] = value.detach().clone()
     return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
-                   pipeline=format_spec([(i.name, o) for i, o in passes]), state_keys=state_keys,
+                   pipeline=format_spec([(i.name, shown_options(i, o)) for i, o in passes]), state_keys=state_keys,
                    signature=InputSignature.of(sig_names, example_inputs, list(tables)), stats=ctx.stats,
                    detached_state=detached_state)
 

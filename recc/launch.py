@@ -97,7 +97,9 @@ def _worker(rank_: int, world: int, backend: str, port: int, payload: bytes, res
                                 init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout))
         fn, args = pickle.loads(payload)
         value = fn(*args)
-        results.put((rank_, True, _dumps(value)))
+        # By value (plain cloudpickle): shared-memory handles would die with this process.
+        import cloudpickle
+        results.put((rank_, True, cloudpickle.dumps(value)))
     except BaseException as e:  # report, then exit non-zero so the parent stops the others
         results.put((rank_, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         raise SystemExit(1)

@@ -213,6 +213,12 @@ def format_spec(items: Sequence[tuple[str, dict[str, Any]]]) -> str:
 PipelineItem = Union[str, Callable, tuple]
 
 
+def shown_options(info: PassInfo, opts: dict[str, Any]) -> dict[str, Any]:
+    """The options a stage banner and ``program.pipeline`` show: those that differ from the pass's
+    defaults, and those set from the ``CompileConfig`` (the decision in force is always visible)."""
+    return {k: v for k, v in opts.items() if k in info.from_config or v != info.defaults.get(k)}
+
+
 def resolve_pipeline(pipeline: Union[str, Sequence[PipelineItem]], config: CompileConfig,
                      disable: Sequence[str] = ()) -> list[tuple[PassInfo, dict[str, Any]]]:
     """Pass infos with their options: defaults < config.pass_options < spec options."""
