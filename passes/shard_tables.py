@@ -1,41 +1,84 @@
 """shard_tables: decide where every table lives and annotate each lookup with its ShardSpec.
 
 Contract: requires ``discover_tables`` (TableSpecs on lookups). Ensures every node carrying
-``meta["recc.table"]`` also carries ``meta["recc.shard"]``, and ``ctx.plan`` is the ``Plan``
+``meta["recc.table"]`` also carries ``meta["recc.shard"]`` (the same object as
+``ctx.plan.shards[table]``), and ``ctx.plan`` is the ``Plan`` with the cost model's estimates
 (``print(program.plan)`` is its table). Must not change the graph's nodes or what it computes.
 
-This version places whole tables on rank 0, the only rank a one-process cluster has; the
-``strategy`` option already names the kinds a forced plan may use, so multi-rank planning plugs
-in behind the same interface.
+The plan comes from ``recc.planner.plan_tables`` for any world size: ``strategy`` is ``auto``
+(the planner's choice, per table) or one kind forced on every table (``CompileConfig.sharding``
+sets it); ``constraints`` pins tables (allowed kinds, rank, node, tables kept together, a
+manual plan) and is a dict given through
+``CompileConfig(pass_options={"shard_tables": {"constraints": {...}}})``, the path of a YAML
+file holding the same mapping, or that mapping inline (``constraints="{rank: {emb_l.0: 1}}"``). The cost model uses ``CompileConfig.batch_size`` (else the
+example inputs' batch times the world size: they are one rank's slice) as the global batch, the example inputs' ids per bag as each table's
+bag size, and the sparse optimizer's state size. ``check_memory=false`` plans past the devices'
+memory (the plan then marks the ranks that are over) instead of failing.
 
 Before:
     emb_l_0 : f32[8,4] = recc.embedding_bag(...)  # table t0=emb_l.0[10x4,sum]
-After:
+After (one rank; on two, ``strategy=row_wise`` gives ``shard=rw@r0[0:5,0:4]+r1[5:10,0:4]``):
     emb_l_0 : f32[8,4] = recc.embedding_bag(...)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]
 """
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch.fx as fx
+import yaml
 
 from recc.passmanager import PassContext, register_pass
-from recc.specs import SHARDING_KINDS, Plan, ShardSpec
+from recc.planner import dense_flops_per_sample, plan_tables
+from recc.specs import SHARDING_KINDS
+
+
+def _batch_and_bags(gm: fx.GraphModule) -> tuple[Optional[int], dict[str, float]]:
+    """The example batch and each table's ids per bag, read off the lookups' example shapes."""
+    batches, bags = {}, {}
+    for node in gm.graph.nodes:
+        t = node.meta.get("recc.table")
+        out = node.meta.get("val")
+        if t is None or out is None or not hasattr(out, "shape") or len(node.args) < 2:
+            continue
+        ids = node.args[1]
+        ids_val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
+        if ids_val is None or not hasattr(ids_val, "numel"):
+            continue
+        # bags: the output's rows; gathers: ids [B, L] (or [N], one id per sample)
+        b = int(out.shape[0]) if t.pooling != "none" else (int(ids_val.shape[0]) if ids_val.dim() else 1)
+        if b:
+            bags[t.name] = ids_val.numel() / b
+            batches.setdefault(t.pooling != "none", b)
+    return batches.get(True, batches.get(False)), bags
 
 
 @register_pass(after=("discover_tables",), from_config={"strategy": "sharding"})
-def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto") -> fx.GraphModule:
-    """Place every table (whole tables on rank 0 of a one-rank cluster)."""
+def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto",
+                 constraints: Union[dict, str, None] = None, check_memory: bool = True) -> fx.GraphModule:
+    """Place every table with the planner (cost model over the cluster) and annotate ShardSpecs."""
     if strategy != "auto" and strategy not in SHARDING_KINDS:
         raise ValueError(f"shard_tables: strategy {strategy!r} is not 'auto' or one of {SHARDING_KINDS}")
-    world = ctx.cluster.world_size
-    if world != 1:
-        raise ValueError(
-            f"shard_tables: cluster {ctx.cluster.name} has {world} ranks, but this recc build places "
-            f"tables for one rank only; compile with recc.Cluster.local(1)")
+    if isinstance(constraints, str):
+        if constraints.lstrip().startswith("{"):  # inline YAML/JSON, as a pipeline spec can carry it
+            constraints = yaml.safe_load(constraints) or {}
+        elif constraints:
+            with open(constraints) as f:
+                constraints = yaml.safe_load(f) or {}
+        else:
+            constraints = None
+    if constraints is not None and not isinstance(constraints, dict):
+        raise ValueError(f"shard_tables: constraints must be a dict or the path of a YAML file, "
+                         f"got {type(constraints).__name__}")
     tables = ctx.stats.get("tables", {})
-    kind = "table_wise" if strategy == "auto" else strategy
-    plan = Plan(world_size=world, tables=dict(tables), strategy=strategy)
-    for name, t in tables.items():
-        plan.shards[name] = ShardSpec(table=name, kind=kind, shards=((0, 0, t.rows, 0, t.dim),))
+    example_batch, bags = _batch_and_bags(gm)
+    # Example inputs are one rank's slice of the global batch (what each rank will be fed).
+    batch = ctx.config.batch_size or (example_batch or 1) * ctx.cluster.world_size
+    try:
+        plan = plan_tables(dict(tables), ctx.cluster, strategy=strategy, batch_size=batch, bag_sizes=bags,
+                           optimizer=ctx.config.optimizer, constraints=constraints,
+                           dense_flops_per_sample=dense_flops_per_sample(gm), check_memory=check_memory)
+    except ValueError as e:
+        raise ValueError(f"shard_tables (cluster {ctx.cluster.name}): {e}") from None
     for node in gm.graph.nodes:
         spec = node.meta.get("recc.table")
         if spec is not None:

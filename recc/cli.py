@@ -141,12 +141,19 @@ def cmd_plan(args) -> int:
     import recc
     from recc.models import build_model
     cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
+    from recc.models import SyntheticData, load_preset, slice_batch
     model = build_model(args.model, device="meta")
     config = _config(args, None)
     if args.sharding:
         config.sharding = args.sharding
     t0 = time.perf_counter()
-    program = recc.compile(model, cluster, config=config, pipeline="discover_tables,shard_tables")
+    # Plan for the preset's global batch and bag sizes: rank 0's slice of one synthetic batch.
+    config.batch_size = args.batch_size or load_preset(args.model)["batch_size"]
+    world = cluster.world_size
+    data = SyntheticData(args.model, batch_size=config.batch_size - config.batch_size % world)
+    example = slice_batch(data.batch(0), 0, world)[:3]
+    program = recc.compile(model, cluster, config=config, pipeline="discover_tables,shard_tables",
+                           example_inputs=example)
     print(program.plan)
     print(f"# planned {len(program.stats['tables'])} tables of {args.model} for {cluster.name} "
           f"({cluster.world_size} ranks) in {time.perf_counter() - t0:.2f} s, nothing allocated")

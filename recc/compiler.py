@@ -62,7 +62,8 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
     # collectives cannot run in one process.
     abstract = model_is_meta(model) or cluster.world_size > 1
     if example_inputs is None:
-        example_inputs = default_example_inputs(model, config.batch_size or 8)
+        # Example inputs are what one rank is fed: its slice of the global batch.
+        example_inputs = default_example_inputs(model, max(1, (config.batch_size or 8 * cluster.world_size) // cluster.world_size))
     example_inputs = list(example_inputs)
     eager_out = None
     if not abstract and config.verify >= 2:

@@ -120,6 +120,11 @@ def _format_value(v: Any) -> str:
         return v
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, (dict, list, tuple)):
+        # Structured options (e.g. shard_tables' constraints) print as quoted inline JSON, a
+        # form passes that take them also accept as a string.
+        import json
+        return _format_value(json.dumps(v, sort_keys=True, default=str))
     raise ValueError(f"pipeline spec option values are bool/int/float/str/None, got {type(v).__name__}")
 
 

@@ -59,15 +59,20 @@ serialise (NVLink and NIC traffic add up), a conservative bound.
 
 Planner
 -------
-``auto``: tables (or ``together`` groups) are placed greedily, largest estimated cost first, each
-where it minimises the resulting objective (ties: smaller growth of the sum of squared rank times,
-then kind order, then lowest rank), considering TW on every rank, CW (blocks on the ranks that
-would each take a table best), RW, TWRW on every node, and DP for tables under
-``DP_MAX_BYTES``. A refinement pass then moves tables off the slowest rank, or swaps a
-table-wise table there with one elsewhere, while that lowers the objective. Finally each uniform
-strategy (every table forced to one kind) is planned too and the best plan is kept, so ``auto``
-is never estimated worse than a forced strategy that fits. A forced ``strategy`` uses one kind
-for every table (TW and CW blocks balanced greedily, TWRW nodes likewise).
+``auto``: tables (or ``together`` groups) are placed greedily, largest estimated cost first. Each
+goes where it minimises ``max(slowest rank after placing it, average rank once every table is
+placed) + the plan's latencies`` — the average is a lower bound on the final objective, so early
+tables are not spread over many ranks at a high total cost just because the ranks are still
+empty. Ties go to the smaller growth of the sum of squared rank times, then kind order, then the
+lowest rank. Candidates: TW on every rank, CW (each block on one of the ranks that would take a
+table best), RW, TWRW on every node, and DP for tables under ``DP_MAX_BYTES``. A refinement pass
+then moves tables off the slowest rank (to any allowed placement), or swaps a table-wise table
+there with a smaller one elsewhere, while that lowers the objective. Finally every uniform
+strategy (each kind forced on all tables) is planned as well; if the best of them beats the greedy
+plan it is refined with all kinds allowed and kept, so ``auto`` is never estimated worse than a
+forced strategy that fits (and may then replicate tables above ``DP_MAX_BYTES``). A forced
+``strategy`` uses one kind for every table, TW and CW blocks and TWRW nodes balanced greedily.
+Memory caps are hard: a placement that would put any rank over its cap is never taken.
 """
 from __future__ import annotations
 
@@ -78,7 +83,7 @@ from typing import Any, Iterable, Optional
 
 from recc.cluster import Cluster
 from recc.specs import (SHARDING_KINDS, Plan, RankEstimate, ShardSpec, StepEstimate, TableSpec,
-                        compress_ranks)
+                        compress_ranks, fmt_ms)
 
 TW, RW, CW, TWRW, DP = SHARDING_KINDS
 KIND_INDEX = {k: i for i, k in enumerate(SHARDING_KINDS)}
@@ -185,10 +190,6 @@ def placement_of(t: TableSpec, spec: ShardSpec, cluster: Cluster) -> tuple:
         raise ValueError(f"table {t.name}: {spec.describe()} is not a {spec.kind} layout recc runs; "
                          f"expected e.g. {expected.describe()}")
     return placement
-
-
-def kind_of(placement: tuple) -> str:
-    return placement[0]
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -332,7 +333,8 @@ class CostModel:
         return comp, comm, mem
 
     def latency(self, kinds: Iterable[str]) -> float:
-        return sum(self.kind_latency[k] for k in set(kinds))
+        used = set(kinds)  # summed in kind order, so every process adds the same floats
+        return sum(self.kind_latency[k] for k in SHARDING_KINDS if k in used)
 
 
 # ----------------------------------------------------------------------------- constraints
@@ -479,8 +481,8 @@ def _units(tables: dict[str, TableSpec], profiles: dict[str, _Profile], cons: di
             total = sum(model.table_bytes(p, p.rows, p.dim) for p in (profiles[n] for n in names))
             if DP in kinds and DP not in explicit and total >= DP_MAX_BYTES and W > 1:
                 kinds.remove(DP)
-        if len(names) > 1 and CW in kinds and len(kinds) > 1:
-            kinds.remove(CW)  # a group shares one placement; column blocks differ per table
+        if len(names) > 1 and CW in kinds and len({profiles[n].dim for n in names}) > 1:
+            kinds.remove(CW)  # a group shares one placement: its column blocks need one width
         pins_r = {cons["rank"][n] for n in names if n in cons["rank"]}
         pins_n = {cons["node"][n] for n in names if n in cons["node"]}
         pins_n |= {cluster.node_of(r) for r in pins_r}
@@ -498,10 +500,17 @@ def _units(tables: dict[str, TableSpec], profiles: dict[str, _Profile], cons: di
             kinds = [k for k in kinds if k not in (RW, DP) or cluster.nodes == 1]
             kinds = [k for k in kinds if k != CW or all(column_split(profiles[n].dim, W) <= len(ranks) for n in names)]
         if not kinds:
-            where = f"rank {rank}" if rank is not None else f"node {node}"
-            raise ValueError(f"constraints: no sharding kind can place {', '.join(names)} on {where}"
-                             f"{' under strategy ' + strategy if strategy != 'auto' else ''}; a table pinned to a "
-                             f"rank is table_wise, one pinned to a node is table_wise, column_wise or table_row_wise")
+            why = []
+            if rank is not None:
+                why.append(f"pinned to rank {rank} (only table_wise keeps a table on one rank)")
+            elif node is not None:
+                why.append(f"pinned to node {node} (table_wise, column_wise with at most "
+                           f"{cluster.devices_per_node} blocks, or table_row_wise stay inside a node)")
+            if len(names) > 1:
+                why.append("kept together (column_wise needs one embedding dim for the group)")
+            if strategy != "auto":
+                why.append(f"under strategy {strategy}")
+            raise ValueError(f"constraints: no sharding kind can place {', '.join(names)}: " + "; ".join(why))
         units.append(_Unit(names, [profiles[n] for n in names], tuple(kinds), ranks, node, rank, index=idx))
     return units
 
@@ -619,15 +628,13 @@ class _Search:
     # -- evaluation
     def eval_dense(self, u: _Unit, placement: tuple, dt, dmem):
         st = self.state
-        worst, worst_r = -math.inf, -1
-        for r, (m, d) in enumerate(zip(st.mem, dmem)):
-            if m + d > worst:
-                worst, worst_r = m + d, r
+        need = list(map(operator.add, st.mem, dmem))
+        worst = max(need)
         if worst > self.cap:
-            self._over(u, placement, worst_r, worst)
+            self._over(u, placement, need.index(worst), worst)
             return None
         mx = max(max(map(operator.add, st.tot, dt)), (st.T + sum(dt) + self.remaining) / self.m.W)
-        dss = sum(map(lambda t, x: (2 * t + x) * x, st.tot, dt))
+        dss = 2 * sum(map(operator.mul, st.tot, dt)) + sum(map(operator.mul, dt, dt))
         return (mx + st.latency_with(placement[0]), dss, KIND_INDEX[placement[0]], _tiebreak(placement))
 
     def tw_scores(self, u: _Unit, cols_div: int, kind: str, ranks: Optional[Iterable[int]]):
@@ -643,7 +650,7 @@ class _Search:
         out = []
         for r in (ranks if ranks is not None else range(W)):
             if memr[r] + mem > cap:
-                self._over(u, (kind, r), r, memr[r] + mem)
+                self._over(u, (kind, r if kind == TW else (r,)), r, memr[r] + mem)
                 continue
             n = r // G
             t = tot[r]
@@ -666,6 +673,8 @@ class _Search:
         m = self.m
         found = []
         for kind in u.kinds:
+            if kind in (RW, TWRW) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
+                continue  # one block on one rank: the table_wise layout under another name
             if kind == TW:
                 scores = self.tw_scores(u, 1, TW, u.ranks)
                 if scores:
@@ -888,7 +897,7 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
     if strategy == "auto":
         shards = search("auto")
         best = estimate_shards(tables, shards, model, bag_sizes)[3]
-        notes.append(f"auto: greedy + refinement {best * 1e3:.3f} ms")
+        notes.append(f"auto: greedy + refinement {fmt_ms(best * 1e3)} ms")
         tried, uniform = [], None
         for kind in SHARDING_KINDS:
             try:
@@ -897,7 +906,7 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
                 tried.append(f"{kind} -")
                 continue
             obj = estimate_shards(tables, alt, model, bag_sizes)[3]
-            tried.append(f"{kind} {obj * 1e3:.3f}")
+            tried.append(f"{kind} {fmt_ms(obj * 1e3)}")
             if uniform is None or obj < uniform[0] * (1 - 1e-9):
                 uniform = (obj, kind, alt)
         if uniform is not None and uniform[0] < best * (1 - 1e-9):
@@ -907,8 +916,8 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
             refined = search("auto", start=alt)
             robj = estimate_shards(tables, refined, model, bag_sizes)[3]
             best, shards = (robj, refined) if robj < obj * (1 - 1e-9) else (obj, alt)
-            notes[0] += (f"; uniform {kind} {obj * 1e3:.3f} ms is better" +
-                         (f", refined to {robj * 1e3:.3f} ms" if robj < obj * (1 - 1e-9) else "") + ", kept")
+            notes[0] += (f"; uniform {kind} {fmt_ms(obj * 1e3)} ms is better" +
+                         (f", refined to {fmt_ms(robj * 1e3)} ms" if robj < obj * (1 - 1e-9) else "") + ", kept")
         if cluster.world_size > 1:
             notes.append("uniform strategies (ms; - does not fit): " + ", ".join(tried))
     else:
@@ -979,7 +988,8 @@ def _no_fit_message(u: _Unit, overflow, model: CostModel, tables, profiles, unit
         return head + " (no allowed placement)"
     over, rank, placement, need, used = overflow
     kind = placement[0]
-    where = f"{kind} on rank {rank}" if kind == TW else f"{kind} ({compress_ranks(_ranks_of(placement, model))})"
+    where = (f"{kind} on rank {rank}" if kind == TW else f"a {kind} block on rank {rank}" if kind == CW
+             else f"{kind} over ranks {compress_ranks(_ranks_of(placement, model))}")
     msg = (f"{head}: its least-over placement, {where}, needs {need / GIB:.2f} GiB on rank {rank} "
            f"({used / GIB:.2f} GiB already placed there), {over / GIB:.2f} GiB over the "
            f"{cap / GIB:.2f} GiB cap ({model.cluster.device.memory_gb:g} GiB less {RESERVED_FRACTION:.0%} reserved).")

@@ -127,6 +127,11 @@ class OptimizerSpec:
         return f"{self.name}(lr={self.lr:g})"
 
 
+def fmt_ms(ms: float) -> str:
+    """Milliseconds with three significant digits (``2.58``, ``0.0123``, ``7.68e-05``)."""
+    return f"{ms:.3g}"
+
+
 def compress_ranks(ranks) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"`` (sorted, ranges of consecutive ranks)."""
     out, run = [], []
@@ -185,8 +190,9 @@ class StepEstimate:
         return self.lookup_ms + self.comm_ms + self.dense_ms
 
     def describe(self) -> str:
-        return (f"step estimate (slowest rank {self.slowest_rank}): lookup {self.lookup_ms:.3f} ms + "
-                f"communication {self.comm_ms:.3f} ms + dense {self.dense_ms:.3f} ms = {self.total_ms:.3f} ms")
+        return (f"step estimate (slowest rank {self.slowest_rank}): lookup {fmt_ms(self.lookup_ms)} ms + "
+                f"communication {fmt_ms(self.comm_ms)} ms + dense {fmt_ms(self.dense_ms)} ms = "
+                f"{fmt_ms(self.total_ms)} ms")
 
 
 @dataclass
@@ -210,12 +216,12 @@ class Plan:
         return None if self.estimate is None else self.estimate.sparse_ms
 
     def __str__(self) -> str:
-        rows = [("table", "rows x dim", "kind", "ranks", "est ms", "shards")]
+        rows = [("table", "rows x dim", "kind", "ranks", "shards", "est ms")]
         for name, spec in self.shards.items():
             t = self.tables[name]
             cost = self.table_cost_ms.get(name)
-            rows.append((name, f"{t.rows}x{t.dim}", spec.kind, compress_ranks(spec.ranks),
-                         "-" if cost is None else f"{cost:.3f}", shard_shapes(spec)))
+            rows.append((name, f"{t.rows}x{t.dim}", spec.kind, compress_ranks(spec.ranks), shard_shapes(spec),
+                         "-" if cost is None else fmt_ms(cost)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"# sharding plan: {len(self.shards)} tables over {self.world_size} rank(s), strategy={self.strategy}"]
         for i, r in enumerate(rows):
@@ -232,7 +238,7 @@ class Plan:
                 if cap and e.memory_bytes > cap:
                     mem += " OVER"
                 line = (f"rank {e.rank}: table weights {e.weight_bytes / 2**20:.2f} MiB, {mem}, "
-                        f"est {e.total_ms:.3f} ms (lookup {e.lookup_ms:.3f}, comm {e.comm_ms:.3f})")
+                        f"est {fmt_ms(e.total_ms)} ms (lookup {fmt_ms(e.lookup_ms)}, comm {fmt_ms(e.comm_ms)})")
                 lines.append(line + ("  <- slowest" if e.rank == slowest else ""))
             if self.estimate is not None:
                 lines.append("# " + self.estimate.describe())
