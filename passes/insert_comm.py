@@ -59,6 +59,10 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                              f"shards pooled tables across ranks — make them data_parallel")
         for k, rank, r0, r1, c0, c1 in group.placements:
             t = group.tables[k]
+            if group.optimizer.name == "rowwise_adagrad" and (c0, c1) != (0, t.dim):
+                raise ValueError(f"insert_comm: table {t.name} is split by columns, but rowwise_adagrad keeps one "
+                                 f"accumulator per whole row (the mean of g^2 over all its columns); place it "
+                                 f"table_wise/row_wise or use another optimizer")
             if group.pooling == "mean" and (r0, r1) != (0, t.rows):
                 raise ValueError(f"insert_comm: table {t.name} uses mean pooling and is split by rows; a mean "
                                  f"cannot be assembled from partial sums — use table_wise/column_wise for it")

@@ -483,6 +483,14 @@ def _units(tables: dict[str, TableSpec], profiles: dict[str, _Profile], cons: di
                 kinds.remove(DP)
         if len(names) > 1 and CW in kinds and len({profiles[n].dim for n in names}) > 1:
             kinds.remove(CW)  # a group shares one placement: its column blocks need one width
+        if model.optimizer == "rowwise_adagrad" and W > 1 and CW in kinds:
+            # Row-wise Adagrad keeps one accumulator per whole row (the mean of g^2 over all its
+            # columns); column blocks on different ranks would each see only their columns.
+            if strategy == CW:
+                raise ValueError(f"plan_tables: column_wise splits the rows of {', '.join(names)} across ranks, "
+                                 f"but rowwise_adagrad keeps one accumulator per whole row; use table_wise, "
+                                 f"row_wise or table_row_wise with it, or another optimizer")
+            kinds.remove(CW)
         pins_r = {cons["rank"][n] for n in names if n in cons["rank"]}
         pins_n = {cons["node"][n] for n in names if n in cons["node"]}
         pins_n |= {cluster.node_of(r) for r in pins_r}

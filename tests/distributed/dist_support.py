@@ -1,0 +1,240 @@
+"""Helpers of the multi-process tests: the models, the job every rank runs, eager references.
+
+Spawning a gloo world costs seconds on this machine, so each world size is launched once per
+session (the ``world2`` / ``world4`` fixtures in ``conftest.py``): the parent compiles every
+program to check (compiling is pure), ships them in one ``recc.launch``, and every rank trains
+them one after another and returns each one's gathered ``state_dict()``, per-step outputs and
+local table shapes. The tests compare those with eager PyTorch trained in the test process on
+the global batch.
+
+A job that raises on the ranks is recorded (``result["error"]``) rather than failing the whole
+launch, so one broken sharding kind fails only its own tests. (A job that raises on one rank only
+leaves its peers in a collective until ``RECC_TIMEOUT_S``, 60 s here; they then record the
+timeout and the world carries on with the next job.)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import traceback
+from typing import Optional
+
+import cloudpickle
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recc
+from recc.models import DLRM, SyntheticData, build_model, slice_batch
+
+# The job runner travels to the spawned ranks; ship this module by value so the ranks need not
+# import it (the test folder is not on their import path as a package).
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+KINDS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+GLOBAL_BATCH = 16            # divisible by 1, 2 and 4
+STEPS = 5
+LR = {"sgd": 0.1, "rowwise_adagrad": 0.05}
+EPS = 1e-8
+TIMEOUT_S = "60"             # RECC_TIMEOUT_S for the launches: a hang fails within a minute
+# The mixed-plan model: one table per kind, different sizes so row blocks are uneven.
+MIXED_ROWS = [10, 20, 30, 41, 50]
+MIXED_PLAN = {"emb_l.0": "table_wise", "emb_l.1": "row_wise", "emb_l.2": "column_wise",
+              "emb_l.3": "data_parallel", "emb_l.4": "table_row_wise"}
+# The same without its column-wise table (see test_dist_parity's note on row-wise Adagrad).
+MIXED_PLAN_NO_CW = dict(MIXED_PLAN, **{"emb_l.2": "table_wise"})
+CKPT_KIND_W2 = "row_wise"     # the plan that trains the first 3 steps at world size 2
+CKPT_KIND_W4 = "column_wise"  # the (different) plan that resumes at world size 4
+
+
+# ----------------------------------------------------------------------------- models and data
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("tiny")
+
+
+def mixed_model() -> nn.Module:
+    torch.manual_seed(0)
+    return DLRM(ln_emb=list(MIXED_ROWS), m_spa=4, ln_bot=[13, 8, 4], ln_top=[8, 1])
+
+
+def tiny_data() -> SyntheticData:
+    return SyntheticData("tiny", batch_size=GLOBAL_BATCH, seed=1)
+
+
+def mixed_data() -> SyntheticData:
+    return SyntheticData("tiny", batch_size=GLOBAL_BATCH, seed=2, num_embeddings=MIXED_ROWS)
+
+
+def config(optimizer: str = "sgd", **kw) -> recc.CompileConfig:
+    """fp32 communication: the parity contract is stated for it."""
+    return recc.CompileConfig(optimizer=optimizer, lr=LR[optimizer], eps=EPS, comm_fwd="fp32",
+                              comm_bwd="fp32", batch_size=GLOBAL_BATCH, **kw)
+
+
+def compile_for(model: nn.Module, data: SyntheticData, world: int, optimizer: str = "sgd", *,
+                sharding: str = "auto", plan: Optional[dict] = None) -> recc.Program:
+    example = slice_batch(data.batch(0), 0, world)[:3]  # a rank's slice, as the ranks call it
+    # The constraints travel as inline YAML (JSON is YAML): a dict option cannot be printed into
+    # the stage's spec string yet (tests/passes/test_shard_tables.py::test_constraints_from_pass_options).
+    opts = {"shard_tables": {"constraints": json.dumps({"plan": dict(plan)})}} if plan else {}
+    return recc.compile(model, recc.Cluster.local(world), example_inputs=example,
+                        config=config(optimizer, sharding=sharding, pass_options=opts))
+
+
+# ----------------------------------------------------------------------------- on every rank
+
+def train(dmodel, data: SyntheticData, start: int, stop: int, lr: float, world: Optional[int] = None,
+          rank: Optional[int] = None) -> list[torch.Tensor]:
+    """Steps [start, stop) on this rank's slice of each global batch; returns the outputs."""
+    world = recc.world_size() if world is None else world
+    rank = recc.rank() if rank is None else rank
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=lr)
+    outs = []
+    for s in range(start, stop):
+        dense_x, lS_o, lS_i, y = slice_batch(data.batch(s), rank, world)
+        out = dmodel(dense_x, lS_o, lS_i)
+        outs.append(out.detach().clone())
+        F.binary_cross_entropy(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return outs
+
+
+def local_tables(dmodel) -> list[dict]:
+    """What this rank holds: per table group, its weights' shape and its local shards."""
+    return [{"group": g.group_name, "shape": tuple(g.weights.shape),
+             "shards": [(g.tables[k].name, r0, r1, c0, c1) for k, _, r0, r1, c0, c1 in g.local_placements(g.rank)]}
+            for g in dmodel.table_groups()]
+
+
+def run_job(job: dict) -> dict:
+    dmodel = job["program"].instantiate()
+    if job.get("load") is not None:
+        dmodel.load_state_dict(job["load"])
+    held = local_tables(dmodel)
+    start, stop = job["steps"]
+    outs = train(dmodel, job["data"], start, stop, job["lr"])
+    return {"state": dmodel.state_dict(), "outputs": outs, "tables": held, "error": None}
+
+
+def run_jobs(jobs: dict) -> dict:
+    results = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = run_job(job)
+        except Exception as e:  # one broken job must not hide the others' results
+            results[name] = {"error": f"rank {recc.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return results
+
+
+# ----------------------------------------------------------------------------- eager references
+
+def eager_copy(model: nn.Module) -> nn.Module:
+    eager = copy.deepcopy(model)
+    for m in eager.modules():
+        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)):
+            m.sparse = True
+    return eager
+
+
+def table_params(model: nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in model.modules() if isinstance(m, (nn.EmbeddingBag, nn.Embedding))]
+
+
+class RowwiseAdagradReference:
+    """FBGEMM's row-wise Adagrad written plainly: per table, each touched row's gradient summed
+    over the batch (duplicates coalesced), ``m += mean(g^2)``, ``w -= lr*g/(sqrt(m)+eps)``."""
+
+    def __init__(self, tables, lr: float, eps: float = EPS):
+        self.tables, self.lr, self.eps = tables, lr, eps
+        self.m = [torch.zeros(t.shape[0]) for t in tables]
+
+    @torch.no_grad()
+    def step(self):
+        for w, m in zip(self.tables, self.m):
+            if w.grad is None:
+                continue
+            g = w.grad.coalesce()
+            rows, vals = g.indices()[0], g.values()
+            m[rows] += (vals * vals).mean(1)
+            w[rows] -= self.lr * vals / (m[rows].sqrt() + self.eps)[:, None]
+            w.grad = None
+
+
+def eager_run(model: nn.Module, data: SyntheticData, optimizer: str, steps: int = STEPS):
+    """The reference: one process, the whole global batch, the mean loss. Returns
+    ``(state_dict, outputs per step)``."""
+    eager = eager_copy(model)
+    lr = LR[optimizer]
+    tables = {id(t) for t in table_params(eager)}
+    if optimizer == "sgd":
+        opts = [torch.optim.SGD(eager.parameters(), lr=lr)]
+    else:
+        opts = [torch.optim.SGD([p for p in eager.parameters() if id(p) not in tables], lr=lr),
+                RowwiseAdagradReference(table_params(eager), lr)]
+    outs = []
+    for s in range(steps):
+        dense_x, lS_o, lS_i, y = data.batch(s)
+        out = eager(dense_x, lS_o, lS_i)
+        outs.append(out.detach().clone())
+        F.binary_cross_entropy(out, y).backward()
+        for o in opts:
+            o.step()
+        eager.zero_grad(set_to_none=True)
+    return eager.state_dict(), outs
+
+
+def assert_same_state(got: dict, want: dict, atol: float = 1e-6, rtol: float = 1e-5):
+    """Same keys in the same order, same shapes, values within fp32 rounding (the passing kinds
+    differ from eager by at most ~1.5e-7 after 5 steps)."""
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].shape == want[k].shape, k
+        torch.testing.assert_close(got[k], want[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m}")
+
+
+def ok(result: dict) -> dict:
+    """A job's result on one rank, failing the test with the rank's traceback if it raised."""
+    if result.get("error"):
+        pytest.fail(f"the job raised on the ranks:\n{result['error']}", pytrace=False)
+    return result
+
+
+def launch_jobs(world: int, jobs: dict) -> list[dict]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
+        return recc.launch(run_jobs, recc.Cluster.local(world), jobs)
+
+
+# ----------------------------------------------------------------------------- the launched worlds
+
+def parity_jobs(world: int) -> tuple[dict, dict]:
+    """Every forced kind and auto, SGD and row-wise Adagrad, on tiny; the mixed plans on both."""
+    jobs, programs = {}, {}
+    for optimizer in ("sgd", "rowwise_adagrad"):
+        for kind in KINDS + ("auto",):
+            name = f"{kind}/{optimizer}"
+            programs[name] = compile_for(tiny_model(), tiny_data(), world, optimizer, sharding=kind)
+            jobs[name] = {"program": programs[name], "data": tiny_data(), "steps": (0, STEPS), "lr": LR[optimizer]}
+        for mixed, plan in (("mixed", MIXED_PLAN), ("mixed-no-cw", MIXED_PLAN_NO_CW)):
+            name = f"{mixed}/{optimizer}"
+            programs[name] = compile_for(mixed_model(), mixed_data(), world, optimizer, plan=plan)
+            jobs[name] = {"program": programs[name], "data": mixed_data(), "steps": (0, STEPS), "lr": LR[optimizer]}
+    return jobs, programs
+
+
+class World:
+    """One launched world's results: ``results[rank][job]`` and the programs the jobs ran."""
+
+    def __init__(self, world: int, jobs: dict, programs: dict):
+        self.size = world
+        self.programs = programs
+        self.results = launch_jobs(world, jobs)
+
+    def job(self, name: str) -> list[dict]:
+        """Every rank's result of job ``name`` (failing the test if a rank raised in it)."""
+        return [ok(r[name]) for r in self.results]

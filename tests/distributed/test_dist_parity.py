@@ -1,0 +1,84 @@
+"""The parity contract on real gloo worlds of 2 and 4 processes: W ranks, each training on its
+slice of the global batch with a per-rank mean loss, end every step with the parameters one
+eager process has after training on the whole global batch with the mean loss — embedding
+tables included (gathered through ``state_dict()``), within fp32 rounding.
+
+Every forced sharding kind and ``auto``, with SGD and with row-wise Adagrad (against a plain
+reference implementation, ``dist_support.RowwiseAdagradReference``), and mixed plans (TW, RW,
+CW, DP and TWRW tables in one model). The ranks' work runs in the session's ``world2`` /
+``world4`` launches (``conftest.py``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_support import KINDS, MIXED_PLAN, MIXED_PLAN_NO_CW, STEPS, assert_same_state, mixed_model, tiny_model
+
+WORLDS = (2, 4)
+
+# Row-wise Adagrad keeps one state value per logical row: m += mean over the row's D columns of
+# g^2. A column-wise shard holds D/k of those columns and its fused update averages over its
+# own block only, so each block keeps its own m (verified: the ranks' result equals a reference
+# with one row state per column block, to 6e-8). Eager (and any other kind) differs from step 2.
+CW_ROWWISE_ADAGRAD = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="column_wise + rowwise_adagrad: each column block keeps its own row state, averaged over "
+           "its block's columns instead of the whole row (kernels/cpu/tbe.py rowwise update on a CW shard); "
+           "the blocks' per-row sums of g^2 must be reduced across the table's column-block owners")
+
+
+@pytest.fixture
+def world(request):
+    return request.getfixturevalue(f"world{request.param}")
+
+
+def _check_parity(world, job: str, model: str, optimizer: str, eager_results, initial: dict):
+    results = world.job(job)
+    want, want_outs = eager_results[(model, optimizer)]
+    # Forward first: the ranks' outputs, in rank order, are eager's outputs on the global batch
+    # at every step (a mismatch at step 0 points at the forward, later ones at an update).
+    for step in range(STEPS):
+        got = torch.cat([r["outputs"][step] for r in results])
+        torch.testing.assert_close(got, want_outs[step], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"outputs of step {step}: {m}")
+    for rank, r in enumerate(results):
+        try:
+            assert_same_state(r["state"], want)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank}'s state_dict after {STEPS} steps: {e}") from None
+    # Every rank gathers the identical logical state.
+    for r in results[1:]:
+        assert_same_state(r["state"], results[0]["state"], atol=0, rtol=0)
+    # Everything trained, so a runtime that silently skipped an update could not pass.
+    for k, v in initial.items():
+        assert not torch.equal(results[0]["state"][k], v), f"{k} did not change"
+
+
+def _cases():
+    for kind in KINDS + ("auto",):
+        for optimizer in ("sgd", "rowwise_adagrad"):
+            marks = [CW_ROWWISE_ADAGRAD] if (kind, optimizer) == ("column_wise", "rowwise_adagrad") else []
+            yield pytest.param(kind, optimizer, marks=marks, id=f"{kind}-{optimizer}")
+
+
+@pytest.mark.parametrize("kind, optimizer", _cases())
+@pytest.mark.parametrize("world", WORLDS, indirect=True, ids=lambda w: f"w{w}")
+def test_forced_kind_matches_eager(world, kind, optimizer, eager_results):
+    program = world.programs[f"{kind}/{optimizer}"]
+    if kind != "auto":
+        assert {s.kind for s in program.plan.shards.values()} == {kind}
+    _check_parity(world, f"{kind}/{optimizer}", "tiny", optimizer, eager_results, tiny_model().state_dict())
+
+
+@pytest.mark.parametrize("mixed, plan, optimizer", [
+    pytest.param("mixed", MIXED_PLAN, "sgd", id="tw+rw+cw+dp+twrw-sgd"),
+    pytest.param("mixed", MIXED_PLAN, "rowwise_adagrad", marks=CW_ROWWISE_ADAGRAD, id="tw+rw+cw+dp+twrw-rowwise_adagrad"),
+    pytest.param("mixed-no-cw", MIXED_PLAN_NO_CW, "sgd", id="tw+rw+dp+twrw-sgd"),
+    pytest.param("mixed-no-cw", MIXED_PLAN_NO_CW, "rowwise_adagrad", id="tw+rw+dp+twrw-rowwise_adagrad"),
+])
+@pytest.mark.parametrize("world", WORLDS, indirect=True, ids=lambda w: f"w{w}")
+def test_mixed_plan_matches_eager(world, mixed, plan, optimizer, eager_results):
+    program = world.programs[f"{mixed}/{optimizer}"]
+    assert {t: s.kind for t, s in program.plan.shards.items()} == plan
+    _check_parity(world, f"{mixed}/{optimizer}", "mixed", optimizer, eager_results, mixed_model().state_dict())
