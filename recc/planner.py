@@ -486,7 +486,7 @@ def _units(tables: dict[str, TableSpec], profiles: dict[str, _Profile], cons: di
         if model.optimizer == "rowwise_adagrad" and W > 1 and CW in kinds:
             # Row-wise Adagrad keeps one accumulator per whole row (the mean of g^2 over all its
             # columns); column blocks on different ranks would each see only their columns.
-            if strategy == CW:
+            if strategy == CW or kinds == [CW]:
                 raise ValueError(f"plan_tables: column_wise splits the rows of {', '.join(names)} across ranks, "
                                  f"but rowwise_adagrad keeps one accumulator per whole row; use table_wise, "
                                  f"row_wise or table_row_wise with it, or another optimizer")

@@ -17,17 +17,6 @@ from dist_support import KINDS, MIXED_PLAN, MIXED_PLAN_NO_CW, STEPS, assert_same
 
 WORLDS = (2, 4)
 
-# Row-wise Adagrad keeps one state value per logical row: m += mean over the row's D columns of
-# g^2. A column-wise shard holds D/k of those columns and its fused update averages over its
-# own block only, so each block keeps its own m (verified: the ranks' result equals a reference
-# with one row state per column block, to 6e-8). Eager (and any other kind) differs from step 2.
-CW_ROWWISE_ADAGRAD = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="column_wise + rowwise_adagrad: each column block keeps its own row state, averaged over "
-           "its block's columns instead of the whole row (kernels/cpu/tbe.py rowwise update on a CW shard); "
-           "the blocks' per-row sums of g^2 must be reduced across the table's column-block owners")
-
-
 @pytest.fixture
 def world(request):
     return request.getfixturevalue(f"world{request.param}")
@@ -58,8 +47,9 @@ def _check_parity(world, job: str, model: str, optimizer: str, eager_results, in
 def _cases():
     for kind in KINDS + ("auto",):
         for optimizer in ("sgd", "rowwise_adagrad"):
-            marks = [CW_ROWWISE_ADAGRAD] if (kind, optimizer) == ("column_wise", "rowwise_adagrad") else []
-            yield pytest.param(kind, optimizer, marks=marks, id=f"{kind}-{optimizer}")
+            if (kind, optimizer) == ("column_wise", "rowwise_adagrad"):
+                continue  # refused at compile time: test_column_wise_with_rowwise_adagrad_is_refused
+            yield pytest.param(kind, optimizer, id=f"{kind}-{optimizer}")
 
 
 @pytest.mark.parametrize("kind, optimizer", _cases())
@@ -73,7 +63,6 @@ def test_forced_kind_matches_eager(world, kind, optimizer, eager_results):
 
 @pytest.mark.parametrize("mixed, plan, optimizer", [
     pytest.param("mixed", MIXED_PLAN, "sgd", id="tw+rw+cw+dp+twrw-sgd"),
-    pytest.param("mixed", MIXED_PLAN, "rowwise_adagrad", marks=CW_ROWWISE_ADAGRAD, id="tw+rw+cw+dp+twrw-rowwise_adagrad"),
     pytest.param("mixed-no-cw", MIXED_PLAN_NO_CW, "sgd", id="tw+rw+dp+twrw-sgd"),
     pytest.param("mixed-no-cw", MIXED_PLAN_NO_CW, "rowwise_adagrad", id="tw+rw+dp+twrw-rowwise_adagrad"),
 ])
@@ -82,3 +71,16 @@ def test_mixed_plan_matches_eager(world, mixed, plan, optimizer, eager_results):
     program = world.programs[f"{mixed}/{optimizer}"]
     assert {t: s.kind for t, s in program.plan.shards.items()} == plan
     _check_parity(world, f"{mixed}/{optimizer}", "mixed", optimizer, eager_results, mixed_model().state_dict())
+
+
+# Row-wise Adagrad keeps one accumulator per logical row: m += mean over the row's D columns of
+# g^2. A column-wise shard holds D/k of those columns, so its owner alone cannot apply the
+# update eager applies; recc refuses the combination at compile time instead of diverging.
+@pytest.mark.parametrize("how", ["forced", "manual plan"])
+def test_column_wise_with_rowwise_adagrad_is_refused(how):
+    from dist_support import compile_for, mixed_data, mixed_model, tiny_data
+    with pytest.raises(ValueError, match="rowwise_adagrad keeps one accumulator per whole row"):
+        if how == "forced":
+            compile_for(tiny_model(), tiny_data(), 2, "rowwise_adagrad", sharding="column_wise")
+        else:
+            compile_for(mixed_model(), mixed_data(), 2, "rowwise_adagrad", plan=MIXED_PLAN)
