@@ -81,25 +81,40 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     _a2a(recv_counts, counts, [1] * world, [1] * world)               # phase 1: how many ids
     shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
     j_me = shards_of[me]
-    lens = torch.cat(send_len) if send_len else torch.zeros(0, dtype=torch.int64)
-    recv_lens = torch.empty(world * j_me * b, dtype=torch.int64)
-    ids_all = torch.cat(send_ids) if send_ids else torch.zeros(0, dtype=torch.int64)
-    recv_ids = torch.empty(int(recv_counts.sum()), dtype=torch.int64)
     rc = recv_counts.tolist()
-    works = [_a2a(recv_lens, lens, [j_me * b] * world, [s * b for s in shards_of], async_op=True),
-             _a2a(recv_ids, ids_all, rc, id_counts, async_op=True)]   # phase 2: lengths and ids
+    # Phase 2, one exchange: for each destination its shards' bag lengths, then their ids.
+    per_dst_len = [shards_of[o] * b for o in range(world)]
+    chunks, li, ii = [], 0, 0
+    for o in range(world):
+        n_shards = shards_of[o]
+        chunks.extend(send_len[li:li + n_shards])
+        chunks.extend(send_ids[ii:ii + n_shards])
+        li += n_shards
+        ii += n_shards
+    send = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64)
+    recv = torch.empty(world * j_me * b + sum(rc), dtype=torch.int64)
+    works = [_a2a(recv, send, [j_me * b + n for n in rc], [l + n for l, n in zip(per_dst_len, id_counts)],
+                  async_op=True)]
     recv_w = None
     if psw is not None:
         w_all = torch.cat(send_w) if send_w else torch.zeros(0)
-        recv_w = torch.empty(int(recv_counts.sum()), dtype=w_all.dtype)
+        recv_w = torch.empty(sum(rc), dtype=w_all.dtype)
         works.append(_a2a(recv_w, w_all, rc, id_counts, async_op=True))
-    return Handle((recv_lens, recv_ids, recv_w, rc, j_me, b, world), works, comm)
+    return Handle((recv, recv_w, rc, j_me, b, world), works, comm)
 
 
 def input_dist_wait(handle: Handle) -> SparseBatch:
     for w in handle.work:
         w.wait()
-    recv_lens, recv_ids, recv_w, rc, j_me, b, world = handle.value
+    recv, recv_w, rc, j_me, b, world = handle.value
+    # Split each source's chunk into its [J x B] lengths and its ids.
+    lens_parts, id_parts, pos = [], [], 0
+    for s_ in range(world):
+        lens_parts.append(recv[pos:pos + j_me * b])
+        id_parts.append(recv[pos + j_me * b:pos + j_me * b + rc[s_]])
+        pos += j_me * b + rc[s_]
+    recv_lens = torch.cat(lens_parts)
+    recv_ids = torch.cat(id_parts) if id_parts else recv[:0]
     # Received: per source rank s, [J x B lengths] and its ids shard by shard. Reorder to
     # shard-major (feature-major): shard j's bags are rank 0's B bags, then rank 1's, ...
     lens = recv_lens.view(world, j_me, b).transpose(0, 1).reshape(-1)
