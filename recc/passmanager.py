@@ -124,8 +124,16 @@ def _format_value(v: Any) -> str:
         # Structured options (e.g. shard_tables' constraints) print as quoted inline JSON, a
         # form passes that take them also accept as a string.
         import json
-        return _format_value(json.dumps(v, sort_keys=True, default=str))
+        return _format_value(json.dumps(v, sort_keys=True, default=_jsonable))
     raise ValueError(f"pipeline spec option values are bool/int/float/str/None, got {type(v).__name__}")
+
+
+def _jsonable(v: Any):
+    """Values inside structured options: specs (e.g. a ``ShardSpec`` in a manual plan) print in
+    the mapping form their pass reads back."""
+    if hasattr(v, "kind") and hasattr(v, "shards"):
+        return {"kind": v.kind, "shards": [list(s) for s in v.shards]}
+    raise TypeError(f"pipeline spec: cannot print a {type(v).__name__} inside an option value")
 
 
 def _read_value(spec: str, pos: int) -> tuple[Any, int]:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from recc.cli import main
+
+ZIONEX = Path(__file__).resolve().parents[1] / "clusters" / "zionex-16x8.yaml"
 
 
 @pytest.fixture
@@ -21,19 +24,18 @@ def test_compile_prints_the_final_ir_and_plan_and_dumps(tmp_path, capsys):
     dump = tmp_path / "ir"
     assert main(["compile", "--model", "tiny", "--dump-dir", str(dump)]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("# recc IR after [5/5] lower{device=auto} | ")
+    assert out.startswith("# recc IR after [6/6] lower | ")
     assert "\npooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables\n" in out
     assert "# sharding plan: 3 tables over 1 rank(s), strategy=auto" in out
     assert "emb_l.2  30x4        table_wise  0      r0:30x4" in out
     assert "\ngetitem    : f32[8,6]     = recc.pairwise_dot[cpu](stack, li, lj)  # @fuse_interaction\n" in out
-    assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 5 passes, pipeline discover_tables,"
-                     r"shard_tables\{strategy=auto\},batch_tables\{max_tables_per_group=0\},fuse_interaction,"
-                     r"lower\{device=auto\}$", out, re.M)
+    assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 6 passes, pipeline discover_tables,"
+                     r"shard_tables\{strategy=auto\},batch_tables,insert_comm,fuse_interaction,lower$", out, re.M)
     assert f"# wrote every stage's .txt/.diff/.dot and summary.tsv to {dump}" in out
     assert err == ""
     names = sorted(p.name for p in dump.iterdir())
     assert names == sorted([f"{i:02d}-{n}.{ext}" for i, n in enumerate(
-        ["trace", "discover_tables", "shard_tables", "batch_tables", "fuse_interaction", "lower"])
+        ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "fuse_interaction", "lower"])
         for ext in ("txt", "diff", "dot")]
         + ["summary.tsv"])
 
@@ -70,13 +72,33 @@ def test_compile_unknown_model():
         main(["compile", "--model", "huge"])
 
 
-def test_train_tiny(capsys, one_thread_cli):
-    assert main(["train", "--model", "tiny", "--steps", "30", "--eval-batches", "2"]) == 0
+def test_train_tiny_on_two_ranks_by_default(capfd):
+    """``recc train`` runs on a local 2-rank world unless told otherwise: the header names the
+    global batch and the world, the plan follows it, and rank 0 (a spawned process) draws the
+    progress bar."""
+    assert main(["train", "--model", "tiny", "--steps", "4", "--eval-batches", "2"]) == 0
+    out, err = capfd.readouterr()
+    assert re.search(r"^held-out: log loss \d+\.\d{4}, AUC \d\.\d{4} \(2 batches\); training throughput "
+                     r"[\d,]+ samples/s$", out, re.M), out
+    header = ("recc train: tiny (3 tables, 1 table groups), global batch 8, 4 steps, sparse optimizer sgd lr=0.1, "
+              "2 rank(s) (local-2)\n")
+    assert header in err
+    plan = err[err.index(header) + len(header):]
+    assert plan.startswith("# sharding plan: 3 tables over 2 rank(s), strategy=auto\n")
+    assert re.search(r"^rank 1: table weights ", plan, re.M)
+    assert re.search(r"\[#{30}\] 4/4 loss \d+\.\d{4} auc \d\.\d{4} [\d,]+ samples/s", err), err
+    loss = float(re.search(r"log loss (\d+\.\d+)", out).group(1))
+    assert 0 < loss < 5
+
+
+def test_train_tiny_on_one_rank(capsys, one_thread_cli):
+    assert main(["train", "--model", "tiny", "--steps", "30", "--eval-batches", "2", "--world-size", "1"]) == 0
     out, err = capsys.readouterr()
     assert re.search(r"^held-out: log loss \d+\.\d{4}, AUC \d\.\d{4} \(2 batches\); training throughput "
                      r"[\d,]+ samples/s$", out, re.M), out
-    assert ("recc train: tiny (3 tables, 1 table groups), batch 8, 30 steps, sparse optimizer sgd lr=0.1, "
-            "world size 1") in err
+    assert err.startswith("recc train: tiny (3 tables, 1 table groups), global batch 8, 30 steps, sparse optimizer "
+                          "sgd lr=0.1, 1 rank(s) (local-1)\n")
+    assert "# sharding plan" not in err  # one rank: no plan to show
     assert re.search(r"\[#{30}\] 30/30 loss \d+\.\d{4} auc \d\.\d{4} [\d,]+ samples/s", err)
     loss = float(re.search(r"log loss (\d+\.\d+)", out).group(1))
     assert 0 < loss < 5
@@ -84,19 +106,29 @@ def test_train_tiny(capsys, one_thread_cli):
 
 def test_train_with_another_optimizer(capsys, one_thread_cli):
     assert main(["train", "--model", "tiny", "--steps", "3", "--eval-batches", "1", "--optimizer", "adam",
-                 "--lr", "0.01", "--batch-size", "16"]) == 0
+                 "--lr", "0.01", "--batch-size", "16", "--world-size", "1"]) == 0
     err = capsys.readouterr().err
-    assert "batch 16, 3 steps, sparse optimizer adam lr=0.01" in err
+    assert "global batch 16, 3 steps, sparse optimizer adam lr=0.01, 1 rank(s) (local-1)" in err
 
 
 def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
-    assert main(["compile", "--model", "terabyte", "--meta"]) == 0
+    assert main(["compile", "--model", "terabyte", "--meta", "--cluster", str(ZIONEX)]) == 0
     out = capsys.readouterr().out
-    assert "# sharding plan: 26 tables over 1 rank(s), strategy=auto" in out
-    assert re.search(r"^emb_l\.0\s+39884406x128\s+table_wise\s+0\s+r0:39884406x128$", out, re.M)
-    assert "tbe_g0=[t0,t1,t2,t3,t4,t5,t6,t7,t8,t9,t10,t11,t12,t13,t14,t15,t16,t17,t18,t19,t20,t21,t22,t23,t24,t25]" \
-           " dim=128 sum" in out
-    assert "# compiled terabyte for local-1" in out
+    assert out.startswith("# recc IR after [6/6] lower | ")
+    assert "# sharding plan: 26 tables over 128 rank(s), strategy=auto" in out
+    assert re.search(r"^emb_l\.0\s+39884406x128\s+\w+\s+[\d-]+\s+\S+\s+[\d.e-]+$", out, re.M)
+    assert "tbe_g0=[t0,t1,t2,t3,t4,t5,t6,t7,t8,t9,t10,t11,t12,t13,t14,t15,t16,t17,t18,t19,t20,t21,t22,t23,t24,t25]" in out
+    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.all_to_all_wait\[cuda\]\(emb_g0_h\)", out, re.M)
+    assert "memory cap 36.00 GiB per rank (40 GiB less 10% reserved)" in out
+    assert " OVER" not in out
+    assert re.search(r"^# compiled terabyte for zionex-16x8 in \d+\.\d\d s: 6 passes, pipeline discover_tables,"
+                     r"shard_tables\{strategy=auto\},batch_tables,insert_comm,fuse_interaction,lower$", out, re.M)
+
+
+def test_compile_terabyte_for_one_rank_says_it_does_not_fit():
+    with pytest.raises(ValueError, match=r"shard_tables \(cluster local-1\): plan_tables: table emb_l\.\d+ "
+                                         r"\(\d+x128, sgd: .*\) does not fit in memory"):
+        main(["compile", "--model", "terabyte", "--meta"])
 
 
 def test_cli_needs_a_command():

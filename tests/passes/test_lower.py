@@ -78,13 +78,14 @@ PIPELINE = "discover_tables,shard_tables,batch_tables,lower"
 def test_tiny_ir_after_lower(tiny):
     program = recc.compile(tiny, pipeline=PIPELINE)
     assert program.stages["lower"].text == EXPECTED
-    assert program.stages["lower"].spec == "lower{device=auto}"
+    assert program.stages["lower"].spec == "lower"  # device=auto is the default: not shown
+    assert program.pipeline == "discover_tables,shard_tables{strategy=auto},batch_tables,lower"
 
 
 def test_default_pipeline_ends_with_lower(tiny):
     program = recc.compile(tiny)
-    assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "fuse_interaction",
-                                    "lower"]
+    assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm",
+                                    "fuse_interaction", "lower"]
     assert program.stages["lower"].text == EXPECTED_DEFAULT
     assert program.ir == program.stages["lower"].ir
     nodes = _recc_nodes(program.stages["lower"].graph)
@@ -134,6 +135,7 @@ def test_bound_ops_are_shared_singletons():
 
 def test_lower_for_cuda_binds_cuda_and_fails_clearly_without_a_backend(tiny):
     program = recc.compile(tiny, pipeline="discover_tables,shard_tables,batch_tables,lower{device=cuda}")
+    assert program.stages["lower"].spec == "lower{device=cuda}"  # differs from the default: shown
     nodes = _recc_nodes(program.stages["lower"].graph)
     assert nodes and all(n.target.device == "cuda" for n in nodes)
     assert "recc.tbe_lookup[cuda](tbe_g0, sparse_g0)" in program.stages["lower"].text

@@ -2,12 +2,14 @@
 and placements over two ranks (compiled up to shard_tables only: later passes are tested elsewhere)."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
 import recc
+from recc.passmanager import format_spec, parse_spec
 from recc.specs import ShardSpec
 
 EXPECTED = """\
@@ -150,15 +152,46 @@ def test_two_rank_auto_places_every_table(tiny):
     assert program.plan.estimate is not None and program.plan.estimate.dense_ms > 0
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="recc.passmanager.format_item cannot put a dict option in the stage's spec string yet")
+CONSTRAINED = {"emb_l.0": "tw@r1[0:10,0:4]", "emb_l.1": "rw@r0[0:10,0:4]+r1[10:20,0:4]", "emb_l.2": "tw@r0[0:30,0:4]"}
+
+
 def test_constraints_from_pass_options(tiny):
+    """A constraints dict from the config pins the plan, and the stage's spec carries it as a
+    quoted JSON string that, fed back as a pipeline, gives the same plan and the same spec."""
+    constraints = {"rank": {"emb_l.0": 1}, "kinds": {"emb_l.1": ["row_wise"]},
+                   "plan": {"emb_l.2": {"kind": "table_wise", "shards": [[0, 0, 30, 0, 4]]}}}
+    config = recc.CompileConfig(pass_options={"shard_tables": {"constraints": constraints}})
+    program = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE, config=config)
+    assert _shards(program) == CONSTRAINED
+    spec = program.stages["shard_tables"].spec
+    assert spec.startswith('shard_tables{strategy=auto,constraints="{') and spec.endswith('}"}'), spec
+    (name, opts), = parse_spec(spec)
+    assert name == "shard_tables" and opts["strategy"] == "auto"
+    assert isinstance(opts["constraints"], str) and json.loads(opts["constraints"]) == constraints
+    assert format_spec([(name, opts)]) == spec
+    again = recc.compile(tiny, recc.Cluster.local(2), pipeline=program.pipeline)
+    assert _shards(again) == CONSTRAINED
+    assert again.pipeline == program.pipeline
+
+
+def test_constraints_with_a_shard_spec_object(tiny):
+    """A manual plan entry may be a ShardSpec object as well as a mapping."""
     config = recc.CompileConfig(pass_options={"shard_tables": {"constraints": {
         "rank": {"emb_l.0": 1}, "kinds": {"emb_l.1": ["row_wise"]},
         "plan": {"emb_l.2": ShardSpec("emb_l.2", "table_wise", ((0, 0, 30, 0, 4),))}}}})
     program = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE, config=config)
-    assert _shards(program) == {"emb_l.0": "tw@r1[0:10,0:4]", "emb_l.1": "rw@r0[0:10,0:4]+r1[10:20,0:4]",
-                                "emb_l.2": "tw@r0[0:30,0:4]"}
+    assert _shards(program) == CONSTRAINED
+    (_, opts), = parse_spec(program.stages["shard_tables"].spec)
+    shown = json.loads(opts["constraints"])
+    assert shown["rank"] == {"emb_l.0": 1} and shown["kinds"] == {"emb_l.1": ["row_wise"]}
+
+
+def test_constraints_with_a_shard_spec_object_round_trip(tiny):
+    config = recc.CompileConfig(pass_options={"shard_tables": {"constraints": {
+        "plan": {"emb_l.2": ShardSpec("emb_l.2", "table_wise", ((0, 0, 30, 0, 4),))}}}})
+    program = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE, config=config)
+    again = recc.compile(tiny, recc.Cluster.local(2), pipeline=program.pipeline)
+    assert again.plan.shards["emb_l.2"].describe() == "tw@r0[0:30,0:4]"
 
 
 def test_constraints_from_yaml_file_or_inline(tiny, tmp_path):
@@ -184,17 +217,33 @@ def test_bad_constraints_name_the_problem(tiny):
 
 
 def test_batch_and_bag_sizes_come_from_config_or_example_inputs(tiny):
+    """Example inputs are one rank's slice; ``CompileConfig.batch_size`` is the global batch. The
+    cost model uses the config's batch, else the example batch times the world size."""
     from recc.passes.shard_tables import _batch_and_bags
+    bags = {"emb_l.0": 2.0, "emb_l.1": 2.0, "emb_l.2": 2.0}
     program = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE)
-    assert _batch_and_bags(program.stages["shard_tables"].graph) == (8, {"emb_l.0": 2.0, "emb_l.1": 2.0, "emb_l.2": 2.0})
-    assert "global batch 8," in str(program.plan)
+    # Default example inputs: 8 samples per rank.
+    assert _batch_and_bags(program.stages["shard_tables"].graph) == (8, bags)
+    assert "dense_x    : f32[8,13]" in program.stages["shard_tables"].text
+    assert "global batch 16," in str(program.plan)
+    # A config batch is global: each rank's default example inputs are its share of it.
     bigger = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE, config=recc.CompileConfig(batch_size=64))
+    assert _batch_and_bags(bigger.stages["shard_tables"].graph) == (32, bags)
+    assert "dense_x    : f32[32,13]" in bigger.stages["shard_tables"].text
     assert "global batch 64," in str(bigger.plan)
+    one = recc.compile(tiny, pipeline=PIPELINE, config=recc.CompileConfig(batch_size=64))
+    assert _batch_and_bags(one.stages["shard_tables"].graph) == (64, bags)
+    assert "global batch 64," in str(one.plan)
     offsets = [torch.arange(0, 12, 3), torch.arange(0, 4), torch.arange(0, 20, 5)]
     indices = [torch.zeros(12, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), torch.zeros(20, dtype=torch.int64)]
     custom = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE,
                           example_inputs=(torch.rand(4, 13), offsets, indices))
     assert _batch_and_bags(custom.stages["shard_tables"].graph) == (4, {"emb_l.0": 3.0, "emb_l.1": 1.0, "emb_l.2": 5.0})
+    assert "global batch 8," in str(custom.plan)  # 4 per rank x 2 ranks
+    # The config's global batch wins over the example inputs' batch x world size.
+    pinned = recc.compile(tiny, recc.Cluster.local(2), pipeline=PIPELINE, config=recc.CompileConfig(batch_size=48),
+                          example_inputs=(torch.rand(4, 13), offsets, indices))
+    assert "global batch 48," in str(pinned.plan)
 
 
 def test_tables_over_memory_fail_or_plan_with_check_memory_off(tiny):

@@ -15,7 +15,7 @@ from recc.models import build_model
 from recc.ops import Handle, SparseBatch
 from recc.passmanager import format_item
 
-STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "fuse_interaction", "lower"]
+STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "fuse_interaction", "lower"]
 BANNER = re.compile(r"^# recc IR after \[(\d+)/(\d+)\] (\S+) \| (\d+\.\d) ms \| "
                     r"nodes (\d+) -> (\d+) \(([+-]\d+)\) \| verify (ok|off|ok\+eager)$")
 
@@ -106,13 +106,31 @@ def test_banner_format():
         assert stage.ir == stage.banner + "\n" + stage.text
         assert str(stage) == stage.ir
     specs = [s.spec for s in program.stages.values()]
+    # Only options that differ from the pass's defaults are shown, plus those set from the
+    # CompileConfig (shard_tables' strategy comes from CompileConfig.sharding).
     assert specs == ["trace", "discover_tables", "shard_tables{strategy=auto}",
-                     "batch_tables{max_tables_per_group=0}", "fuse_interaction", "lower{device=auto}"]
+                     "batch_tables", "insert_comm", "fuse_interaction", "lower"]
+    assert program.pipeline == ",".join(specs[1:])
     assert program.stages["discover_tables"].banner.endswith("| nodes 26 -> 29 (+3) | verify ok")
     assert program.stages["shard_tables"].banner.endswith("| nodes 29 -> 29 (+0) | verify ok")
     assert program.stages["batch_tables"].banner.endswith("| nodes 29 -> 30 (+1) | verify ok")
+    assert program.stages["insert_comm"].banner.endswith("| nodes 30 -> 30 (+0) | verify ok")  # one rank: no-op
     assert program.stages["fuse_interaction"].banner.endswith("| nodes 30 -> 28 (-2) | verify ok")
-    assert program.stages["lower"].banner.startswith("# recc IR after [5/5] lower{device=auto} | ")
+    assert program.stages["lower"].banner.startswith("# recc IR after [6/6] lower | ")
+
+
+def test_banner_shows_options_that_differ_from_the_defaults():
+    program = _compile(pipeline="discover_tables,shard_tables,batch_tables{max_tables_per_group=2},"
+                                "lower{device=cpu}")
+    specs = [s.spec for s in program.stages.values()]
+    assert specs == ["trace", "discover_tables", "shard_tables{strategy=auto}",
+                     "batch_tables{max_tables_per_group=2}", "lower{device=cpu}"]
+    assert program.pipeline == ",".join(specs[1:])
+    assert program.stages["lower"].banner.startswith("# recc IR after [4/4] lower{device=cpu} | ")
+    # Setting an option to its default value shows nothing; a config-set option always shows.
+    program = _compile(pipeline="discover_tables,shard_tables,batch_tables{max_tables_per_group=0}",
+                       config=recc.CompileConfig(sharding="table_wise"))
+    assert program.pipeline == "discover_tables,shard_tables{strategy=table_wise},batch_tables"
 
 
 def test_banner_counts_a_shrinking_graph():
@@ -202,6 +220,9 @@ def test_stage_diff_is_the_unified_diff_of_consecutive_stages():
     for prev, cur in zip(names, names[1:]):
         a, b = program.stages[prev], program.stages[cur]
         assert b.diff == ir.diff(a.text, b.text, before_name=prev, after_name=cur)
+        if cur == "insert_comm":  # a no-op on one rank: no change, no diff
+            assert b.text == a.text and b.diff == ""
+            continue
         head = b.diff.splitlines()[:3]
         assert head[0] == f"--- {prev}" and head[1] == f"+++ {cur}" and head[2].startswith("@@ ")
         assert _apply_unified(a.text, b.diff) == b.text
@@ -317,7 +338,7 @@ def test_to_dot_labels_survive_truncation():
 def _check_dump(d, program):
     names = [f"{s.index:02d}-{s.name}" for s in program.stages.values()]
     assert names == ["00-trace", "01-discover_tables", "02-shard_tables", "03-batch_tables",
-                     "04-fuse_interaction", "05-lower"]
+                     "04-insert_comm", "05-fuse_interaction", "06-lower"]
     for stem, stage in zip(names, program.stages.values()):
         assert (d / f"{stem}.txt").read_text() == stage.ir
         assert (d / f"{stem}.diff").read_text() == stage.diff
@@ -330,6 +351,7 @@ def _check_dump(d, program):
     assert by_pass["discover_tables"][3:6] == ["26", "29", "ok"]
     assert set(by_pass["discover_tables"][6].split()) == {"call_module-3", "get_attr+3", "recc.embedding_bag+3"}
     assert by_pass["shard_tables"][6] == ""
+    assert by_pass["insert_comm"][3:7] == ["30", "30", "ok", ""]  # one rank: nothing to insert
     assert {"recc.tbe_lookup+1", "recc.pack_sparse+1", "recc.embedding_bag-3"} <= set(by_pass["batch_tables"][6].split())
     assert by_pass["fuse_interaction"][3:6] == ["30", "28", "ok"]
     assert set(by_pass["fuse_interaction"][6].split()) == \

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,29 +13,15 @@ from recc.models import build_model
 from recc.tables import TableGroup
 
 
+ZIONEX = Path(__file__).resolve().parents[2] / "clusters" / "zionex-16x8.yaml"
+STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "fuse_interaction", "lower"]
+
+
 def _max_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
-    model = build_model("terabyte", device="meta")
-    rss = _max_rss_mib()
-    program = recc.compile(model)
-    # One 40M x 128 fp32 table alone is 19 GiB; the whole model is 90 GiB.
-    assert _max_rss_mib() - rss < 1024
-    assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "fuse_interaction",
-                                    "lower"]
-
-    discover = program.stages["discover_tables"].text
-    assert re.search(r"^emb_l_0_weight +: f32\[39884406,128\] +=", discover, re.M)
-    assert "table t19=emb_l.19[39979771x128,sum]" in discover
-    final = program.stages["lower"].text
-    assert re.search(r"^pooled_g0 +: f32\[8,3328\] +=", final, re.M)  # 26 tables x 128
-    assert "recc.tbe_lookup[cpu](tbe_g0, sparse_g0)" in final
-    # 27 features (bottom MLP + 26 tables) interact pairwise: 27 * 26 / 2 dot products.
-    assert "getitem    : f32[8,351]   = recc.pairwise_dot[cpu](stack, li, lj)  # @fuse_interaction" in final
-    assert "?" not in [line.split(" : ")[1].split()[0] for line in final.splitlines() if " : " in line]
-
+def _check_meta_only(program):
     for stage in program.stages.values():
         for name, t in list(stage.graph.named_parameters()) + list(stage.graph.named_buffers()):
             if t.numel() > 1000:
@@ -43,12 +30,84 @@ def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
             v = n.meta.get("val")
             if isinstance(v, torch.Tensor):
                 assert v.device.type == "meta", (stage.name, n.name)
+
+
+def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
+    """The 90 GiB terabyte model, planned for the 128-rank ZionEX cluster it was built for."""
+    model = build_model("terabyte", device="meta")
+    cluster = recc.Cluster.from_yaml(ZIONEX)
+    assert cluster.world_size == 128
+    rss = _max_rss_mib()
+    program = recc.compile(model, cluster)
+    # One 40M x 128 fp32 table alone is 19 GiB; the whole model is 90 GiB.
+    assert _max_rss_mib() - rss < 1024
+    assert list(program.stages) == STAGES
+
+    discover = program.stages["discover_tables"].text
+    assert re.search(r"^emb_l_0_weight +: f32\[39884406,128\] +=", discover, re.M)
+    assert "table t19=emb_l.19[39979771x128,sum]" in discover
+    final = program.stages["lower"].text
+    # Each rank is fed its slice of the global batch: 8 of the default 8 x 128.
+    assert re.search(r"^dense_x +: f32\[8,13\] +=", final, re.M)
+    # The output dist hands every rank all 26 tables x 128 columns for its 8 samples.
+    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.all_to_all_wait\[cuda\]\(emb_g0_h\)", final, re.M)
+    assert re.search(r"^ids_g0_h +: handle += recc.all_to_all_start\[cuda\]\(sparse_g0, comm=input_dist\)",
+                     final, re.M)
+    assert "recc.tbe_lookup[cuda](tbe_g0, ids_g0)" in final  # A100s: lowered for cuda
+    # 27 features (bottom MLP + 26 tables) interact pairwise: 27 * 26 / 2 dot products.
+    assert "getitem    : f32[8,351]   = recc.pairwise_dot[cuda](stack, li, lj)  # @fuse_interaction" in final
+    assert "?" not in [line.split(" : ")[1].split()[0] for line in final.splitlines() if " : " in line]
+
+    _check_meta_only(program)
+    groups = [m for m in program.graph.modules() if isinstance(m, TableGroup)]
+    assert len(groups) == 1 and len(groups[0].logical_names) == 26
+    assert all(s.device.type == "meta" for s in groups[0]._sources)
+    # The compile-time module holds rank 0's shards: its kernel tables are its local blocks.
+    local = groups[0].local_placements(0)
+    assert groups[0].num_tables == len(local) >= 1
+    assert groups[0].total_rows == sum(r1 - r0 for _k, _r, r0, r1, _c0, _c1 in local)
+    assert re.search(rf"^pooled_g0 +: f32\[\d+,{groups[0].num_tables * groups[0].dim}\] +=", final, re.M)
+    plan = program.plan
+    assert plan.tables["emb_l.0"].rows == 39884406
+    assert plan.world_size == 128 and set(plan.shards) == {f"emb_l.{i}" for i in range(26)}
+    # Every table's rows x columns are covered by its shards: the 90 GiB is spread over the ranks,
+    # and every rank stays within its 36 GiB cap (40 GiB A100 less the 10% reserve).
+    for name, spec in plan.shards.items():
+        t = plan.tables[name]
+        assert sum((r1 - r0) * (c1 - c0) for _r, r0, r1, c0, c1 in spec.shards) == t.rows * t.dim * \
+            (cluster.world_size if spec.kind == "data_parallel" else 1), name
+    weights = sum(e.weight_bytes for e in plan.rank_estimates)
+    assert weights / 2 ** 20 == pytest.approx(91683.30, abs=0.01)
+    assert plan.memory_cap_bytes == pytest.approx(36 * 2 ** 30)
+    assert max(e.memory_bytes for e in plan.rank_estimates) <= plan.memory_cap_bytes
+    assert "# sharding plan: 26 tables over 128 rank(s), strategy=auto" in str(plan)
+    assert " OVER" not in str(plan)
+
+
+def test_terabyte_does_not_fit_one_8_gib_rank():
+    """With the memory check on (the default), planning terabyte for local-1 fails with the
+    planner's explanation; ``check_memory=False`` plans it anyway and marks the rank as over."""
+    with pytest.raises(ValueError) as e:
+        recc.compile(build_model("terabyte", device="meta"))
+    msg = str(e.value)
+    assert msg.startswith("shard_tables (cluster local-1): plan_tables: table emb_l.")
+    assert "does not fit in memory" in msg
+    assert "over the 7.20 GiB cap (8 GiB less 10% reserved)" in msg
+    assert "all 26 tables need 89.53 GiB with their buffers: at least 13 ranks of 7.20 GiB" in msg
+
+    config = recc.CompileConfig(pass_options={"shard_tables": {"check_memory": False}})
+    program = recc.compile(build_model("terabyte", device="meta"), config=config)
+    assert program.pipeline.startswith("discover_tables,shard_tables{strategy=auto,check_memory=false},")
+    final = program.stages["lower"].text
+    assert re.search(r"^pooled_g0 +: f32\[8,3328\] +=", final, re.M)  # one rank: no dists
+    assert "recc.tbe_lookup[cpu](tbe_g0, sparse_g0)" in final
+    assert "all_to_all" not in final
+    _check_meta_only(program)
+    assert {s.kind for s in program.plan.shards.values()} == {"table_wise"}
     groups = [m for m in program.graph.modules() if isinstance(m, TableGroup)]
     assert len(groups) == 1 and groups[0].num_tables == 26
-    assert all(s.device.type == "meta" for s in groups[0]._sources)
     assert groups[0].total_rows == sum(t.rows for t in groups[0].tables)
-    assert program.plan.tables["emb_l.0"].rows == 39884406
-    assert "rank 0: table weights 91683.30 MiB" in str(program.plan)
+    assert "rank 0: table weights 91683.30 MiB, memory 89.53 / 7.20 GiB OVER" in str(program.plan)
 
 
 def test_meta_model_compiles_and_plans_but_cannot_be_instantiated():

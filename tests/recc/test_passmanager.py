@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import recc
-from recc.passmanager import PASSES, format_spec, parse_spec, resolve_pipeline
+from recc.passmanager import PASSES, format_spec, parse_spec, resolve_pipeline, shown_options
 
 DEFAULT = "discover_tables,shard_tables,batch_tables,lower"
 
@@ -111,7 +111,8 @@ def test_unknown_pass(tiny):
 
 
 def test_unknown_option(tiny):
-    with pytest.raises(ValueError, match=r"pass shard_tables: unknown option\(s\) \['stratgy'\]; options: \['strategy'\]"):
+    with pytest.raises(ValueError, match=r"pass shard_tables: unknown option\(s\) \['stratgy'\]; "
+                                         r"options: \['check_memory', 'constraints', 'strategy'\]"):
         recc.compile(tiny, pipeline="discover_tables,shard_tables{stratgy=auto}")
 
 
@@ -155,14 +156,14 @@ def test_pass_signature_is_checked():
 
 def test_disable(tiny):
     program = recc.compile(tiny, disable=("lower",))
-    assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "fuse_interaction"]
-    assert program.pipeline == ("discover_tables,shard_tables{strategy=auto},batch_tables{max_tables_per_group=0},"
-                                "fuse_interaction")
+    assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm",
+                                    "fuse_interaction"]
+    assert program.pipeline == "discover_tables,shard_tables{strategy=auto},batch_tables,insert_comm,fuse_interaction"
     assert "[cpu]" not in program.stages["fuse_interaction"].text
-    assert program.stages["fuse_interaction"].banner.startswith("# recc IR after [4/4] fuse_interaction")
-    program = recc.compile(tiny, disable=("fuse_interaction", "lower"))
+    assert program.stages["fuse_interaction"].banner.startswith("# recc IR after [5/5] fuse_interaction")
+    program = recc.compile(tiny, disable=("insert_comm", "fuse_interaction", "lower"))
     assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables"]
-    assert program.pipeline == "discover_tables,shard_tables{strategy=auto},batch_tables{max_tables_per_group=0}"
+    assert program.pipeline == "discover_tables,shard_tables{strategy=auto},batch_tables"
     assert "torch.bmm(stack, transpose)" in program.stages["batch_tables"].text
     assert program.stages["batch_tables"].banner.startswith("# recc IR after [3/3] batch_tables")
 
@@ -255,16 +256,21 @@ def test_sharding_from_the_config_shows_in_the_stage_spec(tiny):
 
 def test_options_from_config_fields_yield_to_pass_options_and_the_spec():
     assert PASSES["shard_tables"].from_config == {"strategy": "sharding"}
+    rest = {"constraints": None, "check_memory": True}  # shard_tables' other options, at their defaults
     config = recc.CompileConfig(sharding="row_wise")
-    (_, opts), = resolve_pipeline("shard_tables", config)
-    assert opts == {"strategy": "row_wise"}
+    (info, opts), = resolve_pipeline("shard_tables", config)
+    assert opts == {"strategy": "row_wise", **rest}
+    assert shown_options(info, opts) == {"strategy": "row_wise"}
     (_, opts), = resolve_pipeline("shard_tables{strategy=column_wise}", config)
-    assert opts == {"strategy": "column_wise"}
+    assert opts == {"strategy": "column_wise", **rest}
     both = recc.CompileConfig(sharding="row_wise", pass_options={"shard_tables": {"strategy": "data_parallel"}})
     (_, opts), = resolve_pipeline("shard_tables", both)
-    assert opts == {"strategy": "data_parallel"}
-    (_, opts), = resolve_pipeline("shard_tables", recc.CompileConfig())
-    assert opts == {"strategy": "auto"}
+    assert opts == {"strategy": "data_parallel", **rest}
+    (info, opts), = resolve_pipeline("shard_tables", recc.CompileConfig())
+    assert opts == {"strategy": "auto", **rest}
+    # A config-set option shows even at its default value; other options only when they differ.
+    assert shown_options(info, opts) == {"strategy": "auto"}
+    assert shown_options(info, {**opts, "check_memory": False}) == {"strategy": "auto", "check_memory": False}
 
 
 def test_a_user_pass_can_take_an_option_from_the_config():
@@ -335,7 +341,11 @@ def test_user_pass_as_a_plain_callable(tiny):
                                     "tag_tables_for_test", "batch_tables"]
     assert program.stats["count_nodes_callable"] == 29
     assert program.stages["count_nodes_callable"].diff == ""
-    assert program.stages["tag_tables_for_test"].spec == "tag_tables_for_test{note=hello,times=1}"
+    assert program.stages["tag_tables_for_test"].spec == "tag_tables_for_test"  # options at their defaults
+    assert program.stats["tag_tables_for_test"]["note"] == "hello"
+    assert program.stats["tag_tables_for_test"]["times"] == 1
+    assert program.pipeline == ("discover_tables,count_nodes_callable,shard_tables{strategy=auto},"
+                                "tag_tables_for_test,batch_tables")
     assert "count_nodes_callable" not in PASSES  # a callable is not registered by being used
 
 

@@ -1,11 +1,16 @@
 """DCNv2 (MLPerf DLRMv2 shape: multi-hot bags, low-rank cross layers) compiles and trains like eager."""
 import copy
+import re
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import recc
 from recc.models import SyntheticData, build_model, load_preset
+
+ZIONEX = Path(__file__).resolve().parents[2] / "clusters" / "zionex-16x8.yaml"
 
 
 def _scaled_dlrmv2():
@@ -41,5 +46,14 @@ def test_dcnv2_parity_with_eager_sgd():
 
 
 def test_full_size_dlrmv2_compiles_on_meta():
-    program = recc.compile(build_model("dlrmv2", device="meta"))
+    """The full-size model (~90 GiB of tables) is planned for the 128-rank ZionEX cluster it is
+    trained on: on one 8 GiB rank the planner's memory check refuses it."""
+    cluster = recc.Cluster.from_yaml(ZIONEX)
+    program = recc.compile(build_model("dlrmv2", device="meta"), cluster)
     assert "f32[39884406,128]" in program.stages["discover_tables"].text
+    assert program.plan.world_size == 128 and len(program.plan.shards) == 26
+    assert max(e.memory_bytes for e in program.plan.rank_estimates) <= program.plan.memory_cap_bytes
+    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.all_to_all_wait\[cuda\]", program.stages["lower"].text,
+                     re.M)
+    with pytest.raises(ValueError, match=r"shard_tables \(cluster local-1\): plan_tables: .* does not fit in memory"):
+        recc.compile(build_model("dlrmv2", device="meta"))
