@@ -116,7 +116,10 @@ def _worker(rank_: int, world: int, backend: str, port: int, payload: bytes, res
             torch.cuda.set_device(rank_ % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank_, world_size=world,
                                 init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout))
-        fn, args = pickle.loads(payload)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch pytree's LeafSpec notice on unpickling
+            fn, args = pickle.loads(payload)
         value = fn(*args)
         # By value (plain cloudpickle): shared-memory handles would die with this process.
         import cloudpickle

@@ -73,7 +73,12 @@ class DistributedModel(nn.Module):
             ignore = [f"{name}.{p}" for name, m in gm.named_modules() if isinstance(m, TableGroup)
                       for p in list(dict(m.named_parameters(recurse=False))) + list(dict(m.named_buffers(recurse=False)))]
             DDP._set_params_and_buffers_to_ignore_for_model(gm, ignore)
-            self._ddp = DDP(gm, broadcast_buffers=False)
+            import inspect
+            # Tables' buffers are ignored above; the dense buffers left are identical on every
+            # rank, so there is nothing to sync on each forward.
+            sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                    else {"broadcast_buffers": False})
+            self._ddp = DDP(gm, **sync)
 
     def forward(self, *args):
         self._program.signature.check(args)
