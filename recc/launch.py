@@ -81,26 +81,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tune_allocator() -> None:
-    """Keep freed tensor memory in the process instead of returning it to the OS.
-
-    A training step allocates and frees the same multi-MB activations every iteration. With
-    glibc's defaults those blocks are mmapped and unmapped (or the heap trimmed) each time, and
-    every step pays the page faults of touching them anew — on a VM, more than the arithmetic
-    of an elementwise op. ``RECC_MALLOC_TUNING=0`` leaves the allocator alone.
-    """
-    if os.environ.get("RECC_MALLOC_TUNING", "1") == "0":
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-        libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)   # glibc's maximum
-        libc.mallopt(M_TRIM_THRESHOLD, 2**30)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
-
-
 def _worker(rank_: int, world: int, backend: str, port: int, payload: bytes, results, timeout: float):
     import torch
     import torch.distributed as dist
@@ -108,7 +88,6 @@ def _worker(rank_: int, world: int, backend: str, port: int, payload: bytes, res
     _RANK, _WORLD = rank_, world
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(world), LOCAL_RANK=str(rank_),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _tune_allocator()
     try:
         # Ranks share the host's cores: give each an equal share so they do not oversubscribe.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
