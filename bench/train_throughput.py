@@ -29,8 +29,14 @@ A second part times an embedding-only step per system (the same tables and ids: 
 memory-traffic floor: bytes the step must move at least, divided by the bandwidth of a large
 ``torch`` copy measured on this machine.
 
+``--world-size N`` (N >= 2) instead trains eager PyTorch + DDP, TorchRec's
+DistributedModelParallel and recc (``sharding="auto"`` and ``"table_wise"``) interleaved in the
+same N processes of a local gloo world, each rank on its slice of every global batch: see
+``train_throughput_dist.py`` and bench/README.md.
+
     python bench/train_throughput.py --config small --optimizer both
     python bench/train_throughput.py --config kaggle --optimizer sgd --rounds 7
+    python bench/train_throughput.py --config small --world-size 2
 """
 
 from __future__ import annotations
@@ -257,7 +263,9 @@ class TorchRecDLRM(nn.Module):
 
     def forward(self, dense_x: torch.Tensor, features) -> torch.Tensor:
         x = self.dense.bot_l(dense_x)
-        ly = list(self.ebc(features).values().split(self.dims, dim=1))
+        # By key: a sharded EBC returns its features grouped by owning rank, not in input order.
+        pooled = self.ebc(features).to_dict()
+        ly = [pooled[f"f{k}"] for k in range(len(self.dims))]
         for k, proj in getattr(self.dense, "proj_l", {}).items():
             ly[int(k)] = proj(ly[int(k)])
         return self.dense.top_l(self.dense.interact(x, ly))
@@ -278,7 +286,7 @@ def _copy_table_weights(module: nn.Module, prefix: str, weights: list[torch.Tens
     with torch.no_grad():
         for k, w in enumerate(weights):
             t = sd[f"{prefix}embedding_bags.t{k}.weight"]
-            if hasattr(t, "local_shards"):  # ShardedTensor (DMP): one rank holds every shard
+            if hasattr(t, "local_shards"):  # ShardedTensor (DMP): this rank's shards (all of them on one rank)
                 for shard in t.local_shards():
                     off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
                     shard.tensor.copy_(w[off[0] : off[0] + size[0], off[1] : off[1] + size[1]])
@@ -286,8 +294,10 @@ def _copy_table_weights(module: nn.Module, prefix: str, weights: list[torch.Tens
                 t.copy_(w)
 
 
-def _build_torchrec(module_fn, model, optimizer, lr, eps, api):
-    """Wrap ``module_fn(ebc)`` the TorchRec way; returns (module, dense optimizer or None)."""
+def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None):
+    """Wrap ``module_fn(ebc)`` the TorchRec way; returns (module, dense optimizer or None).
+
+    ``pg``: the process group DMP shards over (default: a one-rank gloo world)."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     tables = _torchrec_tables(model)
@@ -303,16 +313,19 @@ def _build_torchrec(module_fn, model, optimizer, lr, eps, api):
         dense = [p for n, p in module.named_parameters() if not n.startswith("ebc.")]
         return module, (torch.optim.SGD(dense, lr=lr) if dense else None)
 
-    # DistributedModelParallel on a one-rank gloo world: TorchRec's standard training setup.
+    # DistributedModelParallel on a gloo world (one rank unless ``pg`` says otherwise):
+    # TorchRec's standard training setup.
+    import torch.distributed as dist
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-    from torchrec.distributed.types import ShardingType
+    from torchrec.distributed.types import ShardingEnv, ShardingType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    pg = _one_rank_gloo_world()
+    if pg is None:
+        pg = _one_rank_gloo_world()
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     module = module_fn(ebc)
     apply_optimizer_in_backward(opt_cls, module.ebc.parameters(), opt_kwargs)
@@ -322,10 +335,12 @@ def _build_torchrec(module_fn, model, optimizer, lr, eps, api):
                                      compute_kernels=[EmbeddingComputeKernel.FUSED.value])
         for t in tables
     }
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"),
+    world = dist.get_world_size(pg)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
                                        constraints=constraints)
     plan = planner.collective_plan(module, sharders, pg)
-    dmp = DistributedModelParallel(module, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
+                                   plan=plan, sharders=sharders)
     _copy_table_weights(dmp.module, "ebc.", weights)
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
     return dmp, (torch.optim.SGD(dense, lr=lr) if dense else None)
@@ -639,13 +654,32 @@ def main(argv=None) -> None:
                    help="dmp: DistributedModelParallel + apply_optimizer_in_backward (1-rank gloo); "
                         "fused_ebc: FusedEmbeddingBagCollection")
     p.add_argument("--no-embedding-only", action="store_true", help="skip the embedding-only/floor part")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="N >= 2: eager+DDP vs TorchRec DMP vs recc in a local gloo world of N processes "
+                        "(bench/train_throughput_dist.py); 1: the one-process comparison")
     args = p.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.num_batches < 1:
         p.error("--steps, --rounds and --num-batches must be >= 1, --warmup >= 0")
+    if args.world_size < 1:
+        p.error("--world-size must be >= 1")
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEM_ORDER)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEM_ORDER}")
+    if args.world_size >= 2:
+        if args.torchrec_api != "dmp":
+            p.error("--world-size >= 2 runs TorchRec's DistributedModelParallel; --torchrec-api fused_ebc is one-process")
+        # The ranks import the world-size half by name: bench/ must be on their sys.path
+        # (spawned processes inherit the parent's).
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in sys.path:
+            sys.path.insert(0, here)
+        # Spawned ranks print deprecation warnings from torch/TorchRec while unpickling; not ours.
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+        import train_throughput_dist
+
+        train_throughput_dist.main_dist(args)
+        return
 
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or cores

@@ -32,7 +32,10 @@ _GROUP = None
 def embedding_group():
     global _GROUP
     if _GROUP is None:
-        _GROUP = dist.new_group(list(range(dist.get_world_size())))
+        from datetime import timedelta
+
+        from recc.launch import timeout_s
+        _GROUP = dist.new_group(list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s()))
     return _GROUP
 
 
@@ -174,29 +177,42 @@ def output_dist_start(pooled: torch.Tensor, comm) -> Handle:
     return Handle((pooled, _Exchange(recv, send_splits, recv_splits, pooled.shape, work), b, shards_of), None, comm)
 
 
+_COLUMN_MAPS: dict = {}
+
+
+def _column_map(comm, shards_of) -> torch.Tensor:
+    """For the received rows laid side by side (owner 0's shards, then owner 1's, ...), the
+    logical output column each received column lands in. Column blocks map one to one; the
+    row blocks of a row-wise table map onto the same columns, so their partial sums add up."""
+    key = (comm, tuple(shards_of))
+    if key not in _COLUMN_MAPS:
+        starts = [0]
+        for d in comm.dims:
+            starts.append(starts[-1] + d)
+        cols = []
+        for o in range(len(shards_of)):
+            for k, owner, r0, r1, c0, c1 in comm.layout:
+                if owner == o:
+                    cols.extend(range(starts[k] + c0, starts[k] + c1))
+        _COLUMN_MAPS[key] = torch.tensor(cols, dtype=torch.int64)
+    return _COLUMN_MAPS[key]
+
+
 def output_dist_wait(handle: Handle) -> torch.Tensor:
     pooled, ex, b, shards_of = handle.value
     comm = handle.comm
     ex.work.wait()
     recv = _PooledAllToAll.apply(pooled, ex)
     width = comm.width
-    pieces: list[list[tuple[int, torch.Tensor]]] = [[] for _ in comm.dims]
-    start = 0
-    for o, n in enumerate(shards_of):
-        block = recv[start:start + b * n * width].view(b, n, width)
+    # One scatter-add over columns reassembles every table (autograd: one gather in backward),
+    # instead of a slice per shard, each of which would zero-fill a full-size gradient.
+    blocks, start = [], 0
+    for n in shards_of:
+        blocks.append(recv[start:start + b * n * width].view(b, n * width))
         start += b * n * width
-        j = 0
-        for k, owner, r0, r1, c0, c1 in comm.layout:
-            if owner == o:
-                pieces[k].append((c0, block[:, j]))
-                j += 1
-    cols = []
-    for parts in pieces:
-        by_col: dict[int, torch.Tensor] = {}
-        for c0, piece in parts:                         # row blocks of one column range: add
-            by_col[c0] = piece if c0 not in by_col else by_col[c0] + piece
-        cols.extend(by_col[c] for c in sorted(by_col))  # column blocks: side by side
-    return torch.cat(cols, dim=1)
+    side_by_side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
+    out = side_by_side.new_zeros(b, sum(comm.dims))
+    return out.index_add(1, _column_map(comm, shards_of), side_by_side)
 
 
 # ----------------------------------------------------------------------------- data parallel
