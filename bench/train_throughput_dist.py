@@ -104,26 +104,14 @@ class TorchRecDMPSystem(tt.System):
         return self.module(self.batches[i][0], self.kjts[i])
 
 
-class ReccDistSystem(tt.System):
+class ReccDistSystem(tt.ReccSystem):
+    """The one-process recc system's step, on a program instantiated for this rank."""
+
     def __init__(self, program, batches, lr, name):
         self.name = name
         self.dmodel = program.instantiate()  # this rank's shards; comms bound to the world
         self.dense_opt = torch.optim.SGD(self.dmodel.dense_parameters(), lr=lr)
         self.batches = batches
-
-    def step(self, i):
-        dense_x, lS_o, lS_i, y = self.batches[i]
-        out = self.dmodel(dense_x, lS_o, lS_i)
-        loss = F.binary_cross_entropy(out, y)
-        loss.backward()  # embedding rows are updated inside backward
-        self.dense_opt.step()
-        self.dense_opt.zero_grad()
-        return loss.detach()
-
-    @torch.no_grad()
-    def predict(self, i):
-        dense_x, lS_o, lS_i, _ = self.batches[i]
-        return self.dmodel(dense_x, lS_o, lS_i)
 
 
 # --------------------------------------------------------------------------------------------
