@@ -121,6 +121,11 @@ def _failure(procs, reports: dict[int, str], got: dict, world: int) -> RankFaile
         r, code = min(dead.items())
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         msg = f"recc.launch: rank {r} of {world} {how} before returning a result"
+        if code > 0:
+            # A rank that fails before running fn never reports; the usual cause is a script
+            # whose top level calls recc.launch: spawned ranks import the main module again.
+            msg += (" (its own error is on stderr; a script that calls recc.launch at import time needs "
+                    "an `if __name__ == \"__main__\":` guard, since every rank imports the main module)")
         if reports:
             msg += "; the other ranks then failed: " + "; ".join(
                 f"rank {o}: {t.splitlines()[0]}" for o, t in sorted(reports.items()))
