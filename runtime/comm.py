@@ -110,26 +110,29 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
     for w in handle.work:
         w.wait()
     recv, recv_w, rc, j_me, b, world = handle.value
-    # Split each source's chunk into its [J x B] lengths and its ids.
-    lens_parts, id_parts, pos = [], [], 0
-    for s_ in range(world):
-        lens_parts.append(recv[pos:pos + j_me * b])
-        id_parts.append(recv[pos + j_me * b:pos + j_me * b + rc[s_]])
-        pos += j_me * b + rc[s_]
-    recv_lens = torch.cat(lens_parts)
-    recv_ids = torch.cat(id_parts) if id_parts else recv[:0]
-    # Received: per source rank s, [J x B lengths] and its ids shard by shard. Reorder to
+    # From each source rank s: [J x B] bag lengths, then its ids shard by shard. Reorder to
     # shard-major (feature-major): shard j's bags are rank 0's B bags, then rank 1's, ...
-    lens = recv_lens.view(world, j_me, b).transpose(0, 1).reshape(-1)
-    per_src = recv_lens.view(world, j_me, b).sum(2)                    # ids per (source, shard)
-    src_starts = torch.tensor([0] + rc[:-1], dtype=torch.int64).cumsum(0)
-    shard_starts = src_starts[:, None] + (per_src.cumsum(1) - per_src)
-    order = [(s, j) for j in range(j_me) for s in range(world)]
-    ids = torch.cat([recv_ids[shard_starts[s, j]:shard_starts[s, j] + per_src[s, j]] for s, j in order]) \
-        if order else recv_ids
-    w = None
-    if recv_w is not None:
-        w = torch.cat([recv_w[shard_starts[s, j]:shard_starts[s, j] + per_src[s, j]] for s, j in order])
+    bases, pos = [], 0
+    for n in rc:
+        bases.append(pos)
+        pos += j_me * b + n
+    lens_by_src = torch.stack([recv[p:p + j_me * b] for p in bases]).view(world, j_me, b) if world else recv[:0]
+    lens = lens_by_src.transpose(0, 1).reshape(-1)
+    per_src = lens_by_src.sum(2).tolist()                              # ids per (source, shard)
+    id_pieces, w_pieces, w_base = [], [], 0
+    w_bases = []
+    for n in rc:
+        w_bases.append(w_base)
+        w_base += n
+    for j in range(j_me):
+        for s_ in range(world):
+            before = sum(per_src[s_][:j])
+            start = bases[s_] + j_me * b + before
+            id_pieces.append(recv[start:start + per_src[s_][j]])
+            if recv_w is not None:
+                w_pieces.append(recv_w[w_bases[s_] + before:w_bases[s_] + before + per_src[s_][j]])
+    ids = torch.cat(id_pieces) if id_pieces else recv[:0]
+    w = torch.cat(w_pieces) if recv_w is not None and w_pieces else (recv_w[:0] if recv_w is not None else None)
     offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=offsets[1:])
     names = tuple(f"shard{j}" for j in range(j_me))
