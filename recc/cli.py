@@ -18,7 +18,7 @@ def _build(args):
     return build_model(args.model, device=device), cfg
 
 
-def _config(args, cfg):
+def _config(args):
     import recc
     config = recc.CompileConfig.from_yaml(args.config) if args.config else recc.CompileConfig()
     if getattr(args, "optimizer", None):
@@ -33,7 +33,7 @@ def _config(args, cfg):
 def cmd_compile(args) -> int:
     import recc
     model, cfg = _build(args)
-    config = _config(args, cfg)
+    config = _config(args)
     cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
     t0 = time.perf_counter()
     program = recc.compile(model, cluster, config=config, pipeline=args.pipeline, dump_dir=args.dump_dir,
@@ -75,7 +75,7 @@ def cmd_train(args) -> int:
     import recc
     from recc.models import Metrics, SyntheticData
     model, cfg = _build(args)
-    config = _config(args, cfg)
+    config = _config(args)
     batch = args.batch_size or cfg["batch_size"]
     config.batch_size = batch
     cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
@@ -143,7 +143,7 @@ def cmd_plan(args) -> int:
     cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
     from recc.models import SyntheticData, load_preset, slice_batch
     model = build_model(args.model, device="meta")
-    config = _config(args, None)
+    config = _config(args)
     if args.sharding:
         config.sharding = args.sharding
     t0 = time.perf_counter()

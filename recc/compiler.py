@@ -16,6 +16,7 @@ import torch.nn as nn
 from recc import ir
 from recc.cluster import Cluster
 from recc.config import CompileConfig
+from recc.graph_utils import resolve_attr
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.trace import default_example_inputs, model_is_meta, propagate_shapes, trace
@@ -130,7 +131,7 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
             state_keys.append(("table", table_by_key[key]))
             continue
         state_keys.append(("dense", key))
-        if not _resolves(gm, key):
+        if not isinstance(resolve_attr(gm, key), torch.Tensor):
             # State the forward never reads (an unused buffer) is not in the graph; keep a copy
             # so state_dict() still round-trips the user's model exactly.
             detached_state[key] = value.detach().clone()
@@ -139,14 +140,6 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
                    signature=InputSignature.of(sig_names, example_inputs, list(tables)), stats=ctx.stats,
                    detached_state=detached_state)
 
-
-def _resolves(gm, key: str) -> bool:
-    obj = gm
-    for part in key.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return isinstance(obj, torch.Tensor)
 
 
 def _maybe_print(stage: Stage, show: set[str]):

@@ -4,6 +4,16 @@ from __future__ import annotations
 import torch.fx as fx
 
 
+def resolve_attr(root, path: str):
+    """``root.a.b.c`` for ``path="a.b.c"``, or None when any step is missing."""
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
 def stable_toposort(graph: fx.Graph) -> None:
     """Reorder nodes so every node follows its inputs, moving as little as possible.
 

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
+from recc.graph_utils import resolve_attr
 from recc.ops import BoundOp, Handle, Op, SparseBatch, op_of
 from recc.specs import CommSpec, ShardSpec, TableSpec
 
@@ -111,7 +112,7 @@ def _comment(n: fx.Node, gm: Optional[fx.GraphModule]) -> str:
     if isinstance(c, CommSpec):
         parts.append("comm " + c.describe())
     if n.op == "get_attr" and gm is not None:
-        obj = _resolve(gm, n.target)
+        obj = resolve_attr(gm, n.target)
         if obj is not None and hasattr(obj, "describe"):
             parts.append(obj.describe())
     for note in n.meta.get("recc.notes", ()):
@@ -120,15 +121,6 @@ def _comment(n: fx.Node, gm: Optional[fx.GraphModule]) -> str:
     if by:
         parts.append(f"@{by}")
     return "; ".join(parts)
-
-
-def _resolve(gm, target: str):
-    obj = gm
-    for p in target.split("."):
-        obj = getattr(obj, p, None)
-        if obj is None:
-            return None
-    return obj
 
 
 _NAME_WIDTH = 10

@@ -35,8 +35,7 @@ class TableGroup(nn.Module):
         super().__init__()
         self.group_name = name
         self.tables = list(tables)
-        self.placements = sorted(tuple(p) for p in placements)
-        self.placements.sort(key=lambda p: (p[1], p[0], p[4], p[2]))
+        self.placements = sorted((tuple(p) for p in placements), key=lambda p: (p[1], p[0], p[4], p[2]))
         self.dim = width
         self.pooling = pooling
         self.weighted = weighted
@@ -52,7 +51,8 @@ class TableGroup(nn.Module):
     def set_rank(self, rank: int) -> None:
         """Select the rank whose shards this module holds (compile time: rank 0)."""
         self.rank = rank
-        self.shards = [(r0, r1, c0, c1) for _, _, r0, r1, c0, c1 in self.local_placements(rank)]
+        self.local = self.local_placements(rank)
+        self.shards = [(r0, r1, c0, c1) for _, _, r0, r1, c0, c1 in self.local]
         cum = [0]
         for r0, r1, _, _ in self.shards:
             cum.append(cum[-1] + (r1 - r0))
@@ -90,10 +90,10 @@ class TableGroup(nn.Module):
         return [r1 - r0 for r0, r1, _, _ in self.shards]
 
     def local_table(self, j: int) -> TableSpec:
-        return self.tables[self.local_placements(self.rank)[j][0]]
+        return self.tables[self.local[j][0]]
 
     def source_block(self, j: int) -> torch.Tensor:
-        k = self.local_placements(self.rank)[j][0]
+        k = self.local[j][0]
         r0, r1, c0, c1 = self.shards[j]
         return self._sources[k][r0:r1, c0:c1]
 
@@ -147,4 +147,5 @@ class TableGroup(nn.Module):
         new._sources = list(self._sources)
         new.placements = list(self.placements)
         new.shards = list(self.shards)
+        new.local = list(self.local)
         return new

@@ -119,11 +119,8 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
     lens_by_src = torch.stack([recv[p:p + j_me * b] for p in bases]).view(world, j_me, b) if world else recv[:0]
     lens = lens_by_src.transpose(0, 1).reshape(-1)
     per_src = lens_by_src.sum(2).tolist()                              # ids per (source, shard)
-    id_pieces, w_pieces, w_base = [], [], 0
-    w_bases = []
-    for n in rc:
-        w_bases.append(w_base)
-        w_base += n
+    id_pieces, w_pieces = [], []
+    w_bases = [p - s_ * j_me * b for s_, p in enumerate(bases)]   # weights carry no lengths
     for j in range(j_me):
         for s_ in range(world):
             before = sum(per_src[s_][:j])

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.fx as fx
 
 from recc.kernels import optimizer_state_shapes
+from recc.graph_utils import resolve_attr
 from recc.program import quiet_deepcopy
 from recc.tables import TableGroup
 
@@ -105,19 +106,17 @@ class DistributedModel(nn.Module):
         spec = g.tables[k]
         full = torch.empty(spec.rows, spec.dim, dtype=torch.float32)
         world = g.world_size
-        local = {(p[0], p[2], p[4]): j for j, p in enumerate(g.local_placements(g.rank))}
+        local = {(p[0], p[2], p[4]): j for j, p in enumerate(g.local)}
         for _, owner, r0, r1, c0, c1 in [p for p in g.placements if p[0] == k]:
             if g.data_parallel and owner != 0:
                 continue  # replicas are identical: rank 0's copy is the table
-            if world == 1 or owner == g.rank:
-                block = g.table_weight(local[(k, r0, c0)]).detach().clone() if owner == g.rank else None
+            if owner == g.rank:
+                block = g.table_weight(local[(k, r0, c0)]).detach().clone()
             else:
-                block = None
+                block = torch.empty(r1 - r0, c1 - c0)
             if world > 1:
                 import torch.distributed as dist
-                buf = block if block is not None else torch.empty(r1 - r0, c1 - c0)
-                dist.broadcast(buf, src=owner)
-                block = buf
+                dist.broadcast(block, src=owner)
             full[r0:r1, c0:c1] = block
         return full
 
@@ -159,7 +158,7 @@ class DistributedModel(nn.Module):
                     if tuple(src.shape) != (spec.rows, spec.dim):
                         raise RuntimeError(f"load_state_dict: {name} has shape {tuple(src.shape)}, "
                                            f"expected {(spec.rows, spec.dim)}")
-                    for j, (kk, _, r0, r1, c0, c1) in enumerate(g.local_placements(g.rank)):
+                    for j, (kk, _, r0, r1, c0, c1) in enumerate(g.local):
                         if kk == k:
                             g.table_weight(j).copy_(src[r0:r1, c0:c1])
                 else:
@@ -172,12 +171,7 @@ class DistributedModel(nn.Module):
 
 
 def _get_tensor(gm: nn.Module, key: str, detached: dict):
-    if key in detached:
-        return detached[key]
-    obj = gm
-    for p in key.split("."):
-        obj = getattr(obj, p)
-    return obj
+    return detached[key] if key in detached else resolve_attr(gm, key)
 
 
 def instantiate(program, rank: Optional[int] = None, device: Optional[str] = None) -> DistributedModel:
