@@ -1,5 +1,6 @@
 """recc.runtime: executes a compiled Program on a rank. Importing it registers the backends."""
 from recc.runtime import cpu_backend  # noqa: F401  (registers CPU op implementations)
+from recc.runtime import cuda_backend  # noqa: F401  (registers CUDA ones; CuPy loads on first use)
 from recc.runtime.model import DistributedModel, instantiate, materialize
 
 __all__ = ["DistributedModel", "instantiate", "materialize"]

@@ -37,7 +37,13 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
             # Tables built on the meta device get the DLRM reference initialisation here, on
             # their owner only, so no rank ever holds a table it does not own.
             bound = math.sqrt(1.0 / spec.rows)
-            weights[r0:r1].uniform_(-bound, bound, generator=generator)
+            if device.type == "cpu":
+                weights[r0:r1].uniform_(-bound, bound, generator=generator)
+            else:
+                # The seeded generator is a CPU one: draw there, so a GPU rank gets the same
+                # initial table as a CPU rank.
+                block = torch.empty(r1 - r0, dim, dtype=torch.float32)
+                weights[r0:r1].copy_(block.uniform_(-bound, bound, generator=generator))
         else:
             weights[r0:r1].copy_(src.detach())
     group.weights = nn.Parameter(weights)

@@ -1,0 +1,154 @@
+"""Loads the ``.cu`` sources of this folder as CuPy ``RawModule``s and launches their kernels.
+
+CuPy is imported lazily, on the first kernel launch: importing ``recc.kernels.cuda`` (and so
+all of recc) works without it, and a machine with no GPU never needs it.  When it is missing,
+the first launch raises a RuntimeError that says to ``pip install 'recc[cuda]'``.
+
+Compilation: NVRTC, through CuPy, at the first use of a source on a device (a few seconds),
+for that device's architecture.  A module is kept per (source, device) for the life of the
+process, and CuPy's own on-disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``,
+keyed by the source text, the options and the architecture) makes later processes skip NVRTC.
+
+Interop: tensors stay torch tensors, allocated by torch's caching allocator; a launch hands
+CuPy DLPack views of them (no copies) and runs on torch's current stream
+(``cupy.cuda.ExternalStream``), so kernels are ordered with the surrounding torch ops,
+autograd and NCCL collectives without extra synchronisation.
+
+``nvcc_compile`` is the CI check: every source must compile with ``nvcc`` for sm_80 and sm_90.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = ("tbe.cu", "codecs.cu", "bucketize.cu")
+# -std=c++17 for NVRTC's default headers; no fast math: the codecs must round like torch.
+NVRTC_OPTIONS = ("--std=c++17",)
+INSTALL_HINT = "pip install 'recc[cuda]'"
+
+_lock = threading.Lock()
+_modules: dict[tuple[str, int], object] = {}
+_streams: dict[tuple[int, int], object] = {}
+_functions: dict[tuple[str, int, str], object] = {}
+
+
+def cupy():
+    """The ``cupy`` module, or a RuntimeError saying how to install it."""
+    try:
+        import cupy as cp
+    except ImportError as exc:
+        raise RuntimeError(f"recc's CUDA kernels need CuPy, which is not installed ({exc}); "
+                           f"install it with: {INSTALL_HINT}") from exc
+    return cp
+
+
+def source_path(name: str) -> Path:
+    if name not in SOURCES:
+        raise ValueError(f"no CUDA source {name!r}; known: {SOURCES}")
+    return HERE / name
+
+
+def module(name: str, device_index: int):
+    """The compiled RawModule of source ``name`` on CUDA device ``device_index``."""
+    key = (name, device_index)
+    mod = _modules.get(key)
+    if mod is None:
+        cp = cupy()
+        with _lock:
+            mod = _modules.get(key)
+            if mod is None:
+                with cp.cuda.Device(device_index):
+                    mod = cp.RawModule(code=source_path(name).read_text(), options=NVRTC_OPTIONS)
+                    mod.compile()
+                _modules[key] = mod
+    return mod
+
+
+def function(source: str, kernel: str, device_index: int):
+    key = (source, device_index, kernel)
+    fn = _functions.get(key)
+    if fn is None:
+        fn = module(source, device_index).get_function(kernel)
+        _functions[key] = fn
+    return fn
+
+
+def _stream(device_index: int):
+    cp = cupy()
+    ptr = torch.cuda.current_stream(device_index).cuda_stream
+    key = (device_index, ptr)
+    s = _streams.get(key)
+    if s is None:
+        try:
+            s = cp.cuda.ExternalStream(ptr, device_index)
+        except TypeError:  # CuPy < 13 takes no device id (and uses the current device)
+            s = cp.cuda.ExternalStream(ptr)
+        _streams[key] = s
+    return s
+
+
+def _arg(x, cp, np):
+    if isinstance(x, torch.Tensor):
+        if x.numel() == 0:
+            return np.uint64(0)  # a null pointer: the kernel never reads an empty tensor
+        return cp.from_dlpack(x)
+    return x
+
+
+def launch(source: str, kernel: str, device: torch.device, grid: int, block: int, args,
+           shared_mem: int = 0) -> None:
+    """Runs ``kernel`` of ``source`` on torch's current stream of ``device``.
+
+    ``args`` are torch tensors (passed as DLPack views), ``None`` (a null pointer) or numpy
+    scalars whose types match the kernel's C parameters exactly (np.int32 for ``int``,
+    np.int64 for ``long long``, np.float32, np.uint64).
+    """
+    if grid <= 0:
+        return
+    import numpy as np
+    cp = cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fn = function(source, kernel, index)
+    converted = tuple(np.uint64(0) if a is None else _arg(a, cp, np) for a in args)
+    with cp.cuda.Device(index), _stream(index):
+        fn((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
+
+
+def available() -> bool:
+    """True when CuPy imports and torch sees a CUDA device (what the GPU tests need)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        cupy()
+    except RuntimeError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- nvcc check
+
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc") or (str(Path("/usr/local/cuda/bin/nvcc"))
+                                     if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+
+def nvcc_compile(name: str, arch: str, out_dir: Path, *, nvcc: str | None = None) -> str:
+    """Compiles source ``name`` to a cubin for ``arch`` (e.g. 'sm_90') with warnings as errors;
+    returns nvcc's output.  Raises RuntimeError with the diagnostics when it fails."""
+    nvcc = nvcc or nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found on PATH")
+    out = Path(out_dir) / f"{Path(name).stem}-{arch}.cubin"
+    cmd = [nvcc, f"-arch={arch}", "-cubin", "--std=c++17", "-Werror", "all-warnings",
+           "-Xptxas", "-warn-spills", "-o", str(out), str(source_path(name))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                           f"{proc.stdout}{proc.stderr}".strip())
+    return proc.stdout + proc.stderr

@@ -1,0 +1,452 @@
+/*
+ * CUDA kernels for one table-batched embedding (TBE) group: T tables sharing a dim D, stored
+ * as one concatenated weight [R, D] (fp32 or fp16), with the semantics of recc.kernels.cpu.tbe.
+ *
+ * Layout (FBGEMM's names): `ids` holds LOCAL ids, tables back to back; `offsets` has T*B+1
+ * int64 entries, feature-major (bag j = t*B + b); table t owns weight rows
+ * [hsc[t], hsc[t+1]) (hash_size_cumsum); pooled outputs and their gradients are batch-major
+ * fp32 [B, T*D].  `err` is an error record of two unsigned long longs, ERR_NONE (all ones)
+ * when the batch is valid: a kernel that meets an id outside its table leaves that id out,
+ * never reads or writes out of bounds, and atomicMin's the id's position into err[0]; the
+ * forward also checks each bag's offsets (a malformed bag is pooled as empty, its index
+ * atomicMin'ed into err[1]).  The host reads the record and raises.
+ *
+ * Forward (tbe_forward_*): a group of `lanes` threads (a power of two <= 32: a sub-warp when D
+ * is small) pools one bag, each lane owning V consecutive columns (V = 4: one 16-byte fp32 or
+ * 8-byte fp16 load per row; V = 1 when D % 4 != 0 or rows are not aligned), ids unrolled by 4
+ * so four row loads are in flight.  Sum or mean (empty bag -> 0), optional per-sample weights.
+ *
+ * Backward + fused optimizer, "exact" (duplicate ids summed, each row updated once):
+ *  1. tbe_linearize_*: per id, row = hsc[t] + id (SENTINEL for a bad id) and its bag.
+ *  2. the host sorts (row, position) pairs stably (torch.sort: a radix sort), so a row's ids
+ *     stay in index order and its sum order is the CPU kernels' order.
+ *  3. tbe_runs: run-length encoding of the sorted rows into run_start[0..num_runs], with
+ *     num_runs and run_start read on the device: no host sync.
+ *  4. tbe_update_warp_*: one group of `lanes` threads per run (grid-stride), gradient summed in
+ *     registers (D <= lanes*V*MAX_CHUNKS), optimizer applied once; runs longer than
+ *     `long_run` are left to tbe_update_block_*: a whole block per run, partial sums combined in
+ *     shared memory in a fixed order (deterministic).
+ *  Both update kernels return at once when `err` is set, so a bad batch writes nothing.
+ *  fp16 weights are read and updated in fp32 and written back with stochastic rounding (an
+ *  unbiased rounding keyed by (seed, row, column), so small updates are not lost to
+ *  round-to-nearest); optimizer state is always fp32.
+ */
+#include <cuda_fp16.h>
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define ERR_NONE 0xFFFFFFFFFFFFFFFFull
+#define SENTINEL_I32 0x7FFFFFFF
+#define MAX_CHUNKS 8
+
+enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAGRAD = 2, OPT_ADAM = 3 };
+
+/* ------------------------------------------------------------------ row loads and stores */
+
+template <int V> struct Vec { float v[V]; };
+
+__device__ __forceinline__ void load_row(const float* p, Vec<4>& r) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    r.v[0] = x.x; r.v[1] = x.y; r.v[2] = x.z; r.v[3] = x.w;
+}
+__device__ __forceinline__ void load_row(const __half* p, Vec<4>& r) {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&x.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&x.y));
+    r.v[0] = a.x; r.v[1] = a.y; r.v[2] = b.x; r.v[3] = b.y;
+}
+__device__ __forceinline__ void load_row(const float* p, Vec<1>& r) { r.v[0] = *p; }
+__device__ __forceinline__ void load_row(const __half* p, Vec<1>& r) { r.v[0] = __half2float(*p); }
+
+/* Partial vector loads at the end of a row never happen: the host picks V = 4 only when
+ * D % 4 == 0, so a lane's V columns are all inside the row. */
+
+/* splitmix64: a cheap, well-mixed hash, so stochastic rounding needs no RNG state. */
+__device__ __forceinline__ u64 mix64(u64 x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* fp32 -> fp16 rounding up (away from zero) with probability equal to the fraction of the
+ * gap between the two neighbouring halves, so E[result] = x (for |x| <= 65504). */
+__device__ __forceinline__ __half stochastic_half(float x, u64 key) {
+    if (!isfinite(x)) return __float2half_rn(x);
+    const __half lo = __float2half_rz(x);
+    const unsigned short lo_bits = __half_as_ushort(lo);
+    if ((lo_bits & 0x7FFF) == 0x7BFF) return lo;  /* |x| >= max finite half: stay finite */
+    const __half hi = __ushort_as_half((unsigned short)(lo_bits + 1));  /* one ulp further out */
+    const float flo = fabsf(__half2float(lo)), fhi = fabsf(__half2float(hi));
+    const float frac = (fabsf(x) - flo) / (fhi - flo);
+    const float u = (float)(mix64(key) >> 40) * (1.0f / 16777216.0f);  /* [0, 1), 24 bits */
+    return u < frac ? hi : lo;
+}
+
+__device__ __forceinline__ void store_row(float* p, const float* v, int n, u64) {
+    for (int k = 0; k < n; ++k) p[k] = v[k];
+}
+__device__ __forceinline__ void store_row(__half* p, const float* v, int n, u64 key) {
+    for (int k = 0; k < n; ++k) p[k] = stochastic_half(v[k], mix64(key + (u64)k));
+}
+
+/* ------------------------------------------------------------------ forward */
+
+template <typename W, int V>
+__device__ __forceinline__ void forward_body(
+        const W* __restrict__ weights, int D, const i64* __restrict__ ids,
+        const i64* __restrict__ offsets, const i64* __restrict__ hsc, int T, i64 B,
+        const float* __restrict__ psw, int mean, i64 N, float* __restrict__ out, u64* err,
+        int lanes) {
+    const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 bag = gid / lanes;
+    const int lane = (int)(gid % lanes);
+    if (bag >= (i64)T * B) return;  /* no warp collectives below: an early return is safe */
+    const int t = (int)(bag / B);
+    const i64 b = bag - (i64)t * B;
+    i64 start = offsets[bag], end = offsets[bag + 1];
+    const i64 base = hsc[t], rows = hsc[t + 1] - base;
+    float* o = out + b * ((i64)T * D) + (i64)t * D;
+    /* offsets are trusted only after this check: a malformed bag is reported and pooled as
+     * empty, so a bad offset can never make the kernel read past `ids` */
+    if (start < 0 || end > N || start > end || (bag == 0 && start != 0) ||
+        (bag == (i64)T * B - 1 && end != N)) {
+        if (lane == 0) atomicMin(err + 1, (u64)bag);
+        start = end = 0;
+    }
+    for (int d0 = lane * V; d0 < D; d0 += lanes * V) {
+        float acc[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = 0.0f;
+        i64 p = start;
+        for (; p + 4 <= end; p += 4) {
+            Vec<V> r[4];
+            float s[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const i64 id = ids[p + u];
+                const bool ok = id >= 0 && id < rows;
+                if (!ok && d0 == lane * V) atomicMin(err, (u64)(p + u));
+                s[u] = ok ? (psw ? psw[p + u] : 1.0f) : 0.0f;
+                if (ok) load_row(weights + (base + id) * D + d0, r[u]);
+                else {
+#pragma unroll
+                    for (int k = 0; k < V; ++k) r[u].v[k] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+#pragma unroll
+                for (int k = 0; k < V; ++k) acc[k] += psw ? s[u] * r[u].v[k] : r[u].v[k];
+            }
+        }
+        for (; p < end; ++p) {
+            const i64 id = ids[p];
+            if (id < 0 || id >= rows) {
+                if (d0 == lane * V) atomicMin(err, (u64)p);
+                continue;
+            }
+            Vec<V> r;
+            load_row(weights + (base + id) * D + d0, r);
+            const float s = psw ? psw[p] : 1.0f;
+#pragma unroll
+            for (int k = 0; k < V; ++k) acc[k] += psw ? s * r.v[k] : r.v[k];
+        }
+        if (mean && end > start) {
+            const float len = (float)(end - start);
+#pragma unroll
+            for (int k = 0; k < V; ++k) acc[k] = acc[k] / len;
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) o[d0 + k] = acc[k];
+    }
+}
+
+#define FORWARD(NAME, W, V)                                                                     \
+    extern "C" __global__ void NAME(const W* weights, int D, const i64* ids, const i64* offsets, \
+                                    const i64* hsc, int T, i64 B, const float* psw, int mean,   \
+                                    i64 N, float* out, u64* err, int lanes) {                   \
+        forward_body<W, V>(weights, D, ids, offsets, hsc, T, B, psw, mean, N, out, err, lanes); \
+    }
+FORWARD(tbe_forward_f32_v4, float, 4)
+FORWARD(tbe_forward_f32_v1, float, 1)
+FORWARD(tbe_forward_f16_v4, __half, 4)
+FORWARD(tbe_forward_f16_v1, __half, 1)
+
+/* ------------------------------------------------------------------ backward: linearize */
+
+/* One thread per id: its bag by binary search over offsets (balanced whatever the bag
+ * lengths), row = hsc[t] + id.  Keys are int32 (half the radix-sort passes of int64); the
+ * host routes groups with R >= 2^31 - 1 rows elsewhere.  Bad ids get SENTINEL_I32, which
+ * sorts after every row, and are reported in err. */
+extern "C" __global__ void tbe_linearize(const i64* __restrict__ ids,
+                                         const i64* __restrict__ offsets,
+                                         const i64* __restrict__ hsc, int T, i64 B, i64 N,
+                                         int* __restrict__ rows_out, int* __restrict__ bag_out,
+                                         u64* err) {
+    const i64 p = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= N) return;
+    i64 lo = 0, hi = (i64)T * B;  /* largest bag j with offsets[j] <= p */
+    while (hi - lo > 1) {
+        const i64 mid = (lo + hi) >> 1;
+        if (offsets[mid] <= p) lo = mid; else hi = mid;
+    }
+    const int t = (int)(lo / B);
+    const i64 id = ids[p];
+    const i64 base = hsc[t], rows = hsc[t + 1] - base;
+    bag_out[p] = (int)lo;
+    if (id < 0 || id >= rows) {
+        rows_out[p] = SENTINEL_I32;
+        atomicMin(err, (u64)p);
+    } else {
+        rows_out[p] = (int)(base + id);
+    }
+}
+
+/* ------------------------------------------------------------------ backward: runs */
+
+/* run_idx = inclusive prefix sum of the run-start flags (computed by the host with
+ * torch.cumsum over is_start, which tbe_run_flags writes).  tbe_run_bounds scatters each
+ * run's first position into run_start[run - 1] and the end of the valid keys into
+ * run_start[num_runs]; num_runs = run_idx[N - 1]. */
+extern "C" __global__ void tbe_run_flags(const int* __restrict__ sorted, i64 N,
+                                         int* __restrict__ is_start) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N) return;
+    const int k = sorted[i];
+    is_start[i] = (k != SENTINEL_I32 && (i == 0 || sorted[i - 1] != k)) ? 1 : 0;
+}
+
+extern "C" __global__ void tbe_run_bounds(const int* __restrict__ sorted,
+                                          const int* __restrict__ run_idx, i64 N,
+                                          int* __restrict__ run_start) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= N) return;
+    const int k = sorted[i];
+    if (k == SENTINEL_I32) return;
+    if (i == 0 || sorted[i - 1] != k) run_start[run_idx[i] - 1] = (int)i;
+    if (i == N - 1 || sorted[i + 1] == SENTINEL_I32) run_start[run_idx[i]] = (int)(i + 1);
+}
+
+/* ------------------------------------------------------------------ backward: update */
+
+struct OptArgs {
+    int opt;
+    float lr, eps, beta1, beta2, weight_decay, bc1, bc2;
+};
+
+/* Sum of ids [s, e) of a run into g (chunk c covers columns d0 + c*lanes*V .. +V). */
+template <int V>
+__device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, i64 step,
+                                           int d_first, int nchunks, int lanes, int D,
+                                           const i64* __restrict__ perm,
+                                           const int* __restrict__ bag_of,
+                                           const i64* __restrict__ offsets, int T, i64 B,
+                                           const float* __restrict__ go,
+                                           const float* __restrict__ psw, int mean) {
+    for (i64 i = s; i < e; i += step) {
+        const i64 p = perm[i];
+        const int bag = bag_of[p];
+        const int t = (int)(bag / B);
+        const i64 b = bag - (i64)t * B;
+        const float* gr = go + b * ((i64)T * D) + (i64)t * D;
+        const float w = psw ? psw[p] : 1.0f;
+        const float len = mean ? (float)(offsets[bag + 1] - offsets[bag]) : 1.0f;
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS; ++c) {
+            if (c < nchunks) {
+                const int d0 = d_first + c * lanes * V;
+                if (d0 < D) {
+                    Vec<V> r;
+                    load_row(gr + d0, r);
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        /* the CPU reference's rounding: g*w for weighted sums, g/len for mean */
+                        const float v = mean ? r.v[k] / len : (psw ? r.v[k] * w : r.v[k]);
+                        g[c][k] += v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Applies the optimizer to one row.  All lanes of the warp call it (inactive groups with
+ * active = false), because rowwise_adagrad reduces over the group with shuffles. */
+template <typename W, int V>
+__device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active, i64 row,
+                                          int d_first, int nchunks, int lanes, int D,
+                                          W* __restrict__ weights, float* __restrict__ m1,
+                                          float* __restrict__ m2, const OptArgs& o, u64 seed) {
+    float w[MAX_CHUNKS][V];
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < MAX_CHUNKS; ++c) {
+        const int d0 = d_first + c * lanes * V;
+        const bool here = active && c < nchunks && d0 < D;
+        Vec<V> r;
+        if (here) load_row(weights + row * D + d0, r);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            w[c][k] = here ? r.v[k] : 0.0f;
+            if (here && o.weight_decay != 0.0f) g[c][k] += o.weight_decay * w[c][k];
+            if (here) sq += g[c][k] * g[c][k];
+        }
+    }
+    float row_scale = 0.0f;
+    if (o.opt == OPT_ROWWISE_ADAGRAD) {
+        for (int off = lanes >> 1; off > 0; off >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
+        if (active) {
+            const float m = m1[row] + sq / (float)D;
+            row_scale = o.lr / (sqrtf(m) + o.eps);
+            if (d_first == 0) m1[row] = m;
+        }
+    }
+    if (!active) return;
+#pragma unroll
+    for (int c = 0; c < MAX_CHUNKS; ++c) {
+        const int d0 = d_first + c * lanes * V;
+        if (c >= nchunks || d0 >= D) continue;
+        const i64 at = row * D + d0;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float gk = g[c][k];
+            float wk = w[c][k];
+            if (o.opt == OPT_SGD) {
+                wk -= o.lr * gk;
+            } else if (o.opt == OPT_ROWWISE_ADAGRAD) {
+                wk -= row_scale * gk;
+            } else if (o.opt == OPT_ADAGRAD) {
+                const float s = m1[at + k] + gk * gk;
+                m1[at + k] = s;
+                wk -= o.lr * gk / (sqrtf(s) + o.eps);
+            } else {
+                const float m = o.beta1 * m1[at + k] + (1.0f - o.beta1) * gk;
+                const float v = o.beta2 * m2[at + k] + (1.0f - o.beta2) * gk * gk;
+                m1[at + k] = m;
+                m2[at + k] = v;
+                wk -= o.lr * (m / o.bc1) / (sqrtf(v / o.bc2) + o.eps);
+            }
+            w[c][k] = wk;
+        }
+        store_row(weights + at, w[c], V, seed ^ mix64((u64)at));
+    }
+}
+
+template <typename W, int V>
+__device__ __forceinline__ void update_warp_body(
+        W* __restrict__ weights, int D, float* __restrict__ m1, float* __restrict__ m2,
+        const int* __restrict__ sorted, const i64* __restrict__ perm,
+        const int* __restrict__ bag_of, const int* __restrict__ run_start,
+        const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
+        const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
+        u64 seed, int lanes, int long_run, const u64* err) {
+    if (*err != ERR_NONE) return;
+    const i64 num_runs = *num_runs_at;
+    const int groups_per_warp = 32 / lanes;
+    const int lane = threadIdx.x % lanes;
+    const int group = (threadIdx.x % 32) / lanes;
+    const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    const i64 warps = ((i64)gridDim.x * blockDim.x) / 32;
+    const int nchunks = (D + lanes * V - 1) / (lanes * V);
+    /* The loop bound is per warp, so every lane of a warp runs the same iterations and the
+     * shuffles in apply_row see the whole warp. */
+    for (i64 base = warp * groups_per_warp; base < num_runs; base += warps * groups_per_warp) {
+        const i64 run = base + group;
+        bool active = run < num_runs;
+        i64 s = 0, e = 0;
+        if (active) {
+            s = run_start[run];
+            e = run_start[run + 1];
+            active = e - s <= long_run;
+        }
+        float g[MAX_CHUNKS][V];
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS; ++c)
+#pragma unroll
+            for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
+        if (active)
+            accumulate<V>(g, s, e, 1, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
+                          go, psw, mean);
+        apply_row<W, V>(g, active, active ? (i64)sorted[s] : 0, lane * V, nchunks, lanes, D,
+                        weights, m1, m2, o, seed);
+    }
+}
+
+/* A block per long run.  Worker k (a group of `lanes` threads) sums ids s+k, s+k+workers, ...;
+ * the partial sums meet in shared memory [workers][D] and warp 0 adds them in worker order
+ * and applies the optimizer. */
+template <typename W, int V>
+__device__ __forceinline__ void update_block_body(
+        W* __restrict__ weights, int D, float* __restrict__ m1, float* __restrict__ m2,
+        const int* __restrict__ sorted, const i64* __restrict__ perm,
+        const int* __restrict__ bag_of, const int* __restrict__ run_start,
+        const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
+        const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
+        u64 seed, int lanes, int long_run, const u64* err) {
+    extern __shared__ float partial[];  /* [workers][D] */
+    if (*err != ERR_NONE) return;
+    const i64 num_runs = *num_runs_at;
+    const int workers = blockDim.x / lanes;
+    const int worker = threadIdx.x / lanes;
+    const int lane = threadIdx.x % lanes;
+    const int nchunks = (D + lanes * V - 1) / (lanes * V);
+    for (i64 run = blockIdx.x; run < num_runs; run += gridDim.x) {
+        const i64 s = run_start[run], e = run_start[run + 1];
+        if (e - s <= long_run) continue;  /* uniform over the block */
+        float g[MAX_CHUNKS][V];
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS; ++c)
+#pragma unroll
+            for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
+        accumulate<V>(g, s + worker, e, workers, lane * V, nchunks, lanes, D, perm, bag_of,
+                      offsets, T, B, go, psw, mean);
+#pragma unroll
+        for (int c = 0; c < MAX_CHUNKS; ++c) {
+            const int d0 = lane * V + c * lanes * V;
+            if (c < nchunks && d0 < D)
+#pragma unroll
+                for (int k = 0; k < V; ++k) partial[(i64)worker * D + d0 + k] = g[c][k];
+        }
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            const bool active = worker == 0;
+#pragma unroll
+            for (int c = 0; c < MAX_CHUNKS; ++c) {
+                const int d0 = lane * V + c * lanes * V;
+                if (active && c < nchunks && d0 < D)
+#pragma unroll
+                    for (int k = 0; k < V; ++k) {
+                        float sum = 0.0f;
+                        for (int w = 0; w < workers; ++w) sum += partial[(i64)w * D + d0 + k];
+                        g[c][k] = sum;
+                    }
+            }
+            apply_row<W, V>(g, active, (i64)sorted[s], lane * V, nchunks, lanes, D, weights, m1,
+                            m2, o, seed);
+        }
+        __syncthreads();  /* partial is reused by the next run */
+    }
+}
+
+#define UPDATE(NAME, BODY, W, V)                                                               \
+    extern "C" __global__ void NAME(W* weights, int D, float* m1, float* m2, const int* sorted, \
+                                    const i64* perm, const int* bag_of, const int* run_start,  \
+                                    const int* num_runs_at, const i64* offsets, int T, i64 B,  \
+                                    const float* go, const float* psw, int mean, int opt,      \
+                                    float lr, float eps, float beta1, float beta2, float wd,   \
+                                    float bc1, float bc2, u64 seed, int lanes, int long_run,   \
+                                    const u64* err) {                                          \
+        const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2};                          \
+        BODY<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at, offsets,  \
+                   T, B, go, psw, mean, o, seed, lanes, long_run, err);                        \
+    }
+UPDATE(tbe_update_warp_f32_v4, update_warp_body, float, 4)
+UPDATE(tbe_update_warp_f32_v1, update_warp_body, float, 1)
+UPDATE(tbe_update_warp_f16_v4, update_warp_body, __half, 4)
+UPDATE(tbe_update_warp_f16_v1, update_warp_body, __half, 1)
+UPDATE(tbe_update_block_f32_v4, update_block_body, float, 4)
+UPDATE(tbe_update_block_f32_v1, update_block_body, float, 1)
+UPDATE(tbe_update_block_f16_v4, update_block_body, __half, 4)
+UPDATE(tbe_update_block_f16_v1, update_block_body, __half, 1)

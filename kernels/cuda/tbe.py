@@ -1,0 +1,242 @@
+"""Table-batched embedding on CUDA: ``tbe.cu`` behind the CPU kernels' semantics.
+
+Same layout and math as ``recc.kernels.cpu.tbe`` (read its docstring), with two differences
+in the calling convention, both so that no host sync is needed on the fast path:
+
+- the kernels take LOCAL ids plus ``hash_size_cumsum`` (a device tensor) and linearize
+  inside, checking each id against its own table;
+- weights may be fp32 or fp16 (fp16 rows are pooled in fp32 and updated with stochastic
+  rounding); optimizer state is fp32.
+
+Bounds: ``tbe_forward`` reads back one 16-byte error record after its kernel (the one sync it
+makes) and raises IndexError naming the table, bag and position of the first bad id (ValueError
+for malformed offsets) — the kernel itself never touches a row outside the id's table.
+``tbe_backward_update`` skips that read when ``checked=True`` (its ids are the ones the forward
+just validated); its update kernels still refuse to write anything if linearization found a
+bad id, and with ``checked=False`` the error is raised after the (empty) update.
+
+Limits (ValueError, never a silent fallback): the backward keeps a row's gradient in
+registers, so D <= 1024 when D % 4 == 0 (else D <= 256); rows, ids and bags < 2^31.
+"""
+from __future__ import annotations
+
+import torch
+
+from recc.kernels.cpu.tbe import OPTIMIZERS, POOLINGS, optimizer_state_shapes, validate_inputs
+
+from . import loader
+
+SOURCE = "tbe.cu"
+ERR_NONE = -1  # all ones, read back as int64
+MAX_CHUNKS = 8  # matches tbe.cu
+LONG_RUN = 512  # ids of one row beyond which a whole block (not a warp) updates it
+THREADS = 256
+_OPT_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}
+_INT32_MAX = 2**31 - 1
+
+
+def _np():
+    import numpy as np
+    return np
+
+
+def _lanes(D: int, V: int) -> int:
+    need = -(-D // V)
+    lanes = 1
+    while lanes < need and lanes < 32:
+        lanes *= 2
+    return lanes
+
+
+def _vector_width(D: int, *tensors: torch.Tensor) -> int:
+    if D % 4:
+        return 1
+    for t in tensors:
+        if t is not None and t.data_ptr() % (4 * t.element_size()):
+            return 1
+    return 4
+
+
+def _suffix(weights: torch.Tensor, V: int) -> str:
+    return f"{'f32' if weights.dtype == torch.float32 else 'f16'}_v{V}"
+
+
+def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights):
+    if weights.device.type != "cuda":
+        raise ValueError(f"the CUDA TBE kernels need CUDA tensors, got weights on {weights.device}")
+    if weights.dim() != 2 or weights.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"weights must be a 2-D float32 or float16 tensor, got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if not weights.is_contiguous():
+        raise ValueError("weights must be contiguous (the kernels address rows as row * D)")
+    if pooling not in POOLINGS:
+        raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
+    for name, x in (("indices", indices), ("offsets", offsets), ("hash_size_cumsum", hash_size_cumsum)):
+        if x.device != weights.device:
+            raise ValueError(f"{name} is on {x.device}, weights on {weights.device}")
+        if x.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    if offsets.numel() != T * B + 1:
+        raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {T * B + 1} "
+                         f"(T={T} tables, B={B} bags per table)")
+    if hash_size_cumsum.numel() != T + 1:
+        raise ValueError(f"hash_size_cumsum has {hash_size_cumsum.numel()} entries, expected "
+                         f"T+1 = {T + 1}")
+    if weights.shape[0] >= _INT32_MAX or indices.numel() > _INT32_MAX or T * B > _INT32_MAX:
+        raise ValueError(f"the CUDA TBE kernels index rows, ids and bags with int32: got "
+                         f"{weights.shape[0]} rows, {indices.numel()} ids, {T * B} bags")
+    if per_sample_weights is not None:
+        if pooling != "sum":
+            raise ValueError("per_sample_weights are only supported with pooling='sum' "
+                             f"(got pooling={pooling!r}), like nn.EmbeddingBag")
+        if per_sample_weights.shape != indices.shape:
+            raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
+                             f"expected {tuple(indices.shape)} (one per index)")
+
+
+def _i64(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int64).contiguous()
+
+
+def _f32(x):
+    return None if x is None else x.detach().to(torch.float32).contiguous()
+
+
+def new_error_record(device) -> torch.Tensor:
+    """[first bad id position, first bad bag], all ones (ERR_NONE) until a kernel sets them."""
+    return torch.full((2,), ERR_NONE, dtype=torch.int64, device=device)
+
+
+def raise_for_error(err: torch.Tensor, indices, offsets, hash_size_cumsum, T: int, B: int,
+                    table_names=None) -> None:
+    """Reads the error record (a sync) and raises with the table, bag and position at fault."""
+    bad_id, bad_bag = (int(v) for v in err.tolist())
+    if bad_id == ERR_NONE and bad_bag == ERR_NONE:
+        return
+    names = list(table_names) if table_names is not None else [f"#{t}" for t in range(T)]
+    # The slow path: the CPU validator finds the first fault and words the message.
+    validate_inputs(indices.cpu(), offsets.cpu(), hash_size_cumsum.cpu(), T, B, names)
+    raise IndexError(f"the CUDA TBE kernel found a bad id at position {bad_id} / bag {bad_bag} "
+                     f"that the CPU validator does not reproduce (were the inputs modified "
+                     f"concurrently?)")
+
+
+def tbe_forward(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
+                hash_size_cumsum: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
+                per_sample_weights: torch.Tensor | None = None, table_names=None,
+                check: bool = True) -> torch.Tensor:
+    """Pooled embeddings ``[B, T*D]`` (fp32) of local ``indices``; see the module docstring.
+
+    ``check=False`` skips reading the error record (no sync; the caller must call
+    ``raise_for_error`` on the returned record before trusting the output) and returns
+    ``(out, err)`` instead of ``out``.
+    """
+    _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
+    np = _np()
+    R, D = weights.shape
+    out = torch.empty(B, T * D, dtype=torch.float32, device=weights.device)
+    err = new_error_record(weights.device)
+    ids, off, hsc = _i64(indices), _i64(offsets), _i64(hash_size_cumsum)
+    psw = _f32(per_sample_weights)
+    if T * B:
+        V = _vector_width(D, weights)
+        lanes = _lanes(D, V)
+        grid = -(-(T * B * lanes) // THREADS)
+        loader.launch(SOURCE, f"tbe_forward_{_suffix(weights, V)}", weights.device, grid, THREADS,
+                      (weights.detach(), np.int32(D), ids, off, hsc, np.int32(T), np.int64(B),
+                       psw, np.int32(pooling == "mean"), np.int64(ids.numel()), out, err,
+                       np.int32(lanes)))
+    if not check:
+        return out, err
+    raise_for_error(err, indices, offsets, hash_size_cumsum, T, B, table_names)
+    return out
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
+                        indices: torch.Tensor, offsets: torch.Tensor,
+                        hash_size_cumsum: torch.Tensor, grad_output: torch.Tensor, *, T: int,
+                        B: int, pooling: str = "sum",
+                        per_sample_weights: torch.Tensor | None = None, optimizer: str = "sgd",
+                        lr: float, eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999,
+                        weight_decay: float = 0.0, step: int = 1, seed: int | None = None,
+                        table_names=None, checked: bool = False) -> None:
+    """Backward of ``tbe_forward`` fused with the sparse optimizer, in place; the math of
+    ``recc.kernels.cpu.tbe.tbe_backward_update``.  ``seed`` keys the stochastic rounding of
+    fp16 weights (default: ``step``)."""
+    _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    R, D = weights.shape
+    for name, shape in optimizer_state_shapes(optimizer, R, D).items():
+        s = state.get(name)
+        if s is None or s.dtype != torch.float32 or s.numel() != R * (D if len(shape) == 2 else 1) \
+                or not s.is_contiguous() or s.device != weights.device:
+            got = "nothing" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
+            raise ValueError(f"optimizer {optimizer!r} needs contiguous float32 state[{name!r}] "
+                             f"of shape {shape} on {weights.device}, got {got}")
+    if tuple(grad_output.shape) != (B, T * D):
+        raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, expected "
+                         f"(B, T*D) = ({B}, {T * D})")
+    N = indices.numel()
+    if N == 0 or T * B == 0:
+        return
+    go = _f32(grad_output)
+    V = _vector_width(D, weights, go)
+    lanes = _lanes(D, V)
+    if -(-D // (lanes * V)) > MAX_CHUNKS:
+        raise ValueError(f"the CUDA TBE backward keeps a row in registers: D={D} is above its "
+                         f"limit of {32 * 4 * MAX_CHUNKS} (D % 4 == 0) or {32 * MAX_CHUNKS}")
+    np = _np()
+    dev = weights.device
+    ids, off, hsc = _i64(indices), _i64(offsets), _i64(hash_size_cumsum)
+    psw = _f32(per_sample_weights)
+    err = new_error_record(dev)
+    rows = torch.empty(N, dtype=torch.int32, device=dev)
+    bag_of = torch.empty(N, dtype=torch.int32, device=dev)
+    grid_n = -(-N // THREADS)
+    loader.launch(SOURCE, "tbe_linearize", dev, grid_n, THREADS,
+                  (ids, off, hsc, np.int32(T), np.int64(B), np.int64(N), rows, bag_of, err))
+    # Stable: a row's ids keep their index order, so its gradient sums like the CPU kernels'.
+    sorted_rows, perm = torch.sort(rows, stable=True)
+    is_start = torch.empty(N, dtype=torch.int32, device=dev)
+    loader.launch(SOURCE, "tbe_run_flags", dev, grid_n, THREADS, (sorted_rows, np.int64(N), is_start))
+    run_idx = torch.cumsum(is_start, 0, dtype=torch.int32)
+    run_start = torch.empty(N + 1, dtype=torch.int32, device=dev)
+    loader.launch(SOURCE, "tbe_run_bounds", dev, grid_n, THREADS,
+                  (sorted_rows, run_idx, np.int64(N), run_start))
+    num_runs_at = run_idx[N - 1:]  # on the device: the number of runs is never read back
+    m1 = state.get("momentum1") if optimizer != "sgd" else None
+    m2 = state.get("momentum2") if optimizer == "adam" else None
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    seed = int(step if seed is None else seed) & 0xFFFFFFFFFFFFFFFF
+    args = (weights.detach(), np.int32(D), m1, m2, sorted_rows, perm, bag_of, run_start,
+            num_runs_at, off, np.int32(T), np.int64(B), go, psw, np.int32(pooling == "mean"),
+            np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
+            np.float32(beta2), np.float32(weight_decay), np.float32(bc1), np.float32(bc2),
+            np.uint64(seed), np.int32(lanes), np.int32(LONG_RUN), err)
+    sms = _sm_count(dev)
+    groups_per_block = THREADS // lanes
+    warp_grid = min(-(-N // groups_per_block), sms * 16)
+    suffix = _suffix(weights, V)
+    loader.launch(SOURCE, f"tbe_update_warp_{suffix}", dev, warp_grid, THREADS, args)
+    if N > LONG_RUN:  # only then can a run be long
+        shared = (THREADS // lanes) * D * 4
+        loader.launch(SOURCE, f"tbe_update_block_{suffix}", dev, min(sms * 2, -(-N // LONG_RUN)),
+                      THREADS, args, shared_mem=shared)
+    _bump_version(weights)
+    for s in (m1, m2):
+        if s is not None:
+            _bump_version(s)
+    if not checked:
+        raise_for_error(err, indices, offsets, hash_size_cumsum, T, B, table_names)
+
+
+def _bump_version(t: torch.Tensor) -> None:
+    # Kernel writes bypass autograd's version counter; a zero-size in-place op bumps it, as
+    # the CPU kernels do, so stale saved tensors are detected.
+    with torch.no_grad():
+        t.narrow(0, 0, 0).zero_()

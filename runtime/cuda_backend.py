@@ -1,0 +1,186 @@
+"""CUDA implementations of the recc ops: the table-batched embedding on ``recc.kernels.cuda``.
+
+``recc.tbe_lookup[cuda]`` runs the CuPy TBE forward and, in backward, the fused sort /
+run-length / per-row optimizer kernels, in place, like the CPU backend (no weight gradient is
+ever built).  ``recc.pack_sparse[cuda]`` packs and validates on the device with a single host
+sync.  Collectives go through ``recc.runtime.comm`` (NCCL on GPUs), and every other op uses its
+torch reference, which runs on CUDA tensors as it is.
+
+Importing this module needs neither CuPy nor a GPU: kernels load on their first launch.
+"""
+from __future__ import annotations
+
+import torch
+
+from recc.kernels import cuda as cuda_kernels
+from recc.ops import OPS, SparseBatch, bag_offsets, register_impl
+from recc.runtime.comm import (gather_global_batch, input_dist_start, input_dist_wait, output_dist_start,
+                               output_dist_wait)
+
+
+def _gather_layout(group, sparse):
+    """A gather group as one sum-pooled 'table' of one-id bags over the whole weight."""
+    dev = group.weights.device
+    n = sparse.indices.numel()
+    offsets = sparse.offsets.to(dev)
+    counts = offsets[1:] - offsets[:-1]
+    lin = sparse.indices.to(dev) + torch.repeat_interleave(group.hash_size_cumsum[:-1].to(dev), counts,
+                                                           output_size=n)
+    rows = group.weights.shape[0]
+    hsc = torch.tensor([0, rows], dtype=torch.int64, device=dev)
+    bags = torch.arange(n + 1, dtype=torch.int64, device=dev)
+    return lin, bags, hsc, 1, n, (f"{group.group_name}[{', '.join(sparse.tables)}]",)
+
+
+class TBELookupCUDA(torch.autograd.Function):
+    """Forward: pooled rows for every table of a group. Backward: fused optimizer update."""
+
+    @staticmethod
+    def forward(ctx, weights, group, sparse):
+        pooling = group.pooling if sparse.pooled else "sum"
+        ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
+        if sparse.pooled:
+            t, b = sparse.num_tables, sparse.batch_size
+            ctx.t, ctx.b = t, b
+            if t == 0 or b == 0:
+                # A rank may own no shard of a group; it still takes part in the collectives.
+                ctx.ids = ctx.offsets = ctx.hsc = None
+                return torch.zeros(b, t * group.dim, dtype=torch.float32, device=weights.device)
+            ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
+        else:
+            ids, offsets, hsc, t, b, names = _gather_layout(group, sparse)
+            ctx.t, ctx.b = t, b
+        ctx.ids, ctx.offsets, ctx.hsc, ctx.names = ids, offsets, hsc, names
+        return cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
+                                        per_sample_weights=sparse.per_sample_weights if sparse.pooled else None,
+                                        table_names=names)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        group.step += 1
+        o = group.optimizer
+        ids, offsets, psw, b, checked = ctx.ids, ctx.offsets, ctx.psw, ctx.b, True
+        if group.data_parallel and group.world_size > 1:
+            # Every replica applies the same update for the global batch: gather it.
+            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
+            checked = False  # other ranks' ids: the update's own bounds check reports them
+        if group.grad_scale != 1.0:
+            grad = grad * group.grad_scale
+        if ctx.t and b:
+            cuda_kernels.tbe_backward_update(
+                group.weights.detach(), group.optimizer_state(), ids, offsets, ctx.hsc, grad.contiguous(),
+                T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,
+                eps=o.eps, beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
+                table_names=ctx.names, checked=checked)
+        return None, None, None
+
+
+@register_impl("tbe_lookup", "cuda")
+def tbe_lookup_cuda(group, sparse):
+    if not group.materialized:
+        raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
+                           f"run the model from program.instantiate()")
+    if group.weights.device.type != "cuda":
+        raise RuntimeError(f"table group {group.group_name} is lowered for CUDA but its weights are on "
+                           f"{group.weights.device}; instantiate the program on a GPU")
+    return TBELookupCUDA.apply(group.weights, group, sparse)
+
+
+@register_impl("pack_sparse", "cuda")
+def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pooled):
+    """``recc.pack_sparse`` on the device: the reference's packing, validated with one sync.
+
+    A bad batch is re-validated by the CPU reference on host copies, which raises the same
+    error (table and position) the CPU backend would."""
+    tables = tuple(tables)
+    if not pooled:
+        return OPS["pack_sparse"].reference(indices, offsets, per_sample_weights, tables=tables, rows=rows,
+                                            pooled=pooled)
+    if len(indices) != len(tables) or len(offsets) != len(tables):
+        raise ValueError(f"pack_sparse: {len(indices)} index and {len(offsets)} offset tensors for tables {tables}")
+    for k, name in enumerate(tables):
+        ids = indices[k]
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"table {name}: indices must be an int64/int32 tensor, got "
+                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    dev = indices[0].device
+    flat, offs = [], []
+    for k, name in enumerate(tables):
+        ids, off = indices[k].to(dev), offsets[k]
+        if off is None:
+            f, o = bag_offsets(ids, None)
+            flat.append(f)
+            offs.append(o[:-1])
+            continue
+        if off.dim() != 1:
+            raise ValueError(f"table {name}: offsets must be 1-D, got shape {tuple(off.shape)}")
+        flat.append(ids.reshape(-1))
+        offs.append(off.to(dev))
+    batch = offs[0].numel()
+    for k, o in enumerate(offs):
+        if o.numel() != batch:
+            raise ValueError(f"table {tables[k]}: batch of {o.numel()} bags, but table {tables[0]} has "
+                             f"{batch}; every table needs one bag per sample")
+    counts_host = [f.numel() for f in flat]
+    n = sum(counts_host)
+    ids = torch.cat(flat).to(torch.int64) if len(flat) > 1 else flat[0].to(torch.int64)
+    off = torch.stack(offs).to(torch.int64)
+    psw = None
+    if per_sample_weights is not None:
+        sizes = [w.numel() for w in per_sample_weights]
+        if sizes != counts_host:
+            k = next(k for k in range(len(tables)) if sizes[k] != counts_host[k])
+            raise ValueError(f"table {tables[k]}: per_sample_weights has {sizes[k]} entries for "
+                             f"{counts_host[k]} indices")
+        psw = torch.cat([w.reshape(-1).to(dev) for w in per_sample_weights])
+    counts = torch.tensor(counts_host, dtype=torch.int64, device=dev)
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    if batch:
+        bad = bad | (off[:, 0] != 0).any() | (off[:, -1] > counts).any()
+        if batch > 1:
+            bad = bad | (off[:, 1:] < off[:, :-1]).any()
+    if n:
+        limit = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64, device=dev), counts,
+                                        output_size=n)
+        bad = bad | ((ids < 0) | (ids >= limit)).any()
+    if bool(bad):  # the one host sync
+        OPS["pack_sparse"].reference([i.cpu() for i in indices], [None if o is None else o.cpu() for o in offsets],
+                                     None if per_sample_weights is None else [w.cpu() for w in per_sample_weights],
+                                     tables=tables, rows=rows, pooled=True)
+        raise RuntimeError("pack_sparse: the device validation flagged this batch but the CPU reference "
+                           "accepts it; please report this")
+    starts = counts.cumsum(0) - counts
+    combined = torch.cat([(off + starts[:, None]).reshape(-1),
+                          torch.tensor([n], dtype=torch.int64, device=dev)])
+    return SparseBatch(tables, ids, combined, psw, batch, True, None)
+
+
+@register_impl("all_to_all_start", "cuda")
+def all_to_all_start_cuda(x, *, comm):
+    if len(comm.group) == 1:
+        return OPS["all_to_all_start"].reference(x, comm=comm)
+    if comm.op == "input_dist":
+        return input_dist_start(x, comm)
+    if comm.op == "output_dist":
+        return output_dist_start(x, comm)
+    raise ValueError(f"recc.all_to_all_start: no CUDA implementation of {comm.op!r}")
+
+
+@register_impl("all_to_all_wait", "cuda")
+def all_to_all_wait_cuda(handle):
+    comm = handle.comm
+    if comm is None or len(comm.group) == 1:
+        return handle.value
+    if comm.op == "input_dist":
+        return input_dist_wait(handle)
+    return output_dist_wait(handle)
+
+
+def _register_references():
+    for op in OPS.values():
+        if op.impl("cuda") is None:
+            op._impls["cuda"] = op.reference
+
+
+_register_references()
