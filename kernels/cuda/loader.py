@@ -114,8 +114,10 @@ def launch(source: str, kernel: str, device: torch.device, grid: int, block: int
     cp = cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = function(source, kernel, index)
-    converted = tuple(np.uint64(0) if a is None else _arg(a, cp, np) for a in args)
     with cp.cuda.Device(index), _stream(index):
+        # Converted inside the stream context: DLPack's stream handshake then sees the stream
+        # the kernel runs on (torch's current one) and adds no cross-stream wait.
+        converted = tuple(np.uint64(0) if a is None else _arg(a, cp, np) for a in args)
         fn((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
 
 
