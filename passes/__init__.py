@@ -3,7 +3,9 @@ from recc.passes.discover_tables import discover_tables
 from recc.passes.shard_tables import shard_tables
 from recc.passes.batch_tables import batch_tables
 from recc.passes.insert_comm import insert_comm
+from recc.passes.quantize_comm import quantize_comm
+from recc.passes.pipeline_comm import pipeline_comm
 from recc.passes.fuse_interaction import fuse_interaction
 from recc.passes.lower import lower
 
-__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "fuse_interaction", "lower"]
+__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm", "fuse_interaction", "lower"]

@@ -52,7 +52,8 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         group: TableGroup = gm.get_submodule(group_node.target)
         suffix = group.group_name[4:]
         if group.data_parallel:
-            lookup.meta["recc.comm"] = CommSpec("dp_grad_allgather", everyone)
+            group.dp_comm = CommSpec("dp_grad_allgather", everyone, name=f"dp_grad_allgather {suffix}")
+            lookup.meta["recc.comm"] = group.dp_comm
             continue
         if group.pooling == "none":
             raise ValueError(f"insert_comm: {', '.join(group.logical_names)} are nn.Embedding gathers; recc "
@@ -69,10 +70,11 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         layout = tuple(group.placements)
         dims = tuple(t.dim for t in group.tables)
         rows = tuple(t.rows for t in group.tables)
-        in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim)
+        in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim,
+                           name=f"input_dist {suffix}")
         b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
         out_spec = CommSpec("output_dist", everyone, splits=(b,) * world, split_dim=0, layout=layout, dims=dims,
-                            rows=rows, width=group.dim)
+                            rows=rows, width=group.dim, name=f"output_dist {suffix}")
         with graph.inserting_after(sparse):
             ids_h = graph.call_function(OPS["all_to_all_start"], (sparse,), {"comm": in_spec})
         with graph.inserting_after(ids_h):

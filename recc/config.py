@@ -20,6 +20,12 @@ class CompileConfig:
     ``m += mean(g^2)``; ``w -= lr*g/(sqrt(m)+eps)`` with eps=1e-8 by default, unlike torch's
     Adagrad which adds eps after the square root on a per-element accumulator).
 
+    ``comm_fwd``/``comm_bwd`` are the wire precisions of the embedding collectives' forward
+    payloads and backward gradients (``quantize_comm``; Neo's FP16/BF16 by default),
+    ``comm_allreduce`` the dense gradients' (a DDP hook); ``comm_error_budget`` bounds the
+    codecs' measured relative error (``comm_error_action``: warn or error). ``pipelining`` runs
+    ``pipeline_comm``.
+
     ``sharding`` forces one kind for every table or ``auto``; ``pass_options`` sets any pass's
     options by name (``{"shard_tables": {"strategy": "row_wise"}}``); ``batch_size`` is the
     global batch used for example inputs and cost estimates; ``verify`` is the verification level
@@ -35,6 +41,9 @@ class CompileConfig:
     sharding: str = "auto"
     comm_fwd: str = "fp16"
     comm_bwd: str = "bf16"
+    comm_allreduce: str = "fp32"
+    comm_error_budget: Optional[float] = None
+    comm_error_action: str = "warn"
     pipelining: bool = True
     batch_size: Optional[int] = None
     verify: int = 1
@@ -48,6 +57,13 @@ class CompileConfig:
         for k in ("comm_fwd", "comm_bwd"):
             if getattr(self, k) not in PRECISIONS:
                 raise ValueError(f"CompileConfig.{k}={getattr(self, k)!r}: choose one of {PRECISIONS}")
+        if self.comm_allreduce not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"CompileConfig.comm_allreduce={self.comm_allreduce!r}: the dense all-reduce sums on "
+                             f"the wire; choose fp32, fp16 or bf16")
+        if self.comm_error_action not in ("warn", "error"):
+            raise ValueError(f"CompileConfig.comm_error_action={self.comm_error_action!r}: choose 'warn' or 'error'")
+        if self.comm_error_budget is not None and not self.comm_error_budget >= 0:
+            raise ValueError(f"CompileConfig.comm_error_budget must be >= 0, got {self.comm_error_budget}")
         if self.verify not in (0, 1, 2):
             raise ValueError(f"CompileConfig.verify={self.verify!r}: choose 0, 1 or 2")
         if not self.lr > 0:

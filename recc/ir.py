@@ -25,6 +25,9 @@ __all__ = ["format", "format_node", "diff", "to_networkx", "to_dot", "verify", "
 
 _DTYPE_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
                 torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8"}
+for _name, _short in (("float8_e4m3fn", "f8e4m3"), ("float8_e5m2", "f8e5m2")):
+    if hasattr(torch, _name):
+        _DTYPE_SHORT[getattr(torch, _name)] = _short
 
 
 def type_of(v: Any) -> str:
@@ -115,6 +118,8 @@ def _comment(n: fx.Node, gm: Optional[fx.GraphModule]) -> str:
         obj = resolve_attr(gm, n.target)
         if obj is not None and hasattr(obj, "describe"):
             parts.append(obj.describe())
+    if n.meta.get("recc.stage"):
+        parts.append(f"stage={n.meta['recc.stage']}")
     for note in n.meta.get("recc.notes", ()):
         parts.append(note)
     by = n.meta.get("recc.pass")

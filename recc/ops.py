@@ -478,30 +478,45 @@ COLLECTIVE_STARTS = {name for name in OPS if name.endswith("_start")}
 
 # ----------------------------------------------------------------------------- codecs
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Wire precisions and the dtype the IR shows for a payload in each (int8 codes are bytes; the
+# block scales travel with them, see recc.kernels.codecs for the exact layout and byte counts).
+WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8,
+               "fp8_e4m3": getattr(torch, "float8_e4m3fn", torch.uint8),
+               "fp8_e5m2": getattr(torch, "float8_e5m2", torch.uint8)}
 
 
-def _quantize_meta(x, *, precision, grad_precision="fp32"):
-    return _meta_like(tuple(x.shape), _DTYPES[precision])
+def _check_wire(op: str, precision: str) -> None:
+    if precision not in WIRE_DTYPES:
+        raise ValueError(f"recc.{op}: unknown wire precision {precision!r}; expected one of {sorted(WIRE_DTYPES)}")
+
+
+def _quantize_meta(x, *, precision, grad_precision="fp32", parts=1):
+    _check_wire("quantize", precision)
+    _check_wire("quantize", grad_precision)
+    return _meta_like(tuple(x.shape), WIRE_DTYPES[precision])
 
 
 @define_op("quantize", meta=_quantize_meta)
-def quantize(x, *, precision: str, grad_precision: str = "fp32"):
-    """recc.quantize(x, precision=, grad_precision=) -> x encoded for the wire.
+def quantize(x, *, precision: str, grad_precision: str = "fp32", parts: int = 1):
+    """recc.quantize(x, precision=, grad_precision=, parts=) -> x encoded for the wire.
 
-    Each quantize must be balanced by one later recc.dequantize of its result.
+    ``x`` is split into ``parts`` equal row chunks (one per destination of the collective that
+    sends it) and each chunk is encoded on its own with ``precision``; gradients flowing back
+    through the matching recc.dequantize travel encoded with ``grad_precision``. Each quantize
+    must reach exactly one recc.dequantize, through collectives only. Implemented by the
+    runtime (``recc.runtime.codecs``); there is no one-process reference.
     """
-    if precision not in _DTYPES:
-        raise ValueError(f"recc.quantize: precision {precision!r} has no CPU reference codec; "
-                         f"available: {sorted(_DTYPES)}")
-    return x.to(_DTYPES[precision])
+    raise RuntimeError("recc.quantize runs in the runtime: lower the graph and run it from "
+                       "program.instantiate()")
 
 
 def _dequantize_meta(x, *, dtype="fp32"):
-    return _meta_like(tuple(x.shape), _DTYPES[dtype])
+    return _meta_like(tuple(x.shape), WIRE_DTYPES[dtype])
 
 
 @define_op("dequantize", meta=_dequantize_meta)
 def dequantize(x, *, dtype: str = "fp32"):
-    """recc.dequantize(x, dtype=) -> x decoded back to ``dtype``."""
-    return x.to(_DTYPES[dtype])
+    """recc.dequantize(x, dtype=) -> the payload a recc.quantize encoded, decoded to ``dtype``
+    (after the collectives it went through). Implemented by the runtime."""
+    raise RuntimeError("recc.dequantize runs in the runtime: lower the graph and run it from "
+                       "program.instantiate()")

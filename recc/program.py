@@ -161,7 +161,7 @@ def _graph_module_state(gm: fx.GraphModule) -> dict:
     return {"children": dict(gm.named_children()),
             "params": dict(gm.named_parameters(recurse=False)),
             "buffers": {k: (v, k not in gm._non_persistent_buffers_set) for k, v in gm.named_buffers(recurse=False)},
-            "graph": graph, "name": type(gm).__name__}
+            "graph": graph, "name": type(gm).__name__, "meta": dict(getattr(gm, "meta", {}))}
 
 
 def _graph_module_from_state(state: dict) -> fx.GraphModule:
@@ -172,7 +172,9 @@ def _graph_module_from_state(state: dict) -> fx.GraphModule:
         root.register_parameter(k, p)
     for k, (b, persistent) in state["buffers"].items():
         root.register_buffer(k, b, persistent=persistent)
-    return fx.GraphModule(root, state["graph"], state["name"])
+    gm = fx.GraphModule(root, state["graph"], state["name"])
+    gm.meta.update(state.get("meta", {}))
+    return gm
 
 
 def snapshot(gm: fx.GraphModule) -> fx.GraphModule:

@@ -93,13 +93,15 @@ class CommSpec:
     dims: tuple[int, ...] = ()
     rows: tuple[int, ...] = ()
     width: int = 0  # the group's shard width (columns per shard in the pooled payload)
+    grad_precision: str = "fp32"  # wire codec of the backward exchange (set by quantize_comm)
+    name: str = ""  # the collective's label in reports, e.g. "output_dist g0"
 
     def describe(self) -> str:
         s = f"{self.op} over {list(self.group)}"
         if self.splits is not None:
             s += f" splits={list(self.splits)}"
-        if self.precision != "fp32":
-            s += f" {self.precision}"
+        if (self.precision, self.grad_precision) != ("fp32", "fp32"):
+            s += f" {self.precision}/{self.grad_precision}"
         if self.layout:
             parts = []
             for k, r, r0, r1, c0, c1 in self.layout:

@@ -42,6 +42,9 @@ class TableGroup(nn.Module):
         self.optimizer = optimizer
         self.data_parallel = data_parallel
         self.world_size = world_size
+        # A data-parallel group's backward gradient all-gather (set by insert_comm; its codec
+        # by quantize_comm); None on one rank.
+        self.dp_comm = None
         # Sources are held by reference only (not registered), so the compile-time graph owns no
         # copy of the user's tables; runtime materialisation replaces them with ``weights``.
         self._sources = list(sources)

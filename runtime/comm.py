@@ -24,7 +24,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from recc.kernels import codecs
 from recc.ops import Handle, SparseBatch
+from recc.runtime import comm_stats
+from recc.runtime.comm_stats import Transfer
 
 _GROUP = None
 
@@ -81,7 +84,10 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
         id_counts.append(n_ids)
     counts = torch.tensor(id_counts, dtype=torch.int64)
     recv_counts = torch.empty(world, dtype=torch.int64)
-    _a2a(recv_counts, counts, [1] * world, [1] * world)               # phase 1: how many ids
+    st = comm_stats.current()
+    label = comm.name or "input_dist"
+    Transfer(label, [_a2a(recv_counts, counts, [1] * world, [1] * world, async_op=True)],  # phase 1: how many ids
+             8 * (world - 1), st).wait()
     shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
     j_me = shards_of[me]
     rc = recv_counts.tolist()
@@ -99,16 +105,22 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     works = [_a2a(recv, send, [j_me * b + n for n in rc], [l + n for l, n in zip(per_dst_len, id_counts)],
                   async_op=True)]
     recv_w = None
+    send_splits = [l + n for l, n in zip(per_dst_len, id_counts)]
+    sent = 8 * sum(n for o, n in enumerate(send_splits) if o != me)
+    received = 8 * sum(j_me * b + n for s_, n in enumerate(rc) if s_ != me)
     if psw is not None:
         w_all = torch.cat(send_w) if send_w else torch.zeros(0)
         recv_w = torch.empty(sum(rc), dtype=w_all.dtype)
         works.append(_a2a(recv_w, w_all, rc, id_counts, async_op=True))
-    return Handle((recv, recv_w, rc, j_me, b, world), works, comm)
+        sent += 4 * sum(n for o, n in enumerate(id_counts) if o != me)
+        received += 4 * sum(n for s_, n in enumerate(rc) if s_ != me)
+    # Ids are exact integers: no codec, the wire carries what fp32 accounting would.
+    st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1))
+    return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st), comm)
 
 
 def input_dist_wait(handle: Handle) -> SparseBatch:
-    for w in handle.work:
-        w.wait()
+    handle.work.wait()
     recv, recv_w, rc, j_me, b, world = handle.value
     # From each source rank s: [J x B] bag lengths, then its ids shard by shard. Reorder to
     # shard-major (feature-major): shard j's bags are rank 0's B bags, then rank 1's, ...
@@ -138,43 +150,145 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
 
 # ----------------------------------------------------------------------------- output dist
 
+class Encoded:
+    """A payload in wire format (``recc.quantize``): ``parts`` equal row chunks of ``source``,
+    each encoded on its own so a chunk goes to one destination whole. ``source`` stays attached
+    so autograd can route the gradient of whatever is decoded from it back to it."""
+
+    def __init__(self, source: torch.Tensor, precision: str, grad_precision: str, parts: int):
+        self.source, self.precision, self.grad_precision = source, precision, grad_precision
+        flat = source.detach().reshape(-1)
+        n = flat.numel() // parts if parts else 0
+        self.counts = [n] * parts
+        pieces = [flat[i * n:(i + 1) * n] for i in range(parts)]
+        self.chunks = pieces if precision == "fp32" else [codecs.encode(p, precision) for p in pieces]
+
+    @property
+    def shape(self):
+        return self.source.shape
+
+
 class _Exchange:
-    """An in-flight pooled all-to-all: the receive buffer and the split sizes."""
+    """One pooled all-to-all, forward and backward: per-peer element counts, codecs, transfers.
 
-    def __init__(self, recv, send_splits, recv_splits, shape, work):
-        self.recv, self.send_splits, self.recv_splits, self.shape, self.work = recv, send_splits, recv_splits, shape, work
-
-
-class _PooledAllToAll(torch.autograd.Function):
-    """Ties the received rows to the sent ones for autograd; backward is the reverse exchange.
-
-    The forward exchange was started (asynchronously) by ``output_dist_start`` and has been
-    waited for; ``forward`` only hands over its buffer.
+    ``send_counts[o]`` elements of this rank's payload go to rank o and ``recv_counts[s]`` come
+    from rank s; in backward the gradient retraces the same path reversed, in ``grad_codec``.
     """
+
+    def __init__(self, comm, shape, send_counts, recv_counts, codec, grad_codec, st):
+        self.comm, self.shape, self.send_counts, self.recv_counts = comm, shape, send_counts, recv_counts
+        self.codec, self.grad_codec, self.stats = codec, grad_codec, st
+        self.me = dist.get_rank()
+        self.fwd = self.bwd = None
+        self.recv = self.bwd_recv = None
+
+    def _others(self, counts, codec) -> int:
+        return sum(codecs.wire_nbytes(n, codec) for o, n in enumerate(counts) if o != self.me)
+
+    def start(self, chunks, label, codec, send_counts, recv_counts, measure_src=None):
+        """Send ``chunks[o]`` (already encoded unless ``codec`` is fp32) to rank o; receive into
+        one buffer. Returns the transfer, whose ``recv`` holds every source's bytes in order."""
+        if codec == "fp32":
+            send = torch.cat([c.reshape(-1) for c in chunks]) if len(chunks) > 1 else chunks[0].reshape(-1)
+            send_splits, recv_splits = list(send_counts), list(recv_counts)
+            recv = torch.empty(sum(recv_splits), dtype=torch.float32, device=send.device)
+        else:
+            send = torch.cat(chunks)
+            send_splits = [c.numel() for c in chunks]
+            recv_splits = [codecs.wire_nbytes(n, codec) for n in recv_counts]
+            recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
+        sent = self._others(send_counts, codec)
+        received = self._others(recv_counts, codec)
+        error = None
+        if measure_src is not None and codec != "fp32" and self.stats.measure_error():
+            error = codecs.relative_error(measure_src, torch.cat(
+                [codecs.decode(c, n, codec) for c, n in zip(chunks, send_counts)]))
+        self.stats.add_payload(label, codec, 4 * sum(n for o, n in enumerate(send_counts) if o != self.me),
+                               sent, error)
+        work = _a2a(recv, send, recv_splits, send_splits, async_op=True)
+        t = Transfer(label, [work], max(sent, received), self.stats)
+        t.recv, t.recv_splits = recv, recv_splits
+        return t
+
+    def decode(self, t, codec, counts) -> torch.Tensor:
+        """The flat fp32 values of a finished transfer (every peer's piece decoded in order)."""
+        if codec == "fp32":
+            return t.recv
+        pieces = t.recv.split(t.recv_splits)
+        return torch.cat([codecs.decode(p, n, codec) for p, n in zip(pieces, counts)])
+
+
+class _OutputDistStart(torch.autograd.Function):
+    """The sending half: forward returns an empty token tying the exchange into autograd;
+    backward waits for the gradient's return trip (started by ``_OutputDistWait.backward``)
+    and hands the decoded gradient to the lookup. Between the two backward halves autograd runs
+    whatever does not depend on them — with ``pipeline_comm``, the bottom MLP's backward."""
 
     @staticmethod
     def forward(ctx, pooled, ex: _Exchange):
+        ctx.ex = ex
+        return pooled.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        ex = ctx.ex
+        ex.bwd.wait()
+        grad = ex.decode(ex.bwd, ex.grad_codec, ex.send_counts)
+        ex.bwd = None
+        return grad.view(ex.shape), None
+
+
+class _OutputDistWait(torch.autograd.Function):
+    """The receiving half: forward hands over the received (decoded) rows; backward encodes
+    their gradient per source and starts sending it back, without waiting."""
+
+    @staticmethod
+    def forward(ctx, token, ex: _Exchange):
         ctx.ex = ex
         return ex.recv
 
     @staticmethod
     def backward(ctx, grad):
         ex = ctx.ex
-        out = torch.empty(sum(ex.send_splits), dtype=grad.dtype)
-        _a2a(out, grad.contiguous(), ex.send_splits, ex.recv_splits)
-        return out.view(ex.shape), None
+        grad = grad.contiguous()
+        pieces = list(grad.split(ex.recv_counts))
+        if ex.grad_codec != "fp32":
+            pieces = [codecs.encode(p, ex.grad_codec) for p in pieces]
+        ex.bwd = ex.start(pieces, f"{ex.comm.name} bwd", ex.grad_codec, ex.recv_counts, ex.send_counts,
+                          measure_src=grad)
+        return grad.new_empty(0), None
 
 
-def output_dist_start(pooled: torch.Tensor, comm) -> Handle:
+def output_dist_start(payload, comm) -> Handle:
+    """Start sending each rank its rows of this rank's pooled output (``payload``: the fp32
+    tensor, or an ``Encoded`` one from ``recc.quantize``)."""
     world, me = dist.get_world_size(), dist.get_rank()
-    width = comm.width
+    encoded = isinstance(payload, Encoded)
+    pooled = payload.source if encoded else payload
+    codec = payload.precision if encoded else "fp32"
+    grad_codec = payload.grad_precision if encoded else "fp32"
     shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
     b = pooled.shape[0] // world
-    send_splits = [b * shards_of[me] * width] * world
-    recv_splits = [b * shards_of[o] * width for o in range(world)]
-    recv = torch.empty(sum(recv_splits), dtype=pooled.dtype)
-    work = _a2a(recv, pooled.detach().contiguous().view(-1), recv_splits, send_splits, async_op=True)
-    return Handle((pooled, _Exchange(recv, send_splits, recv_splits, pooled.shape, work), b, shards_of), None, comm)
+    send_counts = [b * shards_of[me] * comm.width] * world
+    recv_counts = [b * shards_of[o] * comm.width for o in range(world)]
+    ex = _Exchange(comm, pooled.shape, send_counts, recv_counts, codec, grad_codec, comm_stats.current())
+    if encoded:
+        chunks = payload.chunks
+    else:
+        flat = pooled.detach().contiguous().view(-1)
+        chunks = [flat]
+    ex.fwd = ex.start(chunks, f"{comm.name} fwd", codec, send_counts, recv_counts,
+                      measure_src=pooled.detach() if encoded else None)
+    token = _OutputDistStart.apply(pooled, ex)
+    return Handle((token, ex, b, shards_of, encoded), None, comm)
+
+
+class ReceivedRows:
+    """An output dist's arrived, still-encoded rows: what ``recc.all_to_all_wait`` returns for a
+    quantized payload and ``recc.dequantize`` turns into the reassembled fp32 tables."""
+
+    def __init__(self, handle: Handle):
+        self.handle = handle
 
 
 _COLUMN_MAPS: dict = {}
@@ -198,11 +312,12 @@ def _column_map(comm, shards_of) -> torch.Tensor:
     return _COLUMN_MAPS[key]
 
 
-def output_dist_wait(handle: Handle) -> torch.Tensor:
-    pooled, ex, b, shards_of = handle.value
+def _reassemble(handle: Handle) -> torch.Tensor:
+    token, ex, b, shards_of, _ = handle.value
     comm = handle.comm
-    ex.work.wait()
-    recv = _PooledAllToAll.apply(pooled, ex)
+    ex.recv = ex.decode(ex.fwd, ex.codec, ex.recv_counts)
+    ex.fwd = None
+    recv = _OutputDistWait.apply(token, ex)
     width = comm.width
     # One scatter-add over columns reassembles every table (autograd: one gather in backward),
     # instead of a slice per shard, each of which would zero-fill a full-size gradient.
@@ -212,35 +327,61 @@ def output_dist_wait(handle: Handle) -> torch.Tensor:
         start += b * n * width
     side_by_side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
     out = side_by_side.new_zeros(b, sum(comm.dims))
-    return out.index_add(1, _column_map(comm, shards_of), side_by_side)
+    return out.index_add(1, _column_map(comm, shards_of).to(out.device), side_by_side)
+
+
+def output_dist_wait(handle: Handle):
+    """Block until this rank's rows have arrived. fp32 payloads come back reassembled
+    (``[B, sum(dims)]``); encoded ones as ``ReceivedRows`` for ``recc.dequantize``."""
+    handle.value[1].fwd.wait()
+    return ReceivedRows(handle) if handle.value[4] else _reassemble(handle)
+
+
+def dequantize_received(rows: ReceivedRows) -> torch.Tensor:
+    return _reassemble(rows.handle)
 
 
 # ----------------------------------------------------------------------------- data parallel
 
-def _all_gather_varlen(t: torch.Tensor) -> list[torch.Tensor]:
+def _all_gather_varlen(t: torch.Tensor, label: str, st) -> list[torch.Tensor]:
     world = dist.get_world_size()
     n = torch.tensor([t.shape[0]], dtype=torch.int64)
     sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, n, group=embedding_group())
+    Transfer(label, [dist.all_gather(sizes, n, group=embedding_group(), async_op=True)], 8 * (world - 1), st).wait()
     sizes = [int(x) for x in sizes]
     top = max(sizes)
     padded = torch.zeros((top,) + tuple(t.shape[1:]), dtype=t.dtype)
     padded[:t.shape[0]] = t
     out = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(out, padded, group=embedding_group())
+    nbytes = padded.numel() * padded.element_size() * (world - 1)
+    Transfer(label, [dist.all_gather(out, padded, group=embedding_group(), async_op=True)], nbytes, st).wait()
     return [o[:s] for o, s in zip(out, sizes)]
 
 
-def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor):
+def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):
     """Every rank's (ids, offsets, per-sample weights, output grads) as one global batch,
-    feature-major, in rank order: what a data-parallel replica needs to apply the same update."""
+    feature-major, in rank order: what a data-parallel replica needs to apply the same update.
+    The gradients travel in ``comm.grad_precision``."""
     world = dist.get_world_size()
+    st = comm_stats.current()
+    label = comm.name or "dp_grad_allgather"
     t, b = sparse.num_tables, sparse.batch_size
     lengths = (sparse.offsets[1:] - sparse.offsets[:-1])
-    all_len = _all_gather_varlen(lengths)
-    all_ids = _all_gather_varlen(sparse.indices)
-    all_w = _all_gather_varlen(sparse.per_sample_weights) if sparse.per_sample_weights is not None else None
-    all_grad = _all_gather_varlen(grad.contiguous())
+    all_len = _all_gather_varlen(lengths, label, st)
+    all_ids = _all_gather_varlen(sparse.indices, label, st)
+    all_w = _all_gather_varlen(sparse.per_sample_weights, label, st) if sparse.per_sample_weights is not None else None
+    codec = comm.grad_precision
+    grad = grad.contiguous()
+    if codec == "fp32":
+        all_grad = _all_gather_varlen(grad, label, st)
+        st.add_payload(label, codec, 4 * grad.numel() * (world - 1), 4 * grad.numel() * (world - 1))
+    else:
+        wire = codecs.encode(grad, codec)
+        error = codecs.relative_error(grad, codecs.decode(wire, grad.numel(), codec)) if st.measure_error() else None
+        st.add_payload(label, codec, 4 * grad.numel() * (world - 1), wire.numel() * (world - 1), error)
+        all_wire = _all_gather_varlen(wire, label, st)
+        width = grad.shape[1]
+        all_grad = [codecs.decode(w, n * width, codec).view(n, width) for w, n in zip(all_wire, [l.numel() // t for l in all_len])]
     bs = [l.numel() // t for l in all_len]
     ids, lens, ws = [], [], []
     for k in range(t):

@@ -50,7 +50,7 @@ class TBELookup(torch.autograd.Function):
         lin, offsets, psw, b = ctx.lin, ctx.offsets, ctx.psw, ctx.b
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
-            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad)
+            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
             lin = linearize_indices(ids, offsets, group.hash_size_cumsum, ctx.t, b)
         if group.grad_scale != 1.0:
             grad = grad * group.grad_scale

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,8 @@ import torch.fx as fx
 from recc.kernels import optimizer_state_shapes
 from recc.graph_utils import resolve_attr
 from recc.program import quiet_deepcopy
+from recc.runtime import comm_stats
+from recc.runtime.pipeline import split_sparse_stage
 from recc.tables import TableGroup
 
 
@@ -73,23 +75,94 @@ class DistributedModel(nn.Module):
         self.rank = rank
         self._program = program
         self._ddp = None
+        # A pipelined graph runs as two modules (the sparse-dist stage, then the rest) sharing
+        # gm's parameters; ``_run`` is what DDP wraps.
+        self._split = split_sparse_stage(gm) if program.cluster.world_size > 1 else None
+        self._run = self._split.main if self._split is not None else gm
+        self._stats = comm_stats.CommStats()
+        config = program.config
+        self._stats.budget = config.comm_error_budget
+        self._stats.budget_action = config.comm_error_action
         if program.cluster.world_size > 1:
             # Dense parameters are replicated; DDP averages their gradients. Tables and their
             # optimizer state are this rank's own (updated inside backward): DDP must ignore them.
             from torch.nn.parallel import DistributedDataParallel as DDP
-            ignore = [f"{name}.{p}" for name, m in gm.named_modules() if isinstance(m, TableGroup)
+            ignore = [f"{name}.{p}" for name, m in self._run.named_modules() if isinstance(m, TableGroup)
                       for p in list(dict(m.named_parameters(recurse=False))) + list(dict(m.named_buffers(recurse=False)))]
-            DDP._set_params_and_buffers_to_ignore_for_model(gm, ignore)
+            DDP._set_params_and_buffers_to_ignore_for_model(self._run, ignore)
             import inspect
             # Tables' buffers are ignored above; the dense buffers left are identical on every
             # rank, so there is nothing to sync on each forward.
             sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                     else {"broadcast_buffers": False})
-            self._ddp = DDP(gm, **sync)
+            self._ddp = DDP(self._run, **sync)
+            precision = gm.meta.get("recc.allreduce_precision", "fp32")
+            if precision != "fp32":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+                hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[precision]
+                self._ddp.register_comm_hook(None, hook)
+
+    def _begin_step(self) -> None:
+        if torch.is_grad_enabled():
+            self._stats.begin_step()
+        comm_stats.use(self._stats)
+
+    def _stage(self, args):
+        flat = self._split.flatten(args)
+        return flat, self._split.stage(*flat)
+
+    def _main(self, flat, boundary):
+        return self._split.unflatten((self._ddp or self._run)(*flat, *boundary))
 
     def forward(self, *args):
         self._program.signature.check(args)
-        return (self._ddp or self.graph_module)(*args)
+        self._begin_step()
+        if self._split is None:
+            return (self._ddp or self.graph_module)(*args)
+        return self._main(*self._stage(args))
+
+    def train_pipeline(self, batches: Iterable, inputs: Optional[Callable] = None) -> Iterator:
+        """Iterate ``(batch, output)`` over ``batches``, running each batch's sparse dist (id
+        packing and the ids all-to-all) one batch ahead: batch i+1's ids are sent before batch
+        i's output is handed over, so they travel while the caller runs backward and the
+        optimizer on batch i. ``inputs(batch)`` gives the model's arguments (default: the
+        batch's leading items, e.g. ``(dense_x, lS_o, lS_i)`` of ``(dense_x, lS_o, lS_i, y)``).
+        The embedding tables update inside backward, so the caller must finish batch i's
+        backward before advancing the iterator; outputs equal ``self(*inputs(batch))``'s."""
+        n = len(self._program.signature.names)
+        inputs = inputs or (lambda batch: tuple(batch[:n]))
+        it = iter(batches)
+        try:
+            cur = next(it)
+        except StopIteration:
+            return
+        if self._split is None:
+            yield cur, self(*inputs(cur))
+            for cur in it:
+                yield cur, self(*inputs(cur))
+            return
+        args = inputs(cur)
+        self._program.signature.check(args)
+        comm_stats.use(self._stats)
+        staged = self._stage(args)
+        for nxt in it:
+            self._begin_step()
+            out = self._main(*staged)
+            nxt_args = inputs(nxt)
+            self._program.signature.check(nxt_args)
+            staged = self._stage(nxt_args)
+            yield cur, out
+            cur = nxt
+        self._begin_step()
+        yield cur, self._main(*staged)
+
+    def comm_report(self, reset: bool = False) -> comm_stats.CommReport:
+        """Per embedding collective on this rank: bytes per step before/after its codec, the
+        codec's measured relative error (first ``CommStats.error_steps`` steps), time waited."""
+        report = self._stats.report(self.rank)
+        if reset:
+            self._stats.reset()
+        return report
 
     def table_groups(self) -> list[TableGroup]:
         return [m for m in self.graph_module.modules() if isinstance(m, TableGroup)]

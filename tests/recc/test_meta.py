@@ -14,7 +14,8 @@ from recc.tables import TableGroup
 
 
 ZIONEX = Path(__file__).resolve().parents[2] / "clusters" / "zionex-16x8.yaml"
-STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "fuse_interaction", "lower"]
+STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm",
+          "fuse_interaction", "lower"]
 
 
 def _max_rss_mib() -> float:
@@ -50,7 +51,7 @@ def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
     # Each rank is fed its slice of the global batch: 8 of the default 8 x 128.
     assert re.search(r"^dense_x +: f32\[8,13\] +=", final, re.M)
     # The output dist hands every rank all 26 tables x 128 columns for its 8 samples.
-    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.all_to_all_wait\[cuda\]\(emb_g0_h\)", final, re.M)
+    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.dequantize\[cuda\]\(emb_g0_q, ", final, re.M)
     assert re.search(r"^ids_g0_h +: handle += recc.all_to_all_start\[cuda\]\(sparse_g0, comm=input_dist\)",
                      final, re.M)
     assert "recc.tbe_lookup[cuda](tbe_g0, ids_g0)" in final  # A100s: lowered for cuda

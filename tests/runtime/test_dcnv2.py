@@ -53,7 +53,7 @@ def test_full_size_dlrmv2_compiles_on_meta():
     assert "f32[39884406,128]" in program.stages["discover_tables"].text
     assert program.plan.world_size == 128 and len(program.plan.shards) == 26
     assert max(e.memory_bytes for e in program.plan.rank_estimates) <= program.plan.memory_cap_bytes
-    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.all_to_all_wait\[cuda\]", program.stages["lower"].text,
+    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.dequantize\[cuda\]", program.stages["lower"].text,
                      re.M)
     with pytest.raises(ValueError, match=r"shard_tables \(cluster local-1\): plan_tables: .* does not fit in memory"):
         recc.compile(build_model("dlrmv2", device="meta"))

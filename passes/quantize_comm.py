@@ -1,0 +1,99 @@
+"""quantize_comm: send embedding payloads in a narrower wire format, forward and backward.
+
+Contract: requires ``insert_comm``. For every output dist (the pooled all-to-all; row-wise
+sharding's reduce-scatter is the same exchange) it wraps the payload in a ``recc.quantize`` /
+``recc.dequantize`` pair: the forward rows travel in ``fwd``, their gradients in ``bwd``. The
+ids all-to-all is left alone (ids are exact integers). Data-parallel groups' backward gradient
+all-gather travels in ``bwd``. The dense gradient all-reduce gets ``allreduce`` through a DDP
+communication hook (fp16/bf16 only: an all-reduce sums on the wire, which block-scaled int8/fp8
+codes cannot do). Precisions: ``fp32 | fp16 | bf16 | int8 | fp8`` (``fp8`` is e4m3 forward, e5m2
+backward; byte layouts in ``recc.kernels.codecs``). A collective whose two directions are both
+``fp32`` is left as it is. Ensures every ``recc.quantize`` reaches exactly one
+``recc.dequantize`` through the collective and that the collective's ``CommSpec`` names both
+codecs. Must not change what the graph computes beyond the codecs' rounding (with ``fp32``
+everywhere it changes nothing).
+
+Defaults follow Neo (ISCA 2022): FP16 forward, BF16 backward; set them with
+``CompileConfig(comm_fwd=, comm_bwd=, comm_allreduce=)`` or ``quantize_comm{fwd=int8,bwd=bf16}``.
+
+Before:
+    pooled_g0  : f32[16,8]    = recc.tbe_lookup(tbe_g0, ids_g0)
+    emb_g0_h   : handle       = recc.all_to_all_start(pooled_g0, comm=output_dist)  # comm output_dist over [0, 1] ...
+    emb_g0     : f32[8,12]    = recc.all_to_all_wait(emb_g0_h)
+After:
+    pooled_g0  : f32[16,8]    = recc.tbe_lookup(tbe_g0, ids_g0)
+    pooled_g0_q : f16[16,8]   = recc.quantize(pooled_g0, precision='fp16', grad_precision='bf16', parts=2)
+    emb_g0_h   : handle       = recc.all_to_all_start(pooled_g0_q, comm=output_dist)  # comm output_dist over [0, 1] splits=[8, 8] fp16/bf16: ...
+    emb_g0_q   : f16[8,12]    = recc.all_to_all_wait(emb_g0_h)
+    emb_g0     : f32[8,12]    = recc.dequantize(emb_g0_q, dtype='fp32')
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx as fx
+
+from recc.graph_utils import rename
+from recc.ops import OPS, op_of
+from recc.passmanager import PassContext, register_pass
+from recc.tables import TableGroup
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
+ALLREDUCE_PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def wire_codec(precision: str, direction: str) -> str:
+    """The codec name of a user-facing precision for one direction (fp8: e4m3 fwd, e5m2 bwd)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"quantize_comm: {direction} precision {precision!r} is not one of {PRECISIONS}")
+    if precision == "fp8":
+        codec = "fp8_e4m3" if direction == "fwd" else "fp8_e5m2"
+        from recc.ops import WIRE_DTYPES
+        import torch
+        if WIRE_DTYPES[codec] is torch.uint8:
+            raise ValueError(f"quantize_comm: {direction}=fp8 needs torch's float8 dtypes, which torch "
+                             f"{torch.__version__} lacks; choose fp16, bf16 or int8")
+        return codec
+    return precision
+
+
+@register_pass(after=("insert_comm",), from_config={"fwd": "comm_fwd", "bwd": "comm_bwd",
+                                                     "allreduce": "comm_allreduce"})
+def quantize_comm(gm: fx.GraphModule, ctx: PassContext, *, fwd: str = "fp16", bwd: str = "bf16",
+                  allreduce: str = "fp32") -> fx.GraphModule:
+    """Wrap each embedding collective's payload in quantize/dequantize (fwd and bwd codecs)."""
+    fwd_codec, bwd_codec = wire_codec(fwd, "fwd"), wire_codec(bwd, "bwd")
+    if allreduce not in ALLREDUCE_PRECISIONS:
+        raise ValueError(f"quantize_comm: allreduce={allreduce!r} cannot be carried: an all-reduce sums "
+                         f"the payload on the wire and int8/fp8 codes with per-block scales cannot be "
+                         f"summed; choose one of {ALLREDUCE_PRECISIONS}")
+    gm.meta["recc.allreduce_precision"] = allreduce
+    if ctx.cluster.world_size == 1:
+        return gm
+    graph = gm.graph
+    for start in [n for n in graph.nodes if op_of(n.target) is OPS["all_to_all_start"]]:
+        comm = start.kwargs["comm"]
+        if comm.op != "output_dist" or (fwd_codec, bwd_codec) == ("fp32", "fp32"):
+            continue
+        comm = dataclasses.replace(comm, precision=fwd_codec, grad_precision=bwd_codec)
+        payload = start.args[0]
+        (wait,) = start.users
+        with graph.inserting_before(start):
+            q = graph.call_function(OPS["quantize"], (payload,), {
+                "precision": fwd_codec, "grad_precision": bwd_codec, "parts": len(comm.group)})
+        start.args = (q,)
+        start.kwargs = {**start.kwargs, "comm": comm}
+        start.meta["recc.comm"] = comm
+        with graph.inserting_after(wait):
+            dq = graph.call_function(OPS["dequantize"], (wait,), {"dtype": "fp32"})
+        wait.replace_all_uses_with(dq, delete_user_cb=lambda user: user is not dq)
+        name = wait.name
+        rename(wait, f"{name}_q")
+        rename(dq, name)
+        rename(q, f"{payload.name}_q")
+    for lookup in [n for n in graph.nodes if op_of(n.target) is OPS["tbe_lookup"]]:
+        group: TableGroup = gm.get_submodule(lookup.args[0].target)
+        if group.data_parallel and group.dp_comm is not None:
+            group.dp_comm = dataclasses.replace(group.dp_comm, grad_precision=bwd_codec)
+            lookup.meta["recc.comm"] = group.dp_comm
+    return gm

@@ -1,0 +1,44 @@
+"""recc.quantize / recc.dequantize in the runtime, for every device (the codecs are torch ops).
+
+``recc.quantize`` encodes a payload into ``comm.Encoded`` chunks, one per destination;
+``recc.all_to_all_start``/``_wait`` move the bytes; ``recc.dequantize`` decodes what arrived
+(``comm.ReceivedRows``) and reassembles the tables. The autograd edges live in the exchange
+(``comm._OutputDistStart``/``_OutputDistWait``), which also carries the backward codec.
+"""
+from __future__ import annotations
+
+import torch
+
+from recc.kernels import codecs
+from recc.ops import register_impl
+from recc.runtime.comm import Encoded, ReceivedRows, dequantize_received
+
+
+def quantize_impl(x, *, precision: str, grad_precision: str = "fp32", parts: int = 1):
+    codecs.check_precision(precision)
+    codecs.check_precision(grad_precision)
+    if x.shape[0] % parts:
+        raise ValueError(f"recc.quantize: {x.shape[0]} rows cannot be split into {parts} equal parts "
+                         f"(one per destination rank)")
+    return Encoded(x, precision, grad_precision, parts)
+
+
+def dequantize_impl(x, *, dtype: str = "fp32"):
+    if dtype != "fp32":
+        raise ValueError(f"recc.dequantize: decodes to fp32 only, got dtype={dtype!r}")
+    if isinstance(x, ReceivedRows):
+        return dequantize_received(x)
+    if isinstance(x, Encoded):
+        # No collective in between (e.g. a one-rank group): decode locally; the gradient
+        # passes straight through to the source.
+        flat = torch.cat([c.reshape(-1) if x.precision == "fp32" else codecs.decode(c, n, x.precision)
+                          for c, n in zip(x.chunks, x.counts)])
+        return x.source + (flat.view(x.shape) - x.source).detach()
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.float32)
+    raise TypeError(f"recc.dequantize: cannot decode a {type(x).__name__}")
+
+
+for _device in ("cpu", "cuda"):
+    register_impl("quantize", _device)(quantize_impl)
+    register_impl("dequantize", _device)(dequantize_impl)
