@@ -142,3 +142,30 @@ def relative_error(x: torch.Tensor, decoded: torch.Tensor) -> float:
     if norm == 0.0:
         return 0.0 if diff == 0.0 else math.inf
     return diff / norm
+
+
+def encode_parts(x: torch.Tensor, counts, precision: str) -> tuple[torch.Tensor, list[int]]:
+    """Encode consecutive pieces of flat ``x`` (``counts`` elements each, one per destination)
+    separately, so no scale block straddles two destinations. Returns the wire bytes of all
+    pieces back to back and each piece's byte count. Casts encode in one pass."""
+    check_precision(precision)
+    x = x.detach().reshape(-1)
+    nbytes = [wire_nbytes(n, precision) for n in counts]
+    if precision == "fp32":
+        return x.to(torch.float32).view(torch.uint8), nbytes
+    if precision in _CASTS:
+        return encode(x, precision), nbytes
+    pieces = x.split(list(counts))
+    return torch.cat([encode(p, precision) for p in pieces]) if pieces else x.new_empty(0, dtype=torch.uint8), nbytes
+
+
+def decode_parts(wire: torch.Tensor, counts, precision: str) -> torch.Tensor:
+    """Inverse of ``encode_parts``: the flat fp32 values of pieces of ``counts`` elements."""
+    check_precision(precision)
+    total = sum(counts)
+    if precision in _CASTS:
+        return decode(wire, total, precision)
+    pieces = wire.split([wire_nbytes(n, precision) for n in counts])
+    if not pieces:
+        return torch.empty(0, dtype=torch.float32, device=wire.device)
+    return torch.cat([decode(p, n, precision) for p, n in zip(pieces, counts)])

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.fx as fx
 
 from recc.graph_utils import rename
-from recc.ops import OPS, op_of
+from recc.ops import OPS, WIRE_DTYPES, op_of
 from recc.passmanager import PassContext, register_pass
 from recc.tables import TableGroup
 
@@ -48,8 +49,6 @@ def wire_codec(precision: str, direction: str) -> str:
         raise ValueError(f"quantize_comm: {direction} precision {precision!r} is not one of {PRECISIONS}")
     if precision == "fp8":
         codec = "fp8_e4m3" if direction == "fwd" else "fp8_e5m2"
-        from recc.ops import WIRE_DTYPES
-        import torch
         if WIRE_DTYPES[codec] is torch.uint8:
             raise ValueError(f"quantize_comm: {direction}=fp8 needs torch's float8 dtypes, which torch "
                              f"{torch.__version__} lacks; choose fp16, bf16 or int8")

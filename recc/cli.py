@@ -26,6 +26,11 @@ def _config(args):
     if getattr(args, "lr", None):
         config.lr = args.lr
     config.batch_size = getattr(args, "batch_size", None) or config.batch_size
+    for flag in ("comm_fwd", "comm_bwd", "comm_allreduce"):
+        if getattr(args, flag, None):
+            setattr(config, flag, getattr(args, flag))
+    if getattr(args, "no_pipelining", False):
+        config.pipelining = False
     config.__post_init__()  # validate what the flags set
     return config
 
@@ -99,6 +104,8 @@ def cmd_train(args) -> int:
     m = held_out.compute()
     print(f"held-out: log loss {m['log_loss']:.4f}, AUC {m['auc']:.4f} ({args.eval_batches} batches); "
           f"training throughput {samples_per_s:,.0f} samples/s")
+    if results[0]["comm"]:
+        print(f"rank 0 {results[0]['comm']}")
     return 0
 
 
@@ -112,14 +119,15 @@ def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict
     progress = _Progress(steps) if rank == 0 else None
     window = Metrics()
     seen, t_train = 0, 0.0
-    for step, (dense_x, lS_o, lS_i, y) in enumerate(data.batches(steps, rank=rank, world_size=world)):
-        t0 = time.perf_counter()
-        out = dmodel(dense_x, lS_o, lS_i)
+    t0 = time.perf_counter()
+    # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
+    for step, ((dense_x, lS_o, lS_i, y), out) in enumerate(
+            dmodel.train_pipeline(data.batches(steps, rank=rank, world_size=world))):
         loss = F.binary_cross_entropy(out, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        t_train += time.perf_counter() - t0
+        t_train = time.perf_counter() - t0
         seen += y.shape[0]
         window.update(out.detach(), y)
         if progress and ((step + 1) % max(1, steps // 20) == 0 or step + 1 == steps):
@@ -134,7 +142,9 @@ def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict
         for dense_x, lS_o, lS_i, y in data.batches(eval_batches, rank=rank, world_size=world, start=1_000_000):
             preds.append(dmodel(dense_x, lS_o, lS_i))
             labels.append(y)
-    return {"samples": seen, "seconds": t_train, "pred": torch.cat(preds), "label": torch.cat(labels)}
+    comm = dmodel.comm_report().summary() if world > 1 else None
+    return {"samples": seen, "seconds": t_train, "pred": torch.cat(preds), "label": torch.cat(labels),
+            "comm": comm}
 
 
 def cmd_plan(args) -> int:
@@ -173,6 +183,13 @@ def main(argv=None) -> int:
         sp.add_argument("--world-size", type=int, default=2 if sp.prog.endswith("train") else 1)
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--dump-dir", help="write every stage's IR, diff, DOT and a summary here")
+        sp.add_argument("--comm-fwd", choices=["fp32", "fp16", "bf16", "int8", "fp8"],
+                        help="wire precision of the embedding all-to-all's forward payload (default fp16)")
+        sp.add_argument("--comm-bwd", choices=["fp32", "fp16", "bf16", "int8", "fp8"],
+                        help="wire precision of the embedding gradients (default bf16)")
+        sp.add_argument("--comm-allreduce", choices=["fp32", "fp16", "bf16"],
+                        help="wire precision of the dense gradient all-reduce (default fp32)")
+        sp.add_argument("--no-pipelining", action="store_true", help="leave out pipeline_comm")
 
     c = sub.add_parser("compile", help="compile a preset model and print/dump every stage")
     common(c, "small")

@@ -57,9 +57,10 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     world, me = dist.get_world_size(), dist.get_rank()
     b = sparse.batch_size
     t = sparse.num_tables
+    dev = sparse.indices.device  # helper tensors live with the ids (NCCL needs them on the GPU)
     lengths = (sparse.offsets[1:] - sparse.offsets[:-1]).view(t, b)
-    starts = sparse.offsets[:-1].view(t, b)[:, 0] if b else torch.zeros(t, dtype=torch.int64)
-    ends = sparse.offsets[torch.arange(1, t + 1) * b] if b else torch.zeros(t, dtype=torch.int64)
+    starts = sparse.offsets[:-1].view(t, b)[:, 0] if b else torch.zeros(t, dtype=torch.int64, device=dev)
+    ends = sparse.offsets[torch.arange(1, t + 1, device=dev) * b] if b else torch.zeros(t, dtype=torch.int64, device=dev)
     psw = sparse.per_sample_weights
     send_len, send_ids, send_w, id_counts = [], [], [], []
     for o in range(world):
@@ -71,7 +72,7 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
             w = psw[starts[k]:ends[k]] if psw is not None else None
             if _row_split(comm, k, r0, r1):
                 keep = (ids >= r0) & (ids < r1)
-                bag = torch.repeat_interleave(torch.arange(b), lengths[k])
+                bag = torch.repeat_interleave(torch.arange(b, device=dev), lengths[k])
                 send_len.append(torch.bincount(bag[keep], minlength=b))
                 ids = ids[keep] - r0
                 w = w[keep] if w is not None else None
@@ -82,8 +83,8 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
                 send_w.append(w)
             n_ids += ids.numel()
         id_counts.append(n_ids)
-    counts = torch.tensor(id_counts, dtype=torch.int64)
-    recv_counts = torch.empty(world, dtype=torch.int64)
+    counts = torch.tensor(id_counts, dtype=torch.int64, device=dev)
+    recv_counts = torch.empty(world, dtype=torch.int64, device=dev)
     st = comm_stats.current()
     label = comm.name or "input_dist"
     Transfer(label, [_a2a(recv_counts, counts, [1] * world, [1] * world, async_op=True)],  # phase 1: how many ids
@@ -100,8 +101,8 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
         chunks.extend(send_ids[ii:ii + n_shards])
         li += n_shards
         ii += n_shards
-    send = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64)
-    recv = torch.empty(world * j_me * b + sum(rc), dtype=torch.int64)
+    send = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64, device=dev)
+    recv = torch.empty(world * j_me * b + sum(rc), dtype=torch.int64, device=dev)
     works = [_a2a(recv, send, [j_me * b + n for n in rc], [l + n for l, n in zip(per_dst_len, id_counts)],
                   async_op=True)]
     recv_w = None
@@ -109,8 +110,8 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     sent = 8 * sum(n for o, n in enumerate(send_splits) if o != me)
     received = 8 * sum(j_me * b + n for s_, n in enumerate(rc) if s_ != me)
     if psw is not None:
-        w_all = torch.cat(send_w) if send_w else torch.zeros(0)
-        recv_w = torch.empty(sum(rc), dtype=w_all.dtype)
+        w_all = torch.cat(send_w) if send_w else torch.zeros(0, device=dev)
+        recv_w = torch.empty(sum(rc), dtype=w_all.dtype, device=dev)
         works.append(_a2a(recv_w, w_all, rc, id_counts, async_op=True))
         sent += 4 * sum(n for o, n in enumerate(id_counts) if o != me)
         received += 4 * sum(n for s_, n in enumerate(rc) if s_ != me)
@@ -142,7 +143,7 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
                 w_pieces.append(recv_w[w_bases[s_] + before:w_bases[s_] + before + per_src[s_][j]])
     ids = torch.cat(id_pieces) if id_pieces else recv[:0]
     w = torch.cat(w_pieces) if recv_w is not None and w_pieces else (recv_w[:0] if recv_w is not None else None)
-    offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=offsets[1:])
     names = tuple(f"shard{j}" for j in range(j_me))
     return SparseBatch(names, ids, offsets, w, world * b, True, None)
@@ -152,16 +153,15 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
 
 class Encoded:
     """A payload in wire format (``recc.quantize``): ``parts`` equal row chunks of ``source``,
-    each encoded on its own so a chunk goes to one destination whole. ``source`` stays attached
-    so autograd can route the gradient of whatever is decoded from it back to it."""
+    each encoded on its own so a chunk goes to one destination whole (``wire`` holds them back
+    to back, ``nbytes`` their sizes). ``source`` stays attached so autograd can route the
+    gradient of whatever is decoded from it back to it."""
 
     def __init__(self, source: torch.Tensor, precision: str, grad_precision: str, parts: int):
         self.source, self.precision, self.grad_precision = source, precision, grad_precision
-        flat = source.detach().reshape(-1)
-        n = flat.numel() // parts if parts else 0
+        n = source.numel() // parts if parts else 0
         self.counts = [n] * parts
-        pieces = [flat[i * n:(i + 1) * n] for i in range(parts)]
-        self.chunks = pieces if precision == "fp32" else [codecs.encode(p, precision) for p in pieces]
+        self.wire, self.nbytes = codecs.encode_parts(source.detach().contiguous(), self.counts, precision)
 
     @property
     def shape(self):
@@ -173,6 +173,7 @@ class _Exchange:
 
     ``send_counts[o]`` elements of this rank's payload go to rank o and ``recv_counts[s]`` come
     from rank s; in backward the gradient retraces the same path reversed, in ``grad_codec``.
+    Everything travels as bytes (fp32 too, as a zero-copy view), so byte counts are exact.
     """
 
     def __init__(self, comm, shape, send_counts, recv_counts, codec, grad_codec, st):
@@ -180,42 +181,24 @@ class _Exchange:
         self.codec, self.grad_codec, self.stats = codec, grad_codec, st
         self.me = dist.get_rank()
         self.fwd = self.bwd = None
-        self.recv = self.bwd_recv = None
+        self.recv = None
 
-    def _others(self, counts, codec) -> int:
-        return sum(codecs.wire_nbytes(n, codec) for o, n in enumerate(counts) if o != self.me)
-
-    def start(self, chunks, label, codec, send_counts, recv_counts, measure_src=None):
-        """Send ``chunks[o]`` (already encoded unless ``codec`` is fp32) to rank o; receive into
-        one buffer. Returns the transfer, whose ``recv`` holds every source's bytes in order."""
-        if codec == "fp32":
-            send = torch.cat([c.reshape(-1) for c in chunks]) if len(chunks) > 1 else chunks[0].reshape(-1)
-            send_splits, recv_splits = list(send_counts), list(recv_counts)
-            recv = torch.empty(sum(recv_splits), dtype=torch.float32, device=send.device)
-        else:
-            send = torch.cat(chunks)
-            send_splits = [c.numel() for c in chunks]
-            recv_splits = [codecs.wire_nbytes(n, codec) for n in recv_counts]
-            recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=send.device)
-        sent = self._others(send_counts, codec)
-        received = self._others(recv_counts, codec)
+    def start(self, wire, send_nbytes, label, codec, send_counts, recv_counts, measure_src=None):
+        """Send ``send_nbytes[o]`` bytes of ``wire`` to rank o (in rank order); receive every
+        source's piece into one buffer. Returns the in-flight ``Transfer``."""
+        recv_nbytes = [codecs.wire_nbytes(n, codec) for n in recv_counts]
+        recv = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=wire.device)
+        sent = sum(n for o, n in enumerate(send_nbytes) if o != self.me)
+        received = sum(n for o, n in enumerate(recv_nbytes) if o != self.me)
         error = None
         if measure_src is not None and codec != "fp32" and self.stats.measure_error():
-            error = codecs.relative_error(measure_src, torch.cat(
-                [codecs.decode(c, n, codec) for c, n in zip(chunks, send_counts)]))
+            error = codecs.relative_error(measure_src, codecs.decode_parts(wire, send_counts, codec))
         self.stats.add_payload(label, codec, 4 * sum(n for o, n in enumerate(send_counts) if o != self.me),
                                sent, error)
-        work = _a2a(recv, send, recv_splits, send_splits, async_op=True)
+        work = _a2a(recv, wire, recv_nbytes, send_nbytes, async_op=True)
         t = Transfer(label, [work], max(sent, received), self.stats)
-        t.recv, t.recv_splits = recv, recv_splits
+        t.recv = recv
         return t
-
-    def decode(self, t, codec, counts) -> torch.Tensor:
-        """The flat fp32 values of a finished transfer (every peer's piece decoded in order)."""
-        if codec == "fp32":
-            return t.recv
-        pieces = t.recv.split(t.recv_splits)
-        return torch.cat([codecs.decode(p, n, codec) for p, n in zip(pieces, counts)])
 
 
 class _OutputDistStart(torch.autograd.Function):
@@ -233,7 +216,7 @@ class _OutputDistStart(torch.autograd.Function):
     def backward(ctx, _token_grad):
         ex = ctx.ex
         ex.bwd.wait()
-        grad = ex.decode(ex.bwd, ex.grad_codec, ex.send_counts)
+        grad = codecs.decode_parts(ex.bwd.recv, ex.send_counts, ex.grad_codec)
         ex.bwd = None
         return grad.view(ex.shape), None
 
@@ -251,10 +234,8 @@ class _OutputDistWait(torch.autograd.Function):
     def backward(ctx, grad):
         ex = ctx.ex
         grad = grad.contiguous()
-        pieces = list(grad.split(ex.recv_counts))
-        if ex.grad_codec != "fp32":
-            pieces = [codecs.encode(p, ex.grad_codec) for p in pieces]
-        ex.bwd = ex.start(pieces, f"{ex.comm.name} bwd", ex.grad_codec, ex.recv_counts, ex.send_counts,
+        wire, nbytes = codecs.encode_parts(grad, ex.recv_counts, ex.grad_codec)
+        ex.bwd = ex.start(wire, nbytes, f"{ex.comm.name} bwd", ex.grad_codec, ex.recv_counts, ex.send_counts,
                           measure_src=grad)
         return grad.new_empty(0), None
 
@@ -273,11 +254,10 @@ def output_dist_start(payload, comm) -> Handle:
     recv_counts = [b * shards_of[o] * comm.width for o in range(world)]
     ex = _Exchange(comm, pooled.shape, send_counts, recv_counts, codec, grad_codec, comm_stats.current())
     if encoded:
-        chunks = payload.chunks
+        wire, nbytes = payload.wire, payload.nbytes
     else:
-        flat = pooled.detach().contiguous().view(-1)
-        chunks = [flat]
-    ex.fwd = ex.start(chunks, f"{comm.name} fwd", codec, send_counts, recv_counts,
+        wire, nbytes = codecs.encode_parts(pooled.detach().contiguous(), send_counts, "fp32")
+    ex.fwd = ex.start(wire, nbytes, f"{comm.name} fwd", codec, send_counts, recv_counts,
                       measure_src=pooled.detach() if encoded else None)
     token = _OutputDistStart.apply(pooled, ex)
     return Handle((token, ex, b, shards_of, encoded), None, comm)
@@ -315,7 +295,7 @@ def _column_map(comm, shards_of) -> torch.Tensor:
 def _reassemble(handle: Handle) -> torch.Tensor:
     token, ex, b, shards_of, _ = handle.value
     comm = handle.comm
-    ex.recv = ex.decode(ex.fwd, ex.codec, ex.recv_counts)
+    ex.recv = codecs.decode_parts(ex.fwd.recv, ex.recv_counts, ex.codec)
     ex.fwd = None
     recv = _OutputDistWait.apply(token, ex)
     width = comm.width
@@ -345,12 +325,12 @@ def dequantize_received(rows: ReceivedRows) -> torch.Tensor:
 
 def _all_gather_varlen(t: torch.Tensor, label: str, st) -> list[torch.Tensor]:
     world = dist.get_world_size()
-    n = torch.tensor([t.shape[0]], dtype=torch.int64)
-    sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+    sizes = [torch.empty(1, dtype=torch.int64, device=t.device) for _ in range(world)]
     Transfer(label, [dist.all_gather(sizes, n, group=embedding_group(), async_op=True)], 8 * (world - 1), st).wait()
     sizes = [int(x) for x in sizes]
     top = max(sizes)
-    padded = torch.zeros((top,) + tuple(t.shape[1:]), dtype=t.dtype)
+    padded = torch.zeros((top,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     padded[:t.shape[0]] = t
     out = [torch.empty_like(padded) for _ in range(world)]
     nbytes = padded.numel() * padded.element_size() * (world - 1)
@@ -387,7 +367,7 @@ def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):
     for k in range(t):
         for s in range(world):
             l = all_len[s].view(t, bs[s])
-            o = torch.zeros(t * bs[s] + 1, dtype=torch.int64)
+            o = torch.zeros(t * bs[s] + 1, dtype=torch.int64, device=all_len[s].device)
             torch.cumsum(all_len[s], 0, out=o[1:])
             lo, hi = int(o[k * bs[s]]), int(o[(k + 1) * bs[s]])
             ids.append(all_ids[s][lo:hi])
@@ -395,6 +375,6 @@ def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):
             if all_w is not None:
                 ws.append(all_w[s][lo:hi])
     lens = torch.cat(lens)
-    offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=offsets[1:])
     return torch.cat(ids), offsets, (torch.cat(ws) if ws else None), torch.cat(all_grad), sum(bs)

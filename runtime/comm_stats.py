@@ -172,7 +172,8 @@ class CommStats:
         steps = max(self.steps, 1)
         rows = []
         for label, r in self.rows.items():
-            err = max(r.errors) if r.errors else (0.0 if r.precision == "fp32" else float("nan"))
+            exact = r.precision in ("fp32", "int64")  # raw floats, or ids
+            err = max(r.errors) if r.errors else (0.0 if exact else float("nan"))
             rows.append(ReportRow(label, r.precision, r.fp32_bytes / steps, r.wire_bytes / steps, err,
                                   1e3 * r.wait_s / steps, 1e3 * r.emulated_s / steps))
         return CommReport(rank, self.steps, 1e3 * self.step_s / max(self._intervals, 1), rows, emulation())
@@ -184,7 +185,7 @@ class ReportRow:
     precision: str
     fp32_bytes: float        # per step, what the payload would be in fp32
     wire_bytes: float        # per step, what this rank actually sent to other ranks
-    rel_error: float         # max over the measured steps (0 for fp32; nan if none measured)
+    rel_error: float         # max over the measured steps (0 for fp32 and ids; nan if none measured)
     wait_ms: float           # per step, blocked in the collective's wait
     emulated_ms: float       # per step, modeled transfer time (0 without link emulation)
 
@@ -233,7 +234,7 @@ class CommReport:
     def summary(self) -> str:
         """One line for ``recc train``."""
         tot = self.fp32_bytes
-        worst = max((r.rel_error for r in self.rows if r.precision != "fp32"), default=0.0)
+        worst = max((r.rel_error for r in self.rows), default=0.0)
         return (f"comm: {self.wire_bytes / 1024:.0f} KiB/step on the wire per rank "
                 f"({(self.wire_bytes / tot if tot else 1.0):.3f} of fp32), max codec error {worst:.2e}, "
                 f"waiting {sum(r.wait_ms for r in self.rows):.1f} ms/step")

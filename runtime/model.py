@@ -266,9 +266,14 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
             raise RuntimeError(f"instantiate: the program is compiled for {world} ranks but this process is in "
                                f"{have} torch.distributed world; call it inside recc.launch(fn, cluster) "
                                f"(or under torchrun)")
-    device = torch.device(device or "cpu")
-    if device.type != "cpu":
-        raise ValueError(f"instantiate: device {device} has no backend in this recc build (cpu only)")
+    device = torch.device(device or program.cluster.device_type)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("instantiate: the program is for CUDA devices but torch sees no GPU here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ValueError(f"instantiate: device {device} has no recc backend (cpu or cuda)")
     sources = [s for m in program.graph.modules() if isinstance(m, TableGroup) for s in m._sources]
     memo = {id(s): s for s in sources}
     gm = quiet_deepcopy(program.graph, memo)

@@ -31,8 +31,7 @@ def dequantize_impl(x, *, dtype: str = "fp32"):
     if isinstance(x, Encoded):
         # No collective in between (e.g. a one-rank group): decode locally; the gradient
         # passes straight through to the source.
-        flat = torch.cat([c.reshape(-1) if x.precision == "fp32" else codecs.decode(c, n, x.precision)
-                          for c, n in zip(x.chunks, x.counts)])
+        flat = codecs.decode_parts(x.wire, x.counts, x.precision)
         return x.source + (flat.view(x.shape) - x.source).detach()
     if isinstance(x, torch.Tensor):
         return x.to(torch.float32)
