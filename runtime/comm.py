@@ -228,7 +228,10 @@ class _OutputDistWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, token, ex: _Exchange):
         ctx.ex = ex
-        return ex.recv
+        # Hand the buffer over and drop ex's reference: ctx -> ex -> output -> this node would
+        # be a cycle through autograd's C++ graph, which Python's GC cannot see (a leak per step).
+        recv, ex.recv = ex.recv, None
+        return recv
 
     @staticmethod
     def backward(ctx, grad):
