@@ -19,15 +19,18 @@ precision       wire layout                                             bytes fo
 Block-wise (row-wise over 64-element rows of the payload) scaling: int8 is asymmetric,
 ``bias = min``, ``scale = (max - min) / 255``, ``code = clamp(rint((x - bias) / scale), 0, 255)``,
 ``x' = code * scale + bias``; fp8 is symmetric, ``scale = amax / fmax`` (448 for e4m3fn, 57344
-for e5m2), ``code = fp8(clamp(x / scale, -fmax, fmax))``, ``x' = code * scale``. A block whose
-values are all equal (or all zero) uses scale 1 and decodes exactly. Blocks are 64 elements
+for e5m2), ``code = fp8(clamp(x / scale, -fmax, fmax))``, ``x' = code * scale``. An all-zero block
+decodes exactly (both use scale 1); so does an int8 block whose values are all equal, while an
+fp8 one decodes to within an ulp (``fmax * (amax / fmax)``). Blocks are 64 elements
 rather than one embedding row so the scales cost at most 8/256 of the fp32 bytes whatever the
 embedding width (int8: 0.281 of fp32; fp8: 0.266).
 
 Non-finite values: fp32/fp16/bf16 carry NaN and +-Inf as themselves (fp16 also turns finite
 values beyond 65504 into +-Inf, as a cast does). int8 and fp8 have no code for them, so a block
 holding any NaN or Inf is sent with a NaN scale and decodes to all-NaN: the damage stays visible
-(a NaN loss, a NaN in the report) instead of being clamped into plausible numbers.
+(a NaN loss, a NaN in the report) instead of being clamped into plausible numbers. The same
+holds for an int8 block whose range ``max - min`` itself overflows fp32 (values of both signs
+beyond ~1.7e38): its scale cannot be represented, so it is sent as NaN too.
 
 CPU and CUDA tensors both work (plain torch ops); the CUDA kernels in ``recc.kernels.cuda``
 produce the same bytes up to rounding of the scale division.
@@ -56,6 +59,7 @@ def check_precision(precision: str) -> None:
 
 def wire_nbytes(n: int, precision: str) -> int:
     """Bytes on the wire for a payload of ``n`` fp32 elements."""
+    check_precision(precision)
     if precision == "fp32":
         return 4 * n
     if precision in ("fp16", "bf16"):
@@ -87,6 +91,7 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
     if precision == "int8":
         lo = b.amin(dim=1)
         hi = b.amax(dim=1)
+        bad = bad | ~torch.isfinite(hi - lo)
         scale = torch.where(hi > lo, (hi - lo) / 255.0, torch.ones_like(lo))
         codes = torch.clamp(torch.round((b - lo[:, None]) / scale[:, None]), 0, 255)
         codes = torch.nan_to_num(codes, nan=0.0).to(torch.uint8)

@@ -66,6 +66,33 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
     group.optimizer_state = optimizer_state
 
 
+_ALLREDUCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _allreduce_hook(precision: str, stats: "comm_stats.CommStats"):
+    """DDP communication hook: average each gradient bucket in ``precision`` on the wire and
+    count its bytes in the comm report. (torch's own bf16 hook insists on NCCL; gloo carries
+    bf16 too, so recc uses one hook for every precision and backend.)"""
+    import torch.distributed as dist
+    dtype = _ALLREDUCE_DTYPES[precision]
+    label = "dense all_reduce (DDP)"
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        world = dist.get_world_size()
+        wire = buf.div_(world) if dtype == buf.dtype else buf.to(dtype).div_(world)
+        stats.add_payload(label, precision, 4 * buf.numel(), wire.element_size() * buf.numel())
+        fut = dist.all_reduce(wire, async_op=True).get_future()
+
+        def unpack(f):
+            if dtype == buf.dtype:
+                return f.value()[0]
+            buf.copy_(f.value()[0])
+            return buf
+        return fut.then(unpack)
+    return hook
+
+
 class DistributedModel(nn.Module):
     """One rank's trainable model. Call it like the user's model with this rank's batch slice."""
 
@@ -97,10 +124,7 @@ class DistributedModel(nn.Module):
                     else {"broadcast_buffers": False})
             self._ddp = DDP(self._run, **sync)
             precision = gm.meta.get("recc.allreduce_precision", "fp32")
-            if precision != "fp32":
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-                hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}[precision]
-                self._ddp.register_comm_hook(None, hook)
+            self._ddp.register_comm_hook(None, _allreduce_hook(precision, self._stats))
 
     def _begin_step(self) -> None:
         if torch.is_grad_enabled():
