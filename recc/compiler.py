@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn

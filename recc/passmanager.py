@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-import torch.fx as fx
 
 from recc.cluster import Cluster
 from recc.config import CompileConfig

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import shutil
 import subprocess
 import warnings

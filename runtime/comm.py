@@ -277,10 +277,13 @@ class ReceivedRows:
 _COLUMN_MAPS: dict = {}
 
 
-def _column_map(comm, shards_of) -> torch.Tensor:
+def _column_map(comm, shards_of):
     """For the received rows laid side by side (owner 0's shards, then owner 1's, ...), the
     logical output column each received column lands in. Column blocks map one to one; the
-    row blocks of a row-wise table map onto the same columns, so their partial sums add up."""
+    row blocks of a row-wise table map onto the same columns, so their partial sums add up.
+    Returns ``(kind, index)``: ``("identity", None)`` when the columns already sit in order,
+    ``("permute", source column of each output column)`` when every column lands once,
+    ``("add", target column of each received column)`` when row blocks must be summed."""
     key = (comm, tuple(shards_of))
     if key not in _COLUMN_MAPS:
         starts = [0]
@@ -291,7 +294,13 @@ def _column_map(comm, shards_of) -> torch.Tensor:
             for k, owner, r0, r1, c0, c1 in comm.layout:
                 if owner == o:
                     cols.extend(range(starts[k] + c0, starts[k] + c1))
-        _COLUMN_MAPS[key] = torch.tensor(cols, dtype=torch.int64)
+        cols_t = torch.tensor(cols, dtype=torch.int64)
+        if cols == list(range(starts[-1])):
+            _COLUMN_MAPS[key] = ("identity", None)
+        elif len(set(cols)) == len(cols) == starts[-1]:
+            _COLUMN_MAPS[key] = ("permute", torch.argsort(cols_t))
+        else:
+            _COLUMN_MAPS[key] = ("add", cols_t)
     return _COLUMN_MAPS[key]
 
 
@@ -302,15 +311,17 @@ def _reassemble(handle: Handle) -> torch.Tensor:
     ex.fwd = None
     recv = _OutputDistWait.apply(token, ex)
     width = comm.width
-    # One scatter-add over columns reassembles every table (autograd: one gather in backward),
-    # instead of a slice per shard, each of which would zero-fill a full-size gradient.
-    blocks, start = [], 0
-    for n in shards_of:
-        blocks.append(recv[start:start + b * n * width].view(b, n * width))
-        start += b * n * width
+    # split (not slicing) so backward concatenates instead of zero-filling a buffer per block.
+    blocks = [blk.view(b, n * width) for blk, n in zip(recv.split([b * n * width for n in shards_of]), shards_of)]
     side_by_side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
-    out = side_by_side.new_zeros(b, sum(comm.dims))
-    return out.index_add(1, _column_map(comm, shards_of).to(out.device), side_by_side)
+    kind, index = _column_map(comm, shards_of)
+    if kind == "identity":
+        return side_by_side
+    index = index.to(side_by_side.device)
+    if kind == "permute":
+        return side_by_side.index_select(1, index)
+    # Row blocks of a row-wise table: one scatter-add over columns sums their partial sums.
+    return side_by_side.new_zeros(b, sum(comm.dims)).index_add(1, index, side_by_side)
 
 
 def output_dist_wait(handle: Handle):
@@ -348,7 +359,7 @@ def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):
     world = dist.get_world_size()
     st = comm_stats.current()
     label = comm.name or "dp_grad_allgather"
-    t, b = sparse.num_tables, sparse.batch_size
+    t = sparse.num_tables
     lengths = (sparse.offsets[1:] - sparse.offsets[:-1])
     all_len = _all_gather_varlen(lengths, label, st)
     all_ids = _all_gather_varlen(sparse.indices, label, st)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from recc.ops import OPS, register_impl
-from recc.runtime.comm import (gather_global_batch, input_dist_start, input_dist_wait, output_dist_start,
-                               output_dist_wait)
+from recc.runtime.comm import gather_global_batch
 from recc.kernels import (linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
                           tbe_forward)
 
@@ -85,27 +84,6 @@ class PairwiseDot(torch.autograd.Function):
 @register_impl("pairwise_dot", "cpu")
 def pairwise_dot_cpu(x, li, lj):
     return PairwiseDot.apply(x, li, lj)
-
-
-@register_impl("all_to_all_start", "cpu")
-def all_to_all_start_cpu(x, *, comm):
-    if len(comm.group) == 1:
-        return OPS["all_to_all_start"].reference(x, comm=comm)
-    if comm.op == "input_dist":
-        return input_dist_start(x, comm)
-    if comm.op == "output_dist":
-        return output_dist_start(x, comm)
-    raise ValueError(f"recc.all_to_all_start: no CPU implementation of {comm.op!r}")
-
-
-@register_impl("all_to_all_wait", "cpu")
-def all_to_all_wait_cpu(handle):
-    comm = handle.comm
-    if comm is None or len(comm.group) == 1:
-        return handle.value
-    if comm.op == "input_dist":
-        return input_dist_wait(handle)
-    return output_dist_wait(handle)
 
 
 def _register_references():

@@ -14,8 +14,7 @@ import torch
 
 from recc.kernels import cuda as cuda_kernels
 from recc.ops import OPS, SparseBatch, bag_offsets, register_impl
-from recc.runtime.comm import (gather_global_batch, input_dist_start, input_dist_wait, output_dist_start,
-                               output_dist_wait)
+from recc.runtime.comm import gather_global_batch
 
 
 def _gather_layout(group, sparse):
@@ -154,27 +153,6 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pool
     combined = torch.cat([(off + starts[:, None]).reshape(-1),
                           torch.tensor([n], dtype=torch.int64, device=dev)])
     return SparseBatch(tables, ids, combined, psw, batch, True, None)
-
-
-@register_impl("all_to_all_start", "cuda")
-def all_to_all_start_cuda(x, *, comm):
-    if len(comm.group) == 1:
-        return OPS["all_to_all_start"].reference(x, comm=comm)
-    if comm.op == "input_dist":
-        return input_dist_start(x, comm)
-    if comm.op == "output_dist":
-        return output_dist_start(x, comm)
-    raise ValueError(f"recc.all_to_all_start: no CUDA implementation of {comm.op!r}")
-
-
-@register_impl("all_to_all_wait", "cuda")
-def all_to_all_wait_cuda(handle):
-    comm = handle.comm
-    if comm is None or len(comm.group) == 1:
-        return handle.value
-    if comm.op == "input_dist":
-        return input_dist_wait(handle)
-    return output_dist_wait(handle)
 
 
 def _register_references():

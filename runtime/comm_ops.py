@@ -1,5 +1,7 @@
-"""recc.quantize / recc.dequantize in the runtime, for every device (the codecs are torch ops).
+"""The communication ops in the runtime, for every device: collectives and codecs.
 
+``recc.all_to_all_start``/``_wait`` dispatch on the ``CommSpec``'s op to ``recc.runtime.comm``
+(torch.distributed: gloo on CPU, NCCL on GPUs; a one-rank group needs no communication).
 ``recc.quantize`` encodes a payload into ``comm.Encoded`` chunks, one per destination;
 ``recc.all_to_all_start``/``_wait`` move the bytes; ``recc.dequantize`` decodes what arrived
 (``comm.ReceivedRows``) and reassembles the tables. The autograd edges live in the exchange
@@ -10,8 +12,28 @@ from __future__ import annotations
 import torch
 
 from recc.kernels import codecs
-from recc.ops import register_impl
-from recc.runtime.comm import Encoded, ReceivedRows, dequantize_received
+from recc.ops import OPS, register_impl
+from recc.runtime.comm import (Encoded, ReceivedRows, dequantize_received, input_dist_start, input_dist_wait,
+                               output_dist_start, output_dist_wait)
+
+
+def all_to_all_start_impl(x, *, comm):
+    if len(comm.group) == 1:
+        return OPS["all_to_all_start"].reference(x, comm=comm)
+    if comm.op == "input_dist":
+        return input_dist_start(x, comm)
+    if comm.op == "output_dist":
+        return output_dist_start(x, comm)
+    raise ValueError(f"recc.all_to_all_start: no runtime implementation of {comm.op!r}")
+
+
+def all_to_all_wait_impl(handle):
+    comm = handle.comm
+    if comm is None or len(comm.group) == 1:
+        return handle.value
+    if comm.op == "input_dist":
+        return input_dist_wait(handle)
+    return output_dist_wait(handle)
 
 
 def quantize_impl(x, *, precision: str, grad_precision: str = "fp32", parts: int = 1):
@@ -39,5 +61,7 @@ def dequantize_impl(x, *, dtype: str = "fp32"):
 
 
 for _device in ("cpu", "cuda"):
+    register_impl("all_to_all_start", _device)(all_to_all_start_impl)
+    register_impl("all_to_all_wait", _device)(all_to_all_wait_impl)
     register_impl("quantize", _device)(quantize_impl)
     register_impl("dequantize", _device)(dequantize_impl)
