@@ -22,6 +22,7 @@ import copy
 import gc
 import logging
 import os
+import resource
 import statistics
 import sys
 import time
@@ -136,9 +137,19 @@ class _Entry:
         self.error: str | None = None  # this rank's traceback, if it failed here
         self.failed_at: str | None = None  # phase in which it was dropped (on every rank)
         self.times: list[float] = []  # seconds per step, one per round (this rank's clock)
+        self.faults: list[float] = []  # minor page faults per step, one per round (this process)
+        self.rss_growth_mb = 0.0  # this process's RSS growth over this system's timed blocks
         self.last_loss = float("nan")
         self.parity: float | None = None
         self.next_batch = 0
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError):
+        return float("nan")
 
 
 def rank_main(job: dict) -> dict:
@@ -224,6 +235,7 @@ def rank_main(job: dict) -> dict:
             shift = r % max(1, len(live))
             for e in live[shift:] + live[:shift]:
                 all_ok(True)
+                rss0, flt0 = _rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
                 ok = True
                 try:
@@ -235,6 +247,10 @@ def rank_main(job: dict) -> dict:
                 t = (time.perf_counter() - t0) / job["steps"]
                 if went_ok:
                     e.times.append(t)
+                    # Page faults in a warm loop mean memory is handed back and re-touched, or
+                    # grows (a leak): each fault costs microseconds on a VM.
+                    e.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0) / job["steps"])
+                    e.rss_growth_mb += _rss_mb() - rss0
                 else:
                     e.system, e.failed_at = None, e.failed_at or f"timing round {r}"
     finally:
@@ -244,7 +260,8 @@ def rank_main(job: dict) -> dict:
     out = {"rank": rank, "threads": torch.get_num_threads(), "systems": {}}
     for e in entries:
         out["systems"][e.key] = dict(name=e.name, error=e.error, failed_at=e.failed_at, times=e.times,
-                                     last_loss=e.last_loss, parity=e.parity)
+                                     last_loss=e.last_loss, parity=e.parity, faults=e.faults,
+                                     rss_growth_mb=e.rss_growth_mb)
     for e in entries:
         e.system = None
     gc.collect()
@@ -364,6 +381,17 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             print(f"  {name:<22} FAILED during {per_rank[0]['failed_at']}:")
             for err in errs or ["(no rank reported an exception)"]:
                 print(_indent(err))
+    # Memory behaviour in the timed loop: a warm training loop should neither fault nor grow.
+    print(f"\n  memory in the timed rounds (per rank: median minor page faults per step; RSS growth over "
+          f"{args.rounds * args.steps} timed steps)")
+    for key, per_rank in rows.items():
+        if key not in med:
+            continue
+        faults = [statistics.median(p["faults"]) if p.get("faults") else float("nan") for p in per_rank]
+        growth = [p.get("rss_growth_mb", float("nan")) for p in per_rank]
+        flag = "  <- grows: a leak?" if max(growth) > 2 * args.rounds * args.steps else ""
+        print(f"  {per_rank[0]['name']:<22} faults/step {' '.join(f'{f:,.0f}' for f in faults):<16} "
+              f"RSS growth MB {' '.join(f'{g:+.0f}' for g in growth)}{flag}")
 
 
 def main_dist(args) -> None:
