@@ -69,6 +69,10 @@ class BoundOp:
                 f"recc.{self.op.name} is bound to device {self.device!r} but no implementation is "
                 f"registered for it; import recc.runtime (program.instantiate() does) or lower for another device")
         self._fn = fn
+        if torch.autograd.profiler._is_profiler_enabled:
+            # Under torch.profiler every recc op is a named range, so profiles read like the IR.
+            with torch.autograd.profiler.record_function(repr(self)):
+                return fn(*args, **kwargs)
         return fn(*args, **kwargs)
 
     def __repr__(self):
