@@ -122,7 +122,8 @@ class DistributedModel(nn.Module):
             # rank, so there is nothing to sync on each forward.
             sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
                     else {"broadcast_buffers": False})
-            self._ddp = DDP(self._run, **sync)
+            # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy in and out).
+            self._ddp = DDP(self._run, gradient_as_bucket_view=True, **sync)
             precision = gm.meta.get("recc.allreduce_precision", "fp32")
             self._ddp.register_comm_hook(None, _allreduce_hook(precision, self._stats))
 
