@@ -78,9 +78,20 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return padded.view(nb, BLOCK)
 
 
+def _cuda_kernels(t: torch.Tensor):
+    """recc.kernels.cuda when ``t`` lives on a GPU and CuPy is there, else None (torch ops)."""
+    if t.device.type != "cuda":
+        return None
+    from recc.kernels import cuda
+    return cuda if cuda.available() else None
+
+
 def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
     """Flat fp32 payload -> flat uint8 wire bytes (layout in the module docstring)."""
     check_precision(precision)
+    kernels = _cuda_kernels(x)
+    if kernels is not None and precision != "fp32":
+        return kernels.encode(x, precision)  # one kernel instead of a dozen torch ops
     x = x.detach().reshape(-1).to(torch.float32)
     if precision in _CASTS:
         return x.to(_CASTS[precision]).view(torch.uint8)
@@ -115,6 +126,9 @@ def decode(wire: torch.Tensor, n: int, precision: str) -> torch.Tensor:
     if wire.numel() != wire_nbytes(n, precision):
         raise ValueError(f"{precision} payload of {n} elements must be {wire_nbytes(n, precision)} "
                          f"bytes on the wire, got {wire.numel()}")
+    kernels = _cuda_kernels(wire)
+    if kernels is not None and precision != "fp32":
+        return kernels.decode(wire, n, precision)
     if precision in _CASTS:
         return wire.view(_CASTS[precision]).to(torch.float32)
     if n == 0:

@@ -173,14 +173,17 @@ extern "C" __global__ void encode_int8(const float* __restrict__ x, i64 n, i64 n
     const i64 i0 = blk * BLOCK + lane, i1 = i0 + 32;
     const float a = i0 < n ? x[i0] : 0.0f, b = i1 < n ? x[i1] : 0.0f;
     const BlockStats s = block_stats(a, b);
-    const float scale = s.hi > s.lo ? __fdiv_rn(__fsub_rn(s.hi, s.lo), 255.0f) : 1.0f;
+    const float range = __fsub_rn(s.hi, s.lo);
+    const float scale = s.hi > s.lo ? __fdiv_rn(range, 255.0f) : 1.0f;
+    /* A range that overflows fp32 has no representable scale: sent as NaN, like NaN/Inf. */
+    const int ok = s.finite && f32_isfinite(range);
     wire[i0] = int8_code(a, s.lo, scale);
     wire[i1] = int8_code(b, s.lo, scale);
     if (lane == 0) {
         float* meta = reinterpret_cast<float*>(wire + nb * BLOCK);
         const float nan = bits_f32(0x7FC00000u);
-        meta[2 * blk] = s.finite ? scale : nan;
-        meta[2 * blk + 1] = s.finite ? s.lo : nan;
+        meta[2 * blk] = ok ? scale : nan;
+        meta[2 * blk + 1] = ok ? s.lo : nan;
     }
 }
 
