@@ -14,7 +14,9 @@ codecs. Must not change what the graph computes beyond the codecs' rounding (wit
 everywhere it changes nothing).
 
 Defaults follow Neo (ISCA 2022): FP16 forward, BF16 backward; set them with
-``CompileConfig(comm_fwd=, comm_bwd=, comm_allreduce=)`` or ``quantize_comm{fwd=int8,bwd=bf16}``.
+``CompileConfig(comm_fwd=, comm_bwd=, comm_allreduce=)`` or ``quantize_comm{fwd=int8,bwd=bf16}``,
+and per collective (by name, or by table group) with ``per_collective``, e.g.
+``CompileConfig(pass_options={"quantize_comm": {"per_collective": {"g1": {"fwd": "int8"}}}})``.
 
 Before:
     pooled_g0  : f32[16,8]    = recc.tbe_lookup(tbe_g0, ids_g0)
@@ -30,6 +32,8 @@ After:
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Union
 
 import torch
 import torch.fx as fx
@@ -56,23 +60,59 @@ def wire_codec(precision: str, direction: str) -> str:
     return precision
 
 
+def _overrides(per_collective, names: list[str]) -> dict[str, tuple[str, str]]:
+    """``{"output_dist g1": {"fwd": "int8"}}`` (or keyed by group, ``{"g1": ...}``) -> codecs."""
+    if per_collective is None:
+        return {}
+    if isinstance(per_collective, str):  # from a pipeline spec string: JSON
+        try:
+            per_collective = json.loads(per_collective)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"quantize_comm: per_collective={per_collective!r} is not JSON: {e}") from None
+    if not isinstance(per_collective, dict):
+        raise ValueError(f"quantize_comm: per_collective must be a dict, got {per_collective!r}")
+    out = {}
+    for key, value in per_collective.items():
+        hits = [n for n in names if n == key or n.split(" ")[-1] == key]
+        if not hits:
+            raise ValueError(f"quantize_comm: per_collective names {key!r}, which is no embedding collective "
+                             f"of this graph; collectives: {', '.join(names) or 'none'} (or their groups)")
+        if not isinstance(value, dict) or set(value) - {"fwd", "bwd"}:
+            raise ValueError(f"quantize_comm: per_collective[{key!r}] must be a dict with 'fwd' and/or 'bwd', "
+                             f"got {value!r}")
+        for name in hits:
+            out[name] = value
+    return out
+
+
 @register_pass(after=("insert_comm",), from_config={"fwd": "comm_fwd", "bwd": "comm_bwd",
                                                      "allreduce": "comm_allreduce"})
 def quantize_comm(gm: fx.GraphModule, ctx: PassContext, *, fwd: str = "fp16", bwd: str = "bf16",
-                  allreduce: str = "fp32") -> fx.GraphModule:
-    """Wrap each embedding collective's payload in quantize/dequantize (fwd and bwd codecs)."""
-    fwd_codec, bwd_codec = wire_codec(fwd, "fwd"), wire_codec(bwd, "bwd")
+                  allreduce: str = "fp32", per_collective: Union[dict, str, None] = None) -> fx.GraphModule:
+    """Wrap each embedding collective's payload in quantize/dequantize (fwd and bwd codecs;
+    ``per_collective`` overrides them for some, e.g. ``{"g1": {"fwd": "int8"}}``)."""
+    wire_codec(fwd, "fwd"), wire_codec(bwd, "bwd")
     if allreduce not in ALLREDUCE_PRECISIONS:
         raise ValueError(f"quantize_comm: allreduce={allreduce!r} cannot be carried: an all-reduce sums "
                          f"the payload on the wire and int8/fp8 codes with per-block scales cannot be "
                          f"summed; choose one of {ALLREDUCE_PRECISIONS}")
     gm.meta["recc.allreduce_precision"] = allreduce
-    if ctx.cluster.world_size == 1:
-        return gm
     graph = gm.graph
-    for start in [n for n in graph.nodes if op_of(n.target) is OPS["all_to_all_start"]]:
+    starts = [n for n in graph.nodes if op_of(n.target) is OPS["all_to_all_start"]
+              and n.kwargs["comm"].op == "output_dist"]
+    dp = [(n, gm.get_submodule(n.args[0].target)) for n in graph.nodes if op_of(n.target) is OPS["tbe_lookup"]]
+    dp = [(n, g) for n, g in dp if g.data_parallel and g.dp_comm is not None]
+    names = [n.kwargs["comm"].name for n in starts] + [g.dp_comm.name for _, g in dp]
+    override = _overrides(per_collective, names)
+
+    def codecs_of(name: str) -> tuple[str, str]:
+        o = override.get(name, {})
+        return wire_codec(o.get("fwd", fwd), "fwd"), wire_codec(o.get("bwd", bwd), "bwd")
+
+    for start in starts:
         comm = start.kwargs["comm"]
-        if comm.op != "output_dist" or (fwd_codec, bwd_codec) == ("fp32", "fp32"):
+        fwd_codec, bwd_codec = codecs_of(comm.name)
+        if (fwd_codec, bwd_codec) == ("fp32", "fp32"):
             continue
         comm = dataclasses.replace(comm, precision=fwd_codec, grad_precision=bwd_codec)
         payload = start.args[0]
@@ -90,9 +130,7 @@ def quantize_comm(gm: fx.GraphModule, ctx: PassContext, *, fwd: str = "fp16", bw
         rename(wait, f"{name}_q")
         rename(dq, name)
         rename(q, f"{payload.name}_q")
-    for lookup in [n for n in graph.nodes if op_of(n.target) is OPS["tbe_lookup"]]:
-        group: TableGroup = gm.get_submodule(lookup.args[0].target)
-        if group.data_parallel and group.dp_comm is not None:
-            group.dp_comm = dataclasses.replace(group.dp_comm, grad_precision=bwd_codec)
-            lookup.meta["recc.comm"] = group.dp_comm
+    for lookup, group in dp:
+        group.dp_comm = dataclasses.replace(group.dp_comm, grad_precision=codecs_of(group.dp_comm.name)[1])
+        lookup.meta["recc.comm"] = group.dp_comm
     return gm

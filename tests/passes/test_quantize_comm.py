@@ -246,3 +246,51 @@ def test_verifier_catches_an_unbalanced_quantize():
         _compile(pipeline=["discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm",
                            double_dequantize])
     assert info.value.pass_name == "double_dequantize"
+
+
+# ----------------------------------------------------------------------------- per collective
+
+def _codecs_in(program) -> list[tuple[str, str]]:
+    return [(n.kwargs["precision"], n.kwargs["grad_precision"]) for n in program.stages["quantize_comm"].graph.graph.nodes
+            if n.op == "call_function" and getattr(op_of(n.target), "name", None) == "quantize"]
+
+
+@pytest.mark.parametrize("key", ["g0", "output_dist g0"])
+def test_per_collective_overrides_one_collective(key):
+    program = _compile(pass_options={"quantize_comm": {"per_collective": {key: {"fwd": "int8"}}}})
+    assert _codecs_in(program) == [("int8", "bf16")]          # bwd keeps the pass-wide codec
+    assert "int8/bf16" in program.stages["quantize_comm"].text
+
+
+def test_per_collective_from_a_spec_string_round_trips():
+    spec = ('discover_tables,shard_tables{strategy=row_wise},batch_tables,insert_comm,'
+            'quantize_comm{per_collective="{\\"g0\\": {\\"bwd\\": \\"fp8\\"}}"},lower')
+    program = _compile(pipeline=spec)
+    assert _codecs_in(program) == [("fp16", "fp8_e5m2")]
+    again = _compile(pipeline=program.pipeline)
+    assert again.stages["quantize_comm"].text == program.stages["quantize_comm"].text
+
+
+def test_per_collective_fp32_both_ways_leaves_that_collective_alone():
+    program = _compile(pass_options={"quantize_comm": {"per_collective": {"g0": {"fwd": "fp32", "bwd": "fp32"}}}})
+    assert _codecs_in(program) == []
+    assert program.stages["quantize_comm"].text == program.stages["insert_comm"].text
+
+
+def test_per_collective_reaches_data_parallel_gathers():
+    program = _compile(sharding="data_parallel",
+                       pass_options={"quantize_comm": {"per_collective": {"g0": {"bwd": "fp16"}}}})
+    group = program.stages["quantize_comm"].graph.get_submodule("tbe_g0")
+    assert group.dp_comm.grad_precision == "fp16"
+
+
+def test_per_collective_unknown_name_is_an_error_listing_the_collectives():
+    with pytest.raises(ValueError, match=r"per_collective names 'g7', which is no embedding collective.*"
+                                         r"collectives: output_dist g0"):
+        _compile(pass_options={"quantize_comm": {"per_collective": {"g7": {"fwd": "int8"}}}})
+
+
+@pytest.mark.parametrize("value", [{"fwd": "int4"}, {"forward": "fp16"}, "int8"])
+def test_per_collective_bad_value_is_an_error(value):
+    with pytest.raises(ValueError, match=r"quantize_comm: "):
+        _compile(pass_options={"quantize_comm": {"per_collective": {"g0": value}}})
