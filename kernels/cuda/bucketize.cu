@@ -10,8 +10,11 @@
  *   out_ids [N]:    id - bounds[k], grouped by block, bags in order, ids in index order;
  *   perm    [N]:    the input position of each output id (to carry per-sample weights and to
  *                   route gradients back).
- * An id outside [bounds[0], bounds[K]) is left out and reported through `err` (atomicMin of
- * its position; all ones when none), never written anywhere.
+ * An id outside [bounds[0], bounds[K]) is left out and reported through err[0] (atomicMin of
+ * its position; all ones when none), never written anywhere.  A malformed bag (offsets must
+ * start at 0, not decrease and end at N) is reported through err[1] (its index), and then
+ * bucketize_scatter writes nothing: overlapping bags could otherwise count more than N ids
+ * and write past out_ids.
  *
  * Two passes, one thread per bag (a bag's ids are scanned in order, so no atomics are
  * needed for the order): bucketize_count fills lengths; the host takes an exclusive prefix
@@ -32,13 +35,18 @@ __device__ __forceinline__ int block_of(i64 id, const i64* __restrict__ bounds, 
 }
 
 extern "C" __global__ void bucketize_count(const i64* __restrict__ ids,
-                                           const i64* __restrict__ offsets, i64 B,
+                                           const i64* __restrict__ offsets, i64 B, i64 N,
                                            const i64* __restrict__ bounds, int K,
                                            i64* __restrict__ lengths, unsigned long long* err) {
     const i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B) return;
     for (int k = 0; k < K; ++k) lengths[(i64)k * B + b] = 0;
-    for (i64 p = offsets[b]; p < offsets[b + 1]; ++p) {
+    const i64 start = offsets[b], end = offsets[b + 1];
+    if (start < 0 || end > N || start > end || (b == 0 && start != 0) || (b == B - 1 && end != N)) {
+        atomicMin(err + 1, (u64)b);
+        return;
+    }
+    for (i64 p = start; p < end; ++p) {
         const int k = block_of(ids[p], bounds, K);
         if (k < 0) atomicMin(err, (u64)p);
         else lengths[(i64)k * B + b] += 1;
@@ -49,9 +57,10 @@ extern "C" __global__ void bucketize_scatter(const i64* __restrict__ ids,
                                              const i64* __restrict__ offsets, i64 B,
                                              const i64* __restrict__ bounds, int K,
                                              const i64* __restrict__ starts,
-                                             i64* __restrict__ out_ids, i64* __restrict__ perm) {
+                                             i64* __restrict__ out_ids, i64* __restrict__ perm,
+                                             const u64* err) {
     const i64 b = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= B) return;
+    if (b >= B || err[1] != ~0ull) return;  /* offsets checked by bucketize_count */
     /* K is small (the ranks of one table); the cursors of blocks past 64 are recomputed. */
     i64 cursor[64];
     const int kc = K < 64 ? K : 64;

@@ -5,7 +5,8 @@ rows ``[bounds[k], bounds[k+1])``.  It returns ``(lengths [K, B], ids [N], perm 
 each block in order, its bags' ids in bag then index order, rebased to the block
 (``id - bounds[k]``), and the input position of every output id (``psw[perm]`` carries
 per-sample weights along).  This is exactly what the input dist sends each row block's owner.
-An id outside ``[bounds[0], bounds[K])`` raises IndexError naming its bag and position.
+An id outside ``[bounds[0], bounds[K])`` raises IndexError naming its bag and position;
+malformed offsets (not starting at 0, decreasing, not ending at ``len(ids)``) raise ValueError.
 """
 from __future__ import annotations
 
@@ -64,15 +65,21 @@ def bucketize_rows(ids: torch.Tensor, offsets: torch.Tensor, bounds: torch.Tenso
     out_ids = torch.empty(N, dtype=torch.int64, device=dev)
     perm = torch.empty(N, dtype=torch.int64, device=dev)
     if B == 0 or N == 0:
+        if B == 0 and N:
+            raise ValueError(f"offsets describe no bag but there are {N} ids")
         return lengths, out_ids, perm
-    err = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    err = torch.full((2,), -1, dtype=torch.int64, device=dev)
     grid = -(-B // THREADS)
     loader.launch(SOURCE, "bucketize_count", dev, grid, THREADS,
-                  (ids, offsets, np.int64(B), bounds, np.int32(K), lengths, err))
+                  (ids, offsets, np.int64(B), np.int64(N), bounds, np.int32(K), lengths, err))
     starts = torch.cumsum(lengths.view(-1), 0) - lengths.view(-1)
     loader.launch(SOURCE, "bucketize_scatter", dev, grid, THREADS,
-                  (ids, offsets, np.int64(B), bounds, np.int32(K), starts, out_ids, perm))
-    pos = int(err.item())  # one sync: a bad id must be an error before anything is sent
+                  (ids, offsets, np.int64(B), bounds, np.int32(K), starts, out_ids, perm, err))
+    # one sync: a bad id must be an error before anything is sent
+    pos, bad_bag = (int(v) for v in err.tolist())
+    if bad_bag != -1:
+        raise ValueError(f"offsets are malformed at bag {bad_bag}: they must start at 0, never "
+                         f"decrease and end at len(ids) = {N}")
     if pos != -1:
         _raise_bad(ids.cpu(), offsets, bounds.cpu(), pos)
     return lengths, out_ids, perm

@@ -53,6 +53,11 @@ def decode(wire: torch.Tensor, n: int, precision: str) -> torch.Tensor:
     if wire.device.type != "cuda":
         raise ValueError(f"recc.kernels.cuda.codecs.decode needs a CUDA tensor, got {wire.device}")
     wire = wire.contiguous()
+    if wire.data_ptr() % 4:
+        # A slice of a larger byte buffer may start anywhere; the kernels read fp16/bf16 codes
+        # as 2-byte words and the block scales as fp32 in place (a misaligned load is a
+        # sticky CUDA error), so such a view is copied to a fresh, aligned buffer first.
+        wire = wire.clone()
     if precision == "fp32":
         return wire.view(torch.float32)
     out = torch.empty(n, dtype=torch.float32, device=wire.device)

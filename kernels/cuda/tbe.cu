@@ -26,7 +26,8 @@
  *     registers (D <= lanes*V*MAX_CHUNKS), optimizer applied once; runs longer than
  *     `long_run` are left to tbe_update_block_*: a whole block per run, partial sums combined in
  *     shared memory in a fixed order (deterministic).
- *  Both update kernels return at once when `err` is set, so a bad batch writes nothing.
+ *  Both update kernels return at once when `err` is set (a bad id or, checked by
+ *  tbe_linearize, a malformed bag), so a bad batch writes nothing.
  *  fp16 weights are read and updated in fp32 and written back with stochastic rounding (an
  *  unbiased rounding keyed by (seed, row, column), so small updates are not lost to
  *  round-to-nearest); optimizer state is always fp32.
@@ -91,12 +92,29 @@ __device__ __forceinline__ void store_row(__half* p, const float* v, int n, u64 
     for (int k = 0; k < n; ++k) p[k] = stochastic_half(v[k], mix64(key + (u64)k));
 }
 
+/* Rows of table t that are also rows of the weight: hash_size_cumsum is a caller's device
+ * tensor, never read on the host, so a table that claims rows past R (or starts below 0) is
+ * cut to the weight here and its ids beyond R are reported as bad, not read. */
+__device__ __forceinline__ i64 table_rows(const i64* __restrict__ hsc, int t, i64 R) {
+    const i64 base = hsc[t];
+    i64 end = hsc[t + 1];
+    if (end > R) end = R;
+    return base < 0 || end < base ? 0 : end - base;
+}
+
+/* Offsets of bag j are trusted only after this check (FBGEMM layout: offsets[0] = 0,
+ * offsets[T*B] = N, non-decreasing); a malformed bag is reported in err[1]. */
+__device__ __forceinline__ bool bag_ok(i64 start, i64 end, i64 j, i64 bags, i64 N) {
+    return !(start < 0 || end > N || start > end || (j == 0 && start != 0) ||
+             (j == bags - 1 && end != N));
+}
+
 /* ------------------------------------------------------------------ forward */
 
 template <typename W, int V>
 __device__ __forceinline__ void forward_body(
         const W* __restrict__ weights, int D, const i64* __restrict__ ids,
-        const i64* __restrict__ offsets, const i64* __restrict__ hsc, int T, i64 B,
+        const i64* __restrict__ offsets, const i64* __restrict__ hsc, int T, i64 B, i64 R,
         const float* __restrict__ psw, int mean, i64 N, float* __restrict__ out, u64* err,
         int lanes) {
     const i64 gid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -106,12 +124,11 @@ __device__ __forceinline__ void forward_body(
     const int t = (int)(bag / B);
     const i64 b = bag - (i64)t * B;
     i64 start = offsets[bag], end = offsets[bag + 1];
-    const i64 base = hsc[t], rows = hsc[t + 1] - base;
+    const i64 base = hsc[t], rows = table_rows(hsc, t, R);
     float* o = out + b * ((i64)T * D) + (i64)t * D;
     /* offsets are trusted only after this check: a malformed bag is reported and pooled as
      * empty, so a bad offset can never make the kernel read past `ids` */
-    if (start < 0 || end > N || start > end || (bag == 0 && start != 0) ||
-        (bag == (i64)T * B - 1 && end != N)) {
+    if (!bag_ok(start, end, bag, (i64)T * B, N)) {
         if (lane == 0) atomicMin(err + 1, (u64)bag);
         start = end = 0;
     }
@@ -165,9 +182,10 @@ __device__ __forceinline__ void forward_body(
 
 #define FORWARD(NAME, W, V)                                                                     \
     extern "C" __global__ void NAME(const W* weights, int D, const i64* ids, const i64* offsets, \
-                                    const i64* hsc, int T, i64 B, const float* psw, int mean,   \
-                                    i64 N, float* out, u64* err, int lanes) {                   \
-        forward_body<W, V>(weights, D, ids, offsets, hsc, T, B, psw, mean, N, out, err, lanes); \
+                                    const i64* hsc, int T, i64 B, i64 R, const float* psw,      \
+                                    int mean, i64 N, float* out, u64* err, int lanes) {         \
+        forward_body<W, V>(weights, D, ids, offsets, hsc, T, B, R, psw, mean, N, out, err,      \
+                           lanes);                                                              \
     }
 FORWARD(tbe_forward_f32_v4, float, 4)
 FORWARD(tbe_forward_f32_v1, float, 1)
@@ -179,13 +197,18 @@ FORWARD(tbe_forward_f16_v1, __half, 1)
 /* One thread per id: its bag by binary search over offsets (balanced whatever the bag
  * lengths), row = hsc[t] + id.  Keys are int32 (half the radix-sort passes of int64); the
  * host routes groups with R >= 2^31 - 1 rows elsewhere.  Bad ids get SENTINEL_I32, which
- * sorts after every row, and are reported in err. */
+ * sorts after every row, and are reported in err.  Thread j < T*B also checks bag j's
+ * offsets (err[1]), as the forward does: the backward may get offsets no forward has seen
+ * (checked=False), and the update kernels then write nothing.  The grid covers
+ * max(N, T*B) threads. */
 extern "C" __global__ void tbe_linearize(const i64* __restrict__ ids,
                                          const i64* __restrict__ offsets,
-                                         const i64* __restrict__ hsc, int T, i64 B, i64 N,
-                                         int* __restrict__ rows_out, int* __restrict__ bag_out,
-                                         u64* err) {
+                                         const i64* __restrict__ hsc, int T, i64 B, i64 R,
+                                         i64 N, int* __restrict__ rows_out,
+                                         int* __restrict__ bag_out, u64* err) {
     const i64 p = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < (i64)T * B && !bag_ok(offsets[p], offsets[p + 1], p, (i64)T * B, N))
+        atomicMin(err + 1, (u64)p);
     if (p >= N) return;
     i64 lo = 0, hi = (i64)T * B;  /* largest bag j with offsets[j] <= p */
     while (hi - lo > 1) {
@@ -194,7 +217,7 @@ extern "C" __global__ void tbe_linearize(const i64* __restrict__ ids,
     }
     const int t = (int)(lo / B);
     const i64 id = ids[p];
-    const i64 base = hsc[t], rows = hsc[t + 1] - base;
+    const i64 base = hsc[t], rows = table_rows(hsc, t, R);
     bag_out[p] = (int)lo;
     if (id < 0 || id >= rows) {
         rows_out[p] = SENTINEL_I32;
@@ -296,9 +319,13 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
     }
     float row_scale = 0.0f;
     if (o.opt == OPT_ROWWISE_ADAGRAD) {
+        const float m_old = active ? m1[row] : 0.0f;
         for (int off = lanes >> 1; off > 0; off >>= 1) sq += __shfl_xor_sync(0xFFFFFFFFu, sq, off);
+        /* every lane of the group has read m1[row] before its column-0 lane overwrites it
+         * (lanes of a warp are not lockstep under independent thread scheduling) */
+        __syncwarp();
         if (active) {
-            const float m = m1[row] + sq / (float)D;
+            const float m = m_old + sq / (float)D;
             row_scale = o.lr / (sqrtf(m) + o.eps);
             if (d_first == 0) m1[row] = m;
         }
@@ -342,7 +369,7 @@ __device__ __forceinline__ void update_warp_body(
         const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
         const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
         u64 seed, int lanes, int long_run, const u64* err) {
-    if (*err != ERR_NONE) return;
+    if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
     const i64 num_runs = *num_runs_at;
     const int groups_per_warp = 32 / lanes;
     const int lane = threadIdx.x % lanes;
@@ -386,7 +413,7 @@ __device__ __forceinline__ void update_block_body(
         const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
         u64 seed, int lanes, int long_run, const u64* err) {
     extern __shared__ float partial[];  /* [workers][D] */
-    if (*err != ERR_NONE) return;
+    if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
     const i64 num_runs = *num_runs_at;
     const int workers = blockDim.x / lanes;
     const int worker = threadIdx.x / lanes;

@@ -13,7 +13,9 @@ makes) and raises IndexError naming the table, bag and position of the first bad
 for malformed offsets) — the kernel itself never touches a row outside the id's table.
 ``tbe_backward_update`` skips that read when ``checked=True`` (its ids are the ones the forward
 just validated); its update kernels still refuse to write anything if linearization found a
-bad id, and with ``checked=False`` the error is raised after the (empty) update.
+bad id or a malformed bag, and with ``checked=False`` the error is raised after the (empty)
+update.  Ids are also checked against the weight's rows, so a ``hash_size_cumsum`` that
+claims more rows than the weight has cannot make a kernel leave it.
 
 Limits (ValueError, never a silent fallback): the backward keeps a row's gradient in
 registers, so D <= 1024 when D % 4 == 0 (else D <= 256); rows, ids and bags < 2^31.
@@ -79,6 +81,10 @@ def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sampl
     if offsets.numel() != T * B + 1:
         raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {T * B + 1} "
                          f"(T={T} tables, B={B} bags per table)")
+    if T * B == 0 and indices.numel():
+        # no bag to check on the device: offsets = [0] cannot end at len(indices)
+        raise ValueError(f"offsets[-1] must equal len(indices) = {indices.numel()}, but there are "
+                         f"no bags (T={T}, B={B})")
     if hash_size_cumsum.numel() != T + 1:
         raise ValueError(f"hash_size_cumsum has {hash_size_cumsum.numel()} entries, expected "
                          f"T+1 = {T + 1}")
@@ -117,8 +123,8 @@ def raise_for_error(err: torch.Tensor, indices, offsets, hash_size_cumsum, T: in
     # The slow path: the CPU validator finds the first fault and words the message.
     validate_inputs(indices.cpu(), offsets.cpu(), hash_size_cumsum.cpu(), T, B, names)
     raise IndexError(f"the CUDA TBE kernel found a bad id at position {bad_id} / bag {bad_bag} "
-                     f"that the CPU validator does not reproduce (were the inputs modified "
-                     f"concurrently?)")
+                     f"that the CPU validator does not reproduce (does hash_size_cumsum claim "
+                     f"more rows than the weight has, or were the inputs modified concurrently?)")
 
 
 def tbe_forward(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
@@ -144,8 +150,8 @@ def tbe_forward(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Ten
         grid = -(-(T * B * lanes) // THREADS)
         loader.launch(SOURCE, f"tbe_forward_{_suffix(weights, V)}", weights.device, grid, THREADS,
                       (weights.detach(), np.int32(D), ids, off, hsc, np.int32(T), np.int64(B),
-                       psw, np.int32(pooling == "mean"), np.int64(ids.numel()), out, err,
-                       np.int32(lanes)))
+                       np.int64(R), psw, np.int32(pooling == "mean"), np.int64(ids.numel()), out,
+                       err, np.int32(lanes)))
     if not check:
         return out, err
     raise_for_error(err, indices, offsets, hash_size_cumsum, T, B, table_names)
@@ -198,8 +204,10 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     rows = torch.empty(N, dtype=torch.int32, device=dev)
     bag_of = torch.empty(N, dtype=torch.int32, device=dev)
     grid_n = -(-N // THREADS)
-    loader.launch(SOURCE, "tbe_linearize", dev, grid_n, THREADS,
-                  (ids, off, hsc, np.int32(T), np.int64(B), np.int64(N), rows, bag_of, err))
+    # max(N, T*B) threads: thread j < T*B also checks bag j's offsets
+    loader.launch(SOURCE, "tbe_linearize", dev, -(-max(N, T * B) // THREADS), THREADS,
+                  (ids, off, hsc, np.int32(T), np.int64(B), np.int64(R), np.int64(N), rows, bag_of,
+                   err))
     # Stable: a row's ids keep their index order, so its gradient sums like the CPU kernels'.
     sorted_rows, perm = torch.sort(rows, stable=True)
     is_start = torch.empty(N, dtype=torch.int32, device=dev)
