@@ -412,11 +412,7 @@ def _train_step_fns(model, batches, dev, lr: float):
 
     program = recc.compile(model, recc.Cluster.local(1, device="cuda"),
                            config=recc.CompileConfig(optimizer="sgd", lr=lr))
-    try:
-        dmodel = program.instantiate(device=str(dev))
-    except ValueError:
-        # This recc build instantiates on the CPU only: materialise there, then move.
-        dmodel = program.instantiate().to(dev)
+    dmodel = program.instantiate(device=str(dev))
     opt = torch.optim.SGD(dmodel.dense_parameters(), lr=lr)
     i = [0]
 

@@ -169,11 +169,10 @@ def test_compiled_dlrm_trains_on_cuda_like_eager():
     dev = torch.device("cuda")
     program = recc.compile(model, recc.Cluster.local(1, device="cuda"), config=recc.CompileConfig(optimizer="sgd", lr=0.1))
     assert "[cuda]" in str(program)
-    try:
-        dmodel = program.instantiate(device="cuda")
-    except ValueError:
-        dmodel = program.instantiate().to(dev)
-    cpu_model = program.instantiate()
+    dmodel = program.instantiate()                      # a CUDA cluster's program lands on the GPU
+    assert all(p.device.type == "cuda" for p in dmodel.parameters())
+    cpu_program = recc.compile(model, recc.Cluster.local(1), config=recc.CompileConfig(optimizer="sgd", lr=0.1))
+    cpu_model = cpu_program.instantiate()
     opt_gpu = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
     opt_cpu = torch.optim.SGD(cpu_model.dense_parameters(), lr=0.1)
     for dense_x, lS_o, lS_i, y in SyntheticData("tiny").batches(5):
