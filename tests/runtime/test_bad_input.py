@@ -198,3 +198,13 @@ def test_bad_id_in_a_later_group_changes_no_group(where, table):
         ids[where][5] = 100
     table_re = table.replace(".", r"\.")
     _expect_error_and_no_change(dmodel, (dense, offs, ids, hist), IndexError, rf"table {table_re}: id \d+ ")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_instantiating_a_cuda_program_without_a_gpu_is_a_clear_error():
+    torch.manual_seed(0)
+    program = recc.compile(build_model("tiny"), recc.Cluster.local(1, device="cuda"))
+    with pytest.raises(ValueError, match="the program is for CUDA devices but torch sees no GPU here"):
+        program.instantiate()
+    with pytest.raises(ValueError, match="device xla has no recc backend"):
+        program.instantiate(device="xla")
