@@ -2,7 +2,8 @@
 
 Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups lookups by (shard
 width, pooling, weighted, optimizer, data-parallel) — one group per distinct key, tables in
-discovery order; a group holds every shard of its tables on every rank (the graph is SPMD) —
+discovery order except that a table held whole by one rank sorts by that rank (so the output
+dist needs no column permutation); a group holds every shard of its tables on every rank (the graph is SPMD) —
 and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pack_sparse`` and
 one ``recc.tbe_lookup``; the batched output is split per table by one ``recc.split_cols`` and
 each original lookup becomes a ``getitem`` of it (``recc.unpack_rows`` for gathers) keeping its name, table and shard annotations. The
@@ -57,6 +58,7 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
     index, last = 0, None
     for (width, pooling, weighted, _, dp), chunks in groups.items():
         for members in chunks:
+            members.sort(key=_owner_order)
             last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, last)
             index += 1
     stable_toposort(graph)
@@ -66,6 +68,15 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
     gm.delete_all_unused_submodules()
     ctx.stats["groups"] = index
     return gm
+
+
+def _owner_order(n: fx.Node) -> int:
+    """Tables held whole by one rank sort by that rank (stable, so discovery order otherwise):
+    the output dist then receives each owner's columns already in the group's order, and the
+    reassembly is a no-op instead of a column permutation. Tables spread over several ranks
+    (row/column blocks, replicas) keep their place in front."""
+    ranks = {r for r, *_ in n.meta["recc.shard"].shards}
+    return ranks.pop() if len(ranks) == 1 else -1
 
 
 def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, after):

@@ -70,11 +70,12 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         layout = tuple(group.placements)
         dims = tuple(t.dim for t in group.tables)
         rows = tuple(t.rows for t in group.tables)
+        labels = tuple(t.short for t in group.tables)
         in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim,
-                           name=f"input_dist {suffix}")
+                           name=f"input_dist {suffix}", labels=labels)
         b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
         out_spec = CommSpec("output_dist", everyone, splits=(b,) * world, split_dim=0, layout=layout, dims=dims,
-                            rows=rows, width=group.dim, name=f"output_dist {suffix}")
+                            rows=rows, width=group.dim, name=f"output_dist {suffix}", labels=labels)
         with graph.inserting_after(sparse):
             ids_h = graph.call_function(OPS["all_to_all_start"], (sparse,), {"comm": in_spec})
         with graph.inserting_after(ids_h):

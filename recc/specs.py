@@ -95,6 +95,7 @@ class CommSpec:
     width: int = 0  # the group's shard width (columns per shard in the pooled payload)
     grad_precision: str = "fp32"  # wire codec of the backward exchange (set by quantize_comm)
     name: str = ""  # the collective's label in reports, e.g. "output_dist g0"
+    labels: tuple[str, ...] = ()  # the layout's tables as the IR names them (t0, t2, ...)
 
     def describe(self) -> str:
         s = f"{self.op} over {list(self.group)}"
@@ -109,7 +110,7 @@ class CommSpec:
                 whole_cols = (c0, c1) == (0, self.dims[k]) if self.dims else True
                 blk = "" if whole_rows and whole_cols else (
                     f"[{r0}:{r1}]" if whole_cols else f"[:,{c0}:{c1}]" if whole_rows else f"[{r0}:{r1},{c0}:{c1}]")
-                parts.append(f"t{k}{blk}->r{r}")
+                parts.append(f"{self.labels[k] if self.labels else f't{k}'}{blk}->r{r}")
             s += ": " + " ".join(parts)
         return s
 

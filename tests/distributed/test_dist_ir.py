@@ -44,12 +44,13 @@ top_l_3    : f32[8,1]     = top_l.3(top_l_2)
 return [top_l_3]
 """
 
-# TW: rank 0 owns t0 and t2, rank 1 owns t1. Ids of a table go whole to its owner; rank 0 (whose
+# TW: rank 0 owns t0 and t2, rank 1 owns t1; the group lists rank 0's tables first (t0, t2, t1)
+# so each owner's pooled columns arrive already in the group's order. Ids of a table go whole to its owner; rank 0 (whose
 # view the shapes show) then looks up its 2 tables for both ranks' bags (b=16) and sends each rank
 # its 8 rows back; the wait returns this rank's 8 samples with all 3 tables side by side.
 TABLE_WISE = """\
-tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01) | r0:t0[0:10,0:4]+t2[0:30,0:4] r1:t1[0:20,0:4]; @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t2,t1] dim=4 sum sgd(lr=0.01) | r0:t0[0:10,0:4]+t2[0:30,0:4] r1:t1[0:20,0:4]; @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_2, lS_i_1], [lS_o_0, lS_o_2, lS_o_1], None, tables=('emb_l.0', 'emb_l.2', 'emb_l.1'), rows=(10, 30, 20), pooled=True)  # @batch_tables
 ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0->r0 t2->r0 t1->r1; @insert_comm
 ids_g0     : kjt[t=2,b=16] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
 pooled_g0  : f32[16,8]    = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
@@ -57,8 +58,8 @@ emb_g0_h   : handle       = recc.all_to_all_start(pooled_g0, comm=output_dist)  
 emb_g0     : f32[8,12]    = recc.all_to_all_wait(emb_g0_h)  # @insert_comm
 tables_g0  : tuple[3x f32[8,4]] = recc.split_cols(emb_g0, (4, 4, 4))  # @batch_tables
 emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]; @batch_tables
-emb_l_1    : f32[8,4]     = getitem(tables_g0, 1)  # table t1=emb_l.1[20x4,sum]; shard=tw@r1[0:20,0:4]; @batch_tables
-emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
+emb_l_2    : f32[8,4]     = getitem(tables_g0, 1)  # table t2=emb_l.2[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
+emb_l_1    : f32[8,4]     = getitem(tables_g0, 2)  # table t1=emb_l.1[20x4,sum]; shard=tw@r1[0:20,0:4]; @batch_tables
 """
 
 # RW: every table in ceil-sized row blocks, rank 0 the first half of each, rank 1 the rest. Ids are
