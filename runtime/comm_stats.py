@@ -157,7 +157,8 @@ class CommStats:
         self.steps += 1
 
     def _check_budget(self, label: str, precision: str, error: float) -> None:
-        if self.budget is None or not error > self.budget and not math.isnan(error):
+        within = error <= self.budget if self.budget is not None else True  # NaN is never within
+        if within:
             return
         msg = (f"{label}: the {precision} codec's relative error {error:.3g} is above the budget "
                f"comm_error_budget={self.budget:g}; choose a wider precision for it "
