@@ -118,14 +118,19 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
     return torch.cat([codes.reshape(-1), meta.reshape(-1).view(torch.uint8)])
 
 
-def decode(wire: torch.Tensor, n: int, precision: str) -> torch.Tensor:
-    """Flat uint8 wire bytes of an ``n``-element payload -> flat fp32 values."""
+def check_wire(wire: torch.Tensor, n: int, precision: str) -> None:
+    """ValueError unless ``wire`` is the flat uint8 encoding of ``n`` values in ``precision``."""
     check_precision(precision)
     if wire.dtype != torch.uint8 or wire.dim() != 1:
         raise ValueError(f"decode expects flat uint8 wire bytes, got {wire.dtype} {tuple(wire.shape)}")
     if wire.numel() != wire_nbytes(n, precision):
         raise ValueError(f"{precision} payload of {n} elements must be {wire_nbytes(n, precision)} "
                          f"bytes on the wire, got {wire.numel()}")
+
+
+def decode(wire: torch.Tensor, n: int, precision: str) -> torch.Tensor:
+    """Flat uint8 wire bytes of an ``n``-element payload -> flat fp32 values."""
+    check_wire(wire, n, precision)
     kernels = _cuda_kernels(wire)
     if kernels is not None and precision != "fp32":
         return kernels.decode(wire, n, precision)

@@ -41,10 +41,10 @@ import heapq
 
 import torch.fx as fx
 
+from recc.graph_utils import SPARSE_DIST, STAGE
 from recc.ops import op_of
 from recc.passmanager import PassContext, register_pass
 
-SPARSE_DIST = "sparse_dist"
 
 
 def _op_name(n: fx.Node):
@@ -57,26 +57,23 @@ def _comm_op(n: fx.Node):
     return getattr(comm, "op", None)
 
 
-def _ancestors(nodes) -> set:
+def _closure(nodes, step) -> set:
+    """``nodes`` and everything reachable from them through ``step(node)``."""
     seen, todo = set(), list(nodes)
     while todo:
         n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
+        if n not in seen:
+            seen.add(n)
+            todo.extend(step(n))
     return seen
+
+
+def _ancestors(nodes) -> set:
+    return _closure(nodes, lambda n: n.all_input_nodes)
 
 
 def _descendants(nodes) -> set:
-    seen, todo = set(), list(nodes)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.users)
-    return seen
+    return _closure(nodes, lambda n: n.users)
 
 
 @register_pass(after=("insert_comm", "quantize_comm"), from_config={"enabled": "pipelining"})
@@ -125,9 +122,9 @@ def pipeline_comm(gm: fx.GraphModule, ctx: PassContext, *, enabled: bool = True)
     in_starts = [n for n in starts if _comm_op(n) == "input_dist"]
     stage = _ancestors(in_starts)
     for n in graph.nodes:
-        n.meta.pop("recc.stage", None)
+        n.meta.pop(STAGE, None)
         if n in stage and n.op not in ("placeholder", "get_attr"):
-            n.meta["recc.stage"] = SPARSE_DIST
+            n.meta[STAGE] = SPARSE_DIST
     gm.meta["recc.pipelined"] = True
     graph.lint()
     gm.recompile()

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+# node.meta[STAGE] names the pipeline stage a node runs in (set by pipeline_comm, read by the
+# IR printer and the runtime); SPARSE_DIST is the stage that runs one batch ahead.
+STAGE = "recc.stage"
+SPARSE_DIST = "sparse_dist"
+
 
 def resolve_attr(root, path: str):
     """``root.a.b.c`` for ``path="a.b.c"``, or None when any step is missing."""

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
-from recc.graph_utils import resolve_attr
+from recc.graph_utils import STAGE, resolve_attr
 from recc.ops import BoundOp, Handle, Op, SparseBatch, op_of
 from recc.specs import CommSpec, ShardSpec, TableSpec
 
@@ -118,8 +118,8 @@ def _comment(n: fx.Node, gm: Optional[fx.GraphModule]) -> str:
         obj = resolve_attr(gm, n.target)
         if obj is not None and hasattr(obj, "describe"):
             parts.append(obj.describe())
-    if n.meta.get("recc.stage"):
-        parts.append(f"stage={n.meta['recc.stage']}")
+    if n.meta.get(STAGE):
+        parts.append(f"stage={n.meta[STAGE]}")
     for note in n.meta.get("recc.notes", ()):
         parts.append(note)
     by = n.meta.get("recc.pass")

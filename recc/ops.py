@@ -134,6 +134,13 @@ def register_impl(name: str, device: str):
     return deco
 
 
+def use_references(device: str) -> None:
+    """For backends: every op with no implementation on ``device`` runs its torch reference."""
+    for op in OPS.values():
+        if op.impl(device) is None:
+            op._impls[device] = op.reference
+
+
 # ----------------------------------------------------------------------------- values
 
 @dataclass
@@ -271,6 +278,16 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
     one-id tables must not pay 26 times the per-op overhead.
     """
     tables = tuple(tables)
+    if not pooled:
+        check_pack_arguments(indices, offsets, per_sample_weights, tables)
+        return _pack_gather(indices, per_sample_weights, tables, rows)
+    ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
+    _check_packed(tables, rows, ids, off, counts)
+    return packed_batch(tables, ids, off, counts, psw, batch)
+
+
+def check_pack_arguments(indices, offsets, per_sample_weights, tables) -> None:
+    """One index, offset (and per-sample-weight) tensor per table; integer ids."""
     t = len(tables)
     if len(indices) != t or len(offsets) != t:
         raise ValueError(f"pack_sparse: {len(indices)} index and {len(offsets)} offset tensors for tables {tables}")
@@ -281,11 +298,18 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"table {name}: indices must be an int64/int32 tensor, got "
                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
-    if not pooled:
-        return _pack_gather(indices, per_sample_weights, tables, rows)
+
+
+def flatten_bags(indices, offsets, per_sample_weights, tables):
+    """The pooled tables' inputs, concatenated on the first ids' device: ``(ids [N] int64,
+    offsets [T, B] int64 per table, counts [T] ids per table, per-sample weights or None, B)``.
+    Checks shapes and per-table counts; ids and offsets values are checked by the caller
+    (``_check_packed`` here, a device-side check in a GPU backend)."""
+    check_pack_arguments(indices, offsets, per_sample_weights, tables)
+    dev = indices[0].device
     flat, offs = [], []
     for k, name in enumerate(tables):
-        ids, off = indices[k], offsets[k]
+        ids, off = indices[k].to(dev), offsets[k]
         if off is None:
             f, o = bag_offsets(ids, None)
             flat.append(f)
@@ -294,26 +318,32 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
         if off.dim() != 1:
             raise ValueError(f"table {name}: offsets must be 1-D, got shape {tuple(off.shape)}")
         flat.append(ids.reshape(-1))
-        offs.append(off)
+        offs.append(off.to(dev))
     batch = offs[0].numel()
     for k, o in enumerate(offs):
         if o.numel() != batch:
             raise ValueError(f"table {tables[k]}: batch of {o.numel()} bags, but table {tables[0]} has "
                              f"{batch}; every table needs one bag per sample")
-    counts = torch.tensor([f.numel() for f in flat], dtype=torch.int64)
-    ids = torch.cat(flat).to(torch.int64) if t > 1 else flat[0].to(torch.int64)
+    sizes = [f.numel() for f in flat]
+    counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
+    ids = torch.cat(flat).to(torch.int64) if len(flat) > 1 else flat[0].to(torch.int64)
     off = torch.stack(offs).to(torch.int64)                       # [T, B]
     psw = None
     if per_sample_weights is not None:
-        psw = torch.cat([w.reshape(-1) for w in per_sample_weights])
-        if psw.numel() != ids.numel():
-            sizes = [w.numel() for w in per_sample_weights]
-            k = next(k for k in range(t) if sizes[k] != counts[k])
-            raise ValueError(f"table {tables[k]}: per_sample_weights has {sizes[k]} entries for "
-                             f"{int(counts[k])} indices")
-    _check_packed(tables, rows, ids, off, counts)
+        given = [w.numel() for w in per_sample_weights]
+        if given != sizes:
+            k = next(k for k in range(len(tables)) if given[k] != sizes[k])
+            raise ValueError(f"table {tables[k]}: per_sample_weights has {given[k]} entries for "
+                             f"{sizes[k]} indices")
+        psw = torch.cat([w.reshape(-1).to(dev) for w in per_sample_weights])
+    return ids, off, counts, psw, batch
+
+
+def packed_batch(tables, ids, off, counts, psw, batch) -> SparseBatch:
+    """The ``SparseBatch`` of validated ``flatten_bags`` output (offsets into the packed ids)."""
     starts = counts.cumsum(0) - counts
-    combined = torch.cat([(off + starts[:, None]).reshape(-1), counts.sum().reshape(1)])
+    combined = torch.cat([(off + starts[:, None]).reshape(-1),
+                          torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)])
     return SparseBatch(tables, ids, combined, psw, batch, True, None)
 
 
@@ -338,7 +368,7 @@ def _check_packed(tables, rows, ids, off, counts) -> None:
             raise ValueError(f"table {tables[k]}: last offset {int(off[k, -1])} is past the "
                              f"{int(counts[k])} indices")
     if ids.numel():
-        limit = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
+        limit = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=counts.device), counts)
         bad = (ids < 0) | (ids >= limit)
         if bool(bad.any()):
             pos = int(bad.nonzero()[0, 0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from recc.ops import OPS, register_impl
+from recc.ops import register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 from recc.kernels import (linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
                           tbe_forward)
@@ -86,10 +86,4 @@ def pairwise_dot_cpu(x, li, lj):
     return PairwiseDot.apply(x, li, lj)
 
 
-def _register_references():
-    for name, op in OPS.items():
-        if op.impl("cpu") is None:
-            op._impls["cpu"] = op.reference
-
-
-_register_references()
+use_references("cpu")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from recc.kernels import cuda as cuda_kernels
-from recc.ops import OPS, SparseBatch, bag_offsets, register_impl
+from recc.ops import OPS, flatten_bags, packed_batch, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 
 
@@ -96,44 +96,8 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pool
     if not pooled:
         return OPS["pack_sparse"].reference(indices, offsets, per_sample_weights, tables=tables, rows=rows,
                                             pooled=pooled)
-    if len(indices) != len(tables) or len(offsets) != len(tables):
-        raise ValueError(f"pack_sparse: {len(indices)} index and {len(offsets)} offset tensors for tables {tables}")
-    for k, name in enumerate(tables):
-        ids = indices[k]
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"table {name}: indices must be an int64/int32 tensor, got "
-                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
-    dev = indices[0].device
-    flat, offs = [], []
-    for k, name in enumerate(tables):
-        ids, off = indices[k].to(dev), offsets[k]
-        if off is None:
-            f, o = bag_offsets(ids, None)
-            flat.append(f)
-            offs.append(o[:-1])
-            continue
-        if off.dim() != 1:
-            raise ValueError(f"table {name}: offsets must be 1-D, got shape {tuple(off.shape)}")
-        flat.append(ids.reshape(-1))
-        offs.append(off.to(dev))
-    batch = offs[0].numel()
-    for k, o in enumerate(offs):
-        if o.numel() != batch:
-            raise ValueError(f"table {tables[k]}: batch of {o.numel()} bags, but table {tables[0]} has "
-                             f"{batch}; every table needs one bag per sample")
-    counts_host = [f.numel() for f in flat]
-    n = sum(counts_host)
-    ids = torch.cat(flat).to(torch.int64) if len(flat) > 1 else flat[0].to(torch.int64)
-    off = torch.stack(offs).to(torch.int64)
-    psw = None
-    if per_sample_weights is not None:
-        sizes = [w.numel() for w in per_sample_weights]
-        if sizes != counts_host:
-            k = next(k for k in range(len(tables)) if sizes[k] != counts_host[k])
-            raise ValueError(f"table {tables[k]}: per_sample_weights has {sizes[k]} entries for "
-                             f"{counts_host[k]} indices")
-        psw = torch.cat([w.reshape(-1).to(dev) for w in per_sample_weights])
-    counts = torch.tensor(counts_host, dtype=torch.int64, device=dev)
+    ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
+    dev, n = ids.device, ids.numel()
     bad = torch.zeros((), dtype=torch.bool, device=dev)
     if batch:
         bad = bad | (off[:, 0] != 0).any() | (off[:, -1] > counts).any()
@@ -149,16 +113,7 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pool
                                      tables=tables, rows=rows, pooled=True)
         raise RuntimeError("pack_sparse: the device validation flagged this batch but the CPU reference "
                            "accepts it; please report this")
-    starts = counts.cumsum(0) - counts
-    combined = torch.cat([(off + starts[:, None]).reshape(-1),
-                          torch.tensor([n], dtype=torch.int64, device=dev)])
-    return SparseBatch(tables, ids, combined, psw, batch, True, None)
+    return packed_batch(tables, ids, off, counts, psw, batch)
 
 
-def _register_references():
-    for op in OPS.values():
-        if op.impl("cuda") is None:
-            op._impls["cuda"] = op.reference
-
-
-_register_references()
+use_references("cuda")  # every other op: its torch reference runs on CUDA tensors as it is

@@ -156,15 +156,14 @@ class DistributedModel(nn.Module):
         backward before advancing the iterator; outputs equal ``self(*inputs(batch))``'s."""
         n = len(self._program.signature.names)
         inputs = inputs or (lambda batch: tuple(batch[:n]))
+        if self._split is None:  # nothing to run ahead (one rank, or no input dist)
+            for batch in batches:
+                yield batch, self(*inputs(batch))
+            return
         it = iter(batches)
         try:
             cur = next(it)
         except StopIteration:
-            return
-        if self._split is None:
-            yield cur, self(*inputs(cur))
-            for cur in it:
-                yield cur, self(*inputs(cur))
             return
         args = inputs(cur)
         self._program.signature.check(args)

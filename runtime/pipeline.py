@@ -18,19 +18,22 @@ from typing import Optional
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-SPARSE_DIST = "sparse_dist"
+from recc.graph_utils import SPARSE_DIST, STAGE
+from recc.trace import fx_flatten_inputs
 
 
 class SplitGraph:
-    def __init__(self, stage: fx.GraphModule, main: fx.GraphModule, codegen):
-        self.stage, self.main, self._codegen = stage, main, codegen
+    """The two halves of ``whole`` (flat inputs in, flat outputs out) and the way back to the
+    user's calling convention."""
+
+    def __init__(self, whole: fx.GraphModule, stage: fx.GraphModule, main: fx.GraphModule):
+        self.whole, self.stage, self.main = whole, stage, main
 
     def flatten(self, args) -> list:
-        info = getattr(self._codegen, "pytree_info", None)
-        return list(self._codegen.process_inputs(*args)) if info is not None else list(args)
+        return fx_flatten_inputs(self.whole, args)
 
     def unflatten(self, flat_out):
-        info = getattr(self._codegen, "pytree_info", None)
+        info = getattr(self.whole.graph._codegen, "pytree_info", None)
         if info is not None and info.out_spec is not None:
             return pytree.tree_unflatten(flat_out, info.out_spec)
         return flat_out
@@ -38,7 +41,7 @@ class SplitGraph:
 
 def split_sparse_stage(gm: fx.GraphModule) -> Optional[SplitGraph]:
     """Cut ``gm`` after its ``stage=sparse_dist`` nodes; None if it has none."""
-    tagged = [n for n in gm.graph.nodes if n.meta.get("recc.stage") == SPARSE_DIST]
+    tagged = [n for n in gm.graph.nodes if n.meta.get(STAGE) == SPARSE_DIST]
     if not tagged:
         return None
     in_stage = set(tagged)
@@ -67,5 +70,5 @@ def split_sparse_stage(gm: fx.GraphModule) -> Optional[SplitGraph]:
         if n.op == "get_attr" and n.users and all(u in in_stage for u in n.users):
             continue
         env[n] = main_graph.node_copy(n, lambda x: env[x])
-    return SplitGraph(fx.GraphModule(gm, stage_graph, "SparseDistStage"),
-                      fx.GraphModule(gm, main_graph, "MainStage"), gm.graph._codegen)
+    return SplitGraph(gm, fx.GraphModule(gm, stage_graph, "SparseDistStage"),
+                      fx.GraphModule(gm, main_graph, "MainStage"))

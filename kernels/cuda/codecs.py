@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from recc.kernels.codecs import BLOCK, check_precision, wire_nbytes
+from recc.kernels.codecs import BLOCK, check_precision, check_wire, wire_nbytes
 
 from . import loader
 
@@ -44,12 +44,7 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
 def decode(wire: torch.Tensor, n: int, precision: str) -> torch.Tensor:
     """Flat uint8 wire bytes of an ``n``-element payload -> flat fp32 values, on the GPU."""
     import numpy as np
-    check_precision(precision)
-    if wire.dtype != torch.uint8 or wire.dim() != 1:
-        raise ValueError(f"decode expects flat uint8 wire bytes, got {wire.dtype} {tuple(wire.shape)}")
-    if wire.numel() != wire_nbytes(n, precision):
-        raise ValueError(f"{precision} payload of {n} elements must be {wire_nbytes(n, precision)} "
-                         f"bytes on the wire, got {wire.numel()}")
+    check_wire(wire, n, precision)
     if wire.device.type != "cuda":
         raise ValueError(f"recc.kernels.cuda.codecs.decode needs a CUDA tensor, got {wire.device}")
     wire = wire.contiguous()
