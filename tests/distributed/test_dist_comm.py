@@ -13,7 +13,7 @@ another, and hands back plain data; the tests then check:
   step, ``warn`` emits a RuntimeWarning;
 - link emulation (``emulate_link``): modeled time shows up in the report and the waits;
 - ``comm_allreduce`` fp16/bf16 (a DDP hook) trains on gloo, close to (not equal to) fp32;
-- memory: 5 more training steps leave no more live tensors than 2 did (no per-step leak).
+- memory: 6 more training steps leave fewer than 6 more live tensors (no per-step leak).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ CODECS = {"fp16": ("fp16", "bf16"), "bf16": ("bf16", "bf16"), "int8": ("int8", "
           "fp8": ("fp8", "fp8"), "fp32": ("fp32", "fp32")}
 LINK_GBPS = 0.01          # 10 Mb/s
 LEAK_KINDS = ("table_wise", "row_wise", "data_parallel")
+LEAK_WARM, LEAK_STEPS = 3, 6   # DDP rebuilds its buckets after the first steps: warm up past it
 
 
 # ----------------------------------------------------------------------------- models
@@ -198,7 +199,7 @@ def comm_world() -> dict:
         jobs[f"allreduce/{precision}"] = ("train", (compile_tiny(comm_allreduce=precision), tiny_data(), 2))
     jobs["link"] = ("link", (compile_wide("fp16", "bf16"), wide_data(), 2))
     for kind in LEAK_KINDS:
-        jobs[f"leak/{kind}"] = ("leak", (compile_tiny_default_codecs(kind), tiny_data(), 2, 5))
+        jobs[f"leak/{kind}"] = ("leak", (compile_tiny_default_codecs(kind), tiny_data(), LEAK_WARM, LEAK_STEPS))
     jobs["budget/warn"] = ("budget", (compile_wide("fp16", "bf16", comm_error_budget=1e-12,
                                                    comm_error_action="warn"), wide_data(), "warn"))
     # Last: a step that raises part-way leaves its collectives unfinished on purpose.
@@ -376,8 +377,10 @@ def test_compressed_allreduce_trains_close_to_fp32(comm_world, precision):
 
 @pytest.mark.parametrize("kind", LEAK_KINDS)
 def test_training_steps_keep_no_tensors_alive(comm_world, kind):
+    # A per-step leak keeps at least one tensor per step (the output-dist cycle kept 4); a
+    # one-off lazily built tensor (a cache, an in-flight collective's buffer) is not a leak.
     for rank, r in enumerate(job(comm_world, f"leak/{kind}")):
         after_warmup, after_more = r["counts"]
-        assert after_more <= after_warmup, (
-            f"rank {rank}, {kind}: {after_more - after_warmup} more live tensors after 5 more steps "
-            f"({after_warmup} -> {after_more}): something keeps each step's tensors alive")
+        assert after_more - after_warmup < LEAK_STEPS, (
+            f"rank {rank}, {kind}: {after_more - after_warmup} more live tensors after {LEAK_STEPS} more "
+            f"steps ({after_warmup} -> {after_more}): something keeps each step's tensors alive")
