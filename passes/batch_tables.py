@@ -1,7 +1,8 @@
 """batch_tables: replace per-table lookups by one table-batched lookup (TBE) per group.
 
 Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups lookups by (shard
-width, pooling, weighted, optimizer, data-parallel) — one group per distinct key, tables in
+width, pooling, weighted, optimizer, data-parallel, two-level) — one group per distinct key
+(two-level: table-row-wise tables on a multi-node cluster, whose output dist differs), tables in
 discovery order except that a table held whole by one rank sorts by that rank (so the output
 dist needs no column permutation); a group holds every shard of its tables on every rank (the graph is SPMD) —
 and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pack_sparse`` and
@@ -50,16 +51,18 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         if len(widths) != 1:
             raise ValueError(f"batch_tables: table {t.name} has shards of widths {sorted(widths)}; "
                              f"column blocks of one table must be equally wide")
-        key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel")
+        two_level = shard.kind == "table_row_wise" and ctx.cluster.nodes > 1
+        key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel", two_level)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
         bucket[-1].append(n)
     index, last = 0, None
-    for (width, pooling, weighted, _, dp), chunks in groups.items():
+    for (width, pooling, weighted, _, dp, two_level), chunks in groups.items():
+        node_size = ctx.cluster.devices_per_node if two_level else 0
         for members in chunks:
             members.sort(key=_owner_order)
-            last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, last)
+            last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, node_size, last)
             index += 1
     stable_toposort(graph)
     for n in list(graph.nodes):
@@ -79,7 +82,7 @@ def _owner_order(n: fx.Node) -> int:
     return ranks.pop() if len(ranks) == 1 else -1
 
 
-def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, after):
+def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_size, after):
     """Insert one group's nodes (after ``after``, the previous group's last node, if later than
     the group's inputs, so groups read in order) and return its last node."""
     graph = gm.graph
@@ -90,7 +93,7 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, after
             placements.append((k, rank, r0, r1, c0, c1))
         sources.append(gm.get_parameter(t.weight_key))
     gm.add_submodule(name, TableGroup(name, specs, placements, width, pooling, weighted, opt, sources,
-                                      data_parallel=dp, world_size=ctx.cluster.world_size))
+                                      data_parallel=dp, world_size=ctx.cluster.world_size, node_size=node_size))
     ids = [n.args[1] for n in members]
     offsets = [n.args[2] for n in members]
     psw = [n.args[3] for n in members] if weighted else None

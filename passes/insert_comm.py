@@ -10,7 +10,11 @@ On a one-rank cluster it changes nothing. On W ranks, for every sharded group it
 - the output dist after ``recc.tbe_lookup``: a pair with ``CommSpec(op="output_dist")`` whose
   wait returns this rank's batch slice with every logical table reassembled (column blocks
   side by side, row blocks' partial sums added) — the reduce-scatter of row-wise sharding done
-  as an all-to-all plus a local sum, so it runs on gloo as well as NCCL;
+  as an all-to-all plus a local sum, so it runs on gloo as well as NCCL; for table-row-wise
+  groups on several nodes (``TableGroup.node_size``) the spec's ``node_size`` makes it two-level:
+  the partial sums are reduce-scattered inside each node, and only the sums cross nodes, in an
+  all-to-all between the ranks of the same local index (TorchRec's TWRW; 1/node_size of the
+  flat exchange's inter-node bytes; ``insert_comm{two_level=false}`` keeps it flat);
 
 and marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allgather")``: their
 backward gathers every rank's ids and gradients so all replicas apply one identical update.
@@ -40,8 +44,9 @@ from recc.tables import TableGroup
 
 
 @register_pass(after=("batch_tables",))
-def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Insert the input dist, output dist and data-parallel gradient exchange for each group."""
+def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True) -> fx.GraphModule:
+    """Insert the input dist, output dist and data-parallel gradient exchange for each group.
+    ``two_level=False`` gives table-row-wise groups the flat exchange too (for comparisons)."""
     world = ctx.cluster.world_size
     if world == 1:
         return gm
@@ -75,7 +80,8 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                            name=f"input_dist {suffix}", labels=labels)
         b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
         out_spec = CommSpec("output_dist", everyone, splits=(b,) * world, split_dim=0, layout=layout, dims=dims,
-                            rows=rows, width=group.dim, name=f"output_dist {suffix}", labels=labels)
+                            rows=rows, width=group.dim, name=f"output_dist {suffix}", labels=labels,
+                            node_size=group.node_size if two_level else 0)
         with graph.inserting_after(sparse):
             ids_h = graph.call_function(OPS["all_to_all_start"], (sparse,), {"comm": in_spec})
         with graph.inserting_after(ids_h):

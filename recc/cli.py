@@ -39,7 +39,7 @@ def cmd_compile(args) -> int:
     import recc
     model, cfg = _build(args)
     config = _config(args)
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
+    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
     t0 = time.perf_counter()
     program = recc.compile(model, cluster, config=config, pipeline=args.pipeline, dump_dir=args.dump_dir,
                            print_after=args.print_after)
@@ -83,7 +83,7 @@ def cmd_train(args) -> int:
     config = _config(args)
     batch = args.batch_size or cfg["batch_size"]
     config.batch_size = batch
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
+    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
     data = SyntheticData(args.model, batch_size=batch, seed=args.seed)
     world = cluster.world_size
     if batch % world:
@@ -150,7 +150,7 @@ def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict
 def cmd_plan(args) -> int:
     import recc
     from recc.models import build_model
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size)
+    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
     from recc.models import SyntheticData, load_preset, slice_batch
     model = build_model(args.model, device="meta")
     config = _config(args)
@@ -181,6 +181,8 @@ def main(argv=None) -> int:
         sp.add_argument("--lr", type=float)
         sp.add_argument("--batch-size", type=int)
         sp.add_argument("--world-size", type=int, default=2 if sp.prog.endswith("train") else 1)
+        sp.add_argument("--nodes", type=int, default=1,
+                        help="without --cluster: emulate this many nodes of the local world (e.g. 4 ranks as 2x2)")
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--dump-dir", help="write every stage's IR, diff, DOT and a summary here")
         sp.add_argument("--comm-fwd", choices=["fp32", "fp16", "bf16", "int8", "fp8"],

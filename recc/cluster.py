@@ -57,6 +57,9 @@ class Cluster:
     device: DeviceSpec = field(default_factory=DeviceSpec)
     intra_node: LinkSpec = field(default_factory=LinkSpec)
     inter_node: LinkSpec = field(default_factory=lambda: LinkSpec(bw_gbps=1.0, latency_us=50.0))
+    # Every rank runs on this host, whatever ``nodes`` says: node boundaries then only shape the
+    # plan and the collectives (an emulated multi-node world), and ``recc.launch`` may spawn it.
+    single_host: bool = False
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -87,21 +90,28 @@ class Cluster:
         return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
 
     @classmethod
-    def local(cls, world_size: int = 1, *, device: str = "cpu") -> "Cluster":
+    def local(cls, world_size: int = 1, *, device: str = "cpu", nodes: int = 1) -> "Cluster":
         """``world_size`` processes on this host (CPU + gloo, or one per GPU with ``device='cuda'``).
 
         The CPU world is what ``clusters/local-2.yaml`` / ``local-4.yaml`` describe: 8 GiB and
-        10 GB/s of memory bandwidth per rank, ranks talking over loopback (gloo/TCP)."""
+        10 GB/s of memory bandwidth per rank, ranks talking over loopback (gloo/TCP).
+        ``nodes > 1`` emulates that many nodes of ``world_size / nodes`` ranks each (named
+        ``local-2x2``): plans and collectives follow the node boundaries (e.g. table-row-wise's
+        two-level output dist), while every process still runs here."""
         if world_size < 1:
             raise ValueError(f"Cluster.local: world_size must be >= 1, got {world_size}")
+        if nodes < 1 or world_size % nodes:
+            raise ValueError(f"Cluster.local: {world_size} ranks cannot form {nodes} equal nodes")
         dev = DeviceSpec() if device == "cpu" else DeviceSpec(kind="gpu", memory_gb=40.0, mem_bw_gbps=1500.0)
-        return cls(name=f"local-{world_size}", nodes=1, devices_per_node=world_size, device=dev,
-                   intra_node=LinkSpec(bw_gbps=10.0, latency_us=20.0))
+        per = world_size // nodes
+        return cls(name=f"local-{world_size}" if nodes == 1 else f"local-{nodes}x{per}", nodes=nodes,
+                   devices_per_node=per, device=dev, intra_node=LinkSpec(bw_gbps=10.0, latency_us=20.0),
+                   single_host=True)
 
     @classmethod
     def from_dict(cls, d: dict, *, name: str | None = None) -> "Cluster":
         d = dict(d)
-        known = {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node"}
+        known = {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "single_host"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"cluster description: unknown keys {sorted(unknown)}; known: {sorted(known)}")
@@ -112,6 +122,7 @@ class Cluster:
             device=DeviceSpec(**d.get("device", {})),
             intra_node=LinkSpec(**d.get("intra_node", {})),
             inter_node=LinkSpec(**d.get("inter_node", {})),
+            single_host=bool(d.get("single_host", False)),
         )
 
     @classmethod
@@ -134,4 +145,4 @@ class Cluster:
         on_gpu = torch.cuda.is_available() and os.environ.get("RECC_DEVICE", "") != "cpu"
         base = cls.local(local, device="cuda" if on_gpu else "cpu")
         return cls(name=f"env-{world // local}x{local}", nodes=world // local, devices_per_node=local,
-                   device=base.device, intra_node=base.intra_node, inter_node=base.inter_node)
+                   device=base.device, intra_node=base.intra_node, inter_node=base.inter_node, single_host=False)

@@ -151,9 +151,10 @@ def launch(fn: Callable, cluster: Cluster, *args) -> list[Any]:
     world = cluster.world_size
     if world == 1:
         return [fn(*args)]
-    if cluster.nodes != 1:
+    if cluster.nodes != 1 and not cluster.single_host:
         raise ValueError(f"recc.launch: cluster {cluster.name} spans {cluster.nodes} nodes; start multi-node "
-                         f"runs with torchrun on every node (recc.launch then runs on each rank)")
+                         f"runs with torchrun on every node (recc.launch then runs on each rank), or "
+                         f"emulate the nodes on this host with recc.Cluster.local(n, nodes=k)")
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -96,6 +96,10 @@ class CommSpec:
     grad_precision: str = "fp32"  # wire codec of the backward exchange (set by quantize_comm)
     name: str = ""  # the collective's label in reports, e.g. "output_dist g0"
     labels: tuple[str, ...] = ()  # the layout's tables as the IR names them (t0, t2, ...)
+    # Output dist of table-row-wise tables on several nodes: ranks form nodes of this many; the
+    # partial sums are reduce-scattered inside each node, then all-to-all'd across nodes
+    # between ranks of the same local index. 0: one flat exchange.
+    node_size: int = 0
 
     def describe(self) -> str:
         s = f"{self.op} over {list(self.group)}"
@@ -103,6 +107,8 @@ class CommSpec:
             s += f" splits={list(self.splits)}"
         if (self.precision, self.grad_precision) != ("fp32", "fp32"):
             s += f" {self.precision}/{self.grad_precision}"
+        if self.node_size:
+            s += f" two-level(reduce-scatter in nodes of {self.node_size}, then across nodes)"
         if self.layout:
             parts = []
             for k, r, r0, r1, c0, c1 in self.layout:

@@ -31,7 +31,7 @@ class TableGroup(nn.Module):
 
     def __init__(self, name: str, tables: list[TableSpec], placements: list[Placement], width: int,
                  pooling: str, weighted: bool, optimizer: OptimizerSpec, sources: list[torch.Tensor],
-                 *, data_parallel: bool = False, world_size: int = 1):
+                 *, data_parallel: bool = False, world_size: int = 1, node_size: int = 0):
         super().__init__()
         self.group_name = name
         self.tables = list(tables)
@@ -42,6 +42,9 @@ class TableGroup(nn.Module):
         self.optimizer = optimizer
         self.data_parallel = data_parallel
         self.world_size = world_size
+        # Table-row-wise tables on several nodes: the output dist is two-level over nodes of
+        # this many ranks (insert_comm); 0 for every other group.
+        self.node_size = node_size
         # A data-parallel group's backward gradient all-gather (set by insert_comm; its codec
         # by quantize_comm); None on one rank.
         self.dp_comm = None
@@ -129,7 +132,7 @@ class TableGroup(nn.Module):
     def describe(self) -> str:
         names = ",".join(t.short for t in self.tables)
         w = ",weighted" if self.weighted else ""
-        dp = " data_parallel" if self.data_parallel else ""
+        dp = " data_parallel" if self.data_parallel else f" two-level(nodes of {self.node_size})" if self.node_size else ""
         s = f"{self.group_name}=[{names}] dim={self.dim} {self.pooling}{w} {self.optimizer.describe()}{dp}"
         if self.world_size > 1 and not self.data_parallel:
             per_rank = []

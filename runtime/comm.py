@@ -116,7 +116,10 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
         sent += 4 * sum(n for o, n in enumerate(id_counts) if o != me)
         received += 4 * sum(n for s_, n in enumerate(rc) if s_ != me)
     # Ids are exact integers: no codec, the wire carries what fp32 accounting would.
-    st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1))
+    per_dst = [8 * n + 8 for n in send_splits]
+    if psw is not None:
+        per_dst = [n + 4 * c for n, c in zip(per_dst, id_counts)]
+    st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1), send_nbytes=per_dst, me=me)
     return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st), comm)
 
 
@@ -168,12 +171,37 @@ class Encoded:
         return self.source.shape
 
 
+def send_bytes(wire, send_nbytes, recv_nbytes, label, codec, fp32_sent: int, stats, error=None) -> Transfer:
+    """Start one byte all-to-all on the embedding group: ``send_nbytes[o]`` bytes of ``wire`` to
+    rank o (back to back, in rank order), ``recv_nbytes[s]`` from rank s into one buffer
+    (``.recv`` of the returned ``Transfer``). Records the payload (bytes off this rank, and what
+    fp32 would have sent) under ``label``."""
+    me = dist.get_rank()
+    recv = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=wire.device)
+    sent = sum(n for o, n in enumerate(send_nbytes) if o != me)
+    received = sum(n for o, n in enumerate(recv_nbytes) if o != me)
+    stats.add_payload(label, codec, fp32_sent, sent, error, send_nbytes=send_nbytes, me=me)
+    work = _a2a(recv, wire, recv_nbytes, send_nbytes, async_op=True)
+    t = Transfer(label, [work], max(sent, received), stats)
+    t.recv = recv
+    return t
+
+
+def measured_error(stats, codec, source, wire, counts):
+    """The codec's relative error on this payload, on the steps the report measures (else None)."""
+    if codec == "fp32" or source is None or not stats.measure_error():
+        return None
+    return codecs.relative_error(source, codecs.decode_parts(wire, counts, codec))
+
+
 class _Exchange:
     """One pooled all-to-all, forward and backward: per-peer element counts, codecs, transfers.
 
     ``send_counts[o]`` elements of this rank's payload go to rank o and ``recv_counts[s]`` come
     from rank s; in backward the gradient retraces the same path reversed, in ``grad_codec``.
     Everything travels as bytes (fp32 too, as a zero-copy view), so byte counts are exact.
+    The autograd halves (``_OutputDistStart``/``_OutputDistWait``) call ``take_received``,
+    ``send_grad`` and ``receive_grad``; ``finish`` turns the arrived rows into the tables.
     """
 
     def __init__(self, comm, shape, send_counts, recv_counts, codec, grad_codec, st):
@@ -187,18 +215,52 @@ class _Exchange:
         """Send ``send_nbytes[o]`` bytes of ``wire`` to rank o (in rank order); receive every
         source's piece into one buffer. Returns the in-flight ``Transfer``."""
         recv_nbytes = [codecs.wire_nbytes(n, codec) for n in recv_counts]
-        recv = torch.empty(sum(recv_nbytes), dtype=torch.uint8, device=wire.device)
-        sent = sum(n for o, n in enumerate(send_nbytes) if o != self.me)
-        received = sum(n for o, n in enumerate(recv_nbytes) if o != self.me)
-        error = None
-        if measure_src is not None and codec != "fp32" and self.stats.measure_error():
-            error = codecs.relative_error(measure_src, codecs.decode_parts(wire, send_counts, codec))
-        self.stats.add_payload(label, codec, 4 * sum(n for o, n in enumerate(send_counts) if o != self.me),
-                               sent, error)
-        work = _a2a(recv, wire, recv_nbytes, send_nbytes, async_op=True)
-        t = Transfer(label, [work], max(sent, received), self.stats)
-        t.recv = recv
-        return t
+        fp32_sent = 4 * sum(n for o, n in enumerate(send_counts) if o != self.me)
+        return send_bytes(wire, send_nbytes, recv_nbytes, label, codec, fp32_sent, self.stats,
+                          measured_error(self.stats, codec, measure_src, wire, send_counts))
+
+    def send_first(self, wire, nbytes, measure_src):
+        self.fwd = self.start(wire, nbytes, f"{self.comm.name} fwd", self.codec, self.send_counts,
+                              self.recv_counts, measure_src)
+
+    def wait_arrival(self):
+        self.fwd.wait()
+
+    def take_received(self):
+        # Hand the buffer over and drop the reference: ctx -> ex -> output -> this node would
+        # be a cycle through autograd's C++ graph, which Python's GC cannot see (a leak per step).
+        recv, self.recv = self.recv, None
+        return recv
+
+    def send_grad(self, grad):
+        wire, nbytes = codecs.encode_parts(grad, self.recv_counts, self.grad_codec)
+        self.bwd = self.start(wire, nbytes, f"{self.comm.name} bwd", self.grad_codec, self.recv_counts,
+                              self.send_counts, measure_src=grad)
+
+    def receive_grad(self):
+        self.bwd.wait()
+        grad = codecs.decode_parts(self.bwd.recv, self.send_counts, self.grad_codec)
+        self.bwd = None
+        return grad
+
+    def finish(self, token, b, shards_of):
+        """The arrived rows as this rank's ``[B, sum(dims)]`` tables, through autograd."""
+        comm = self.comm
+        self.recv = codecs.decode_parts(self.fwd.recv, self.recv_counts, self.codec)
+        self.fwd = None
+        recv = _OutputDistWait.apply(token, self)
+        width = comm.width
+        # split (not slicing) so backward concatenates instead of zero-filling a buffer per block.
+        blocks = [blk.view(b, n * width) for blk, n in zip(recv.split([b * n * width for n in shards_of]), shards_of)]
+        side_by_side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
+        kind, index = _column_map(comm, shards_of)
+        if kind == "identity":
+            return side_by_side
+        index = index.to(side_by_side.device)
+        if kind == "permute":
+            return side_by_side.index_select(1, index)
+        # Row blocks of a row-wise table: one scatter-add over columns sums their partial sums.
+        return side_by_side.new_zeros(b, sum(comm.dims)).index_add(1, index, side_by_side)
 
 
 class _OutputDistStart(torch.autograd.Function):
@@ -208,44 +270,36 @@ class _OutputDistStart(torch.autograd.Function):
     whatever does not depend on them — with ``pipeline_comm``, the bottom MLP's backward."""
 
     @staticmethod
-    def forward(ctx, pooled, ex: _Exchange):
+    def forward(ctx, pooled, ex):
         ctx.ex = ex
         return pooled.new_empty(0)
 
     @staticmethod
     def backward(ctx, _token_grad):
         ex = ctx.ex
-        ex.bwd.wait()
-        grad = codecs.decode_parts(ex.bwd.recv, ex.send_counts, ex.grad_codec)
-        ex.bwd = None
-        return grad.view(ex.shape), None
+        return ex.receive_grad().view(ex.shape), None
 
 
 class _OutputDistWait(torch.autograd.Function):
     """The receiving half: forward hands over the received (decoded) rows; backward encodes
-    their gradient per source and starts sending it back, without waiting."""
+    their gradient and starts sending it back, without waiting."""
 
     @staticmethod
-    def forward(ctx, token, ex: _Exchange):
+    def forward(ctx, token, ex):
         ctx.ex = ex
-        # Hand the buffer over and drop ex's reference: ctx -> ex -> output -> this node would
-        # be a cycle through autograd's C++ graph, which Python's GC cannot see (a leak per step).
-        recv, ex.recv = ex.recv, None
-        return recv
+        return ex.take_received()
 
     @staticmethod
     def backward(ctx, grad):
-        ex = ctx.ex
-        grad = grad.contiguous()
-        wire, nbytes = codecs.encode_parts(grad, ex.recv_counts, ex.grad_codec)
-        ex.bwd = ex.start(wire, nbytes, f"{ex.comm.name} bwd", ex.grad_codec, ex.recv_counts, ex.send_counts,
-                          measure_src=grad)
+        ctx.ex.send_grad(grad.contiguous())
         return grad.new_empty(0), None
 
 
 def output_dist_start(payload, comm) -> Handle:
     """Start sending each rank its rows of this rank's pooled output (``payload``: the fp32
-    tensor, or an ``Encoded`` one from ``recc.quantize``)."""
+    tensor, or an ``Encoded`` one from ``recc.quantize``). Two-level groups
+    (``comm.node_size``) take ``TwoLevelExchange``'s path: reduce-scatter inside the node, then
+    all-to-all across nodes."""
     world, me = dist.get_world_size(), dist.get_rank()
     encoded = isinstance(payload, Encoded)
     pooled = payload.source if encoded else payload
@@ -253,15 +307,20 @@ def output_dist_start(payload, comm) -> Handle:
     grad_codec = payload.grad_precision if encoded else "fp32"
     shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
     b = pooled.shape[0] // world
-    send_counts = [b * shards_of[me] * comm.width] * world
-    recv_counts = [b * shards_of[o] * comm.width for o in range(world)]
-    ex = _Exchange(comm, pooled.shape, send_counts, recv_counts, codec, grad_codec, comm_stats.current())
+    if comm.node_size:
+        from recc.runtime.comm_two_level import TwoLevelExchange
+        ex = TwoLevelExchange(comm, pooled.shape, b, shards_of, codec, grad_codec, comm_stats.current())
+        per_dst = [b * shards_of[me] * comm.width] * world
+    else:
+        send_counts = [b * shards_of[me] * comm.width] * world
+        recv_counts = [b * shards_of[o] * comm.width for o in range(world)]
+        ex = _Exchange(comm, pooled.shape, send_counts, recv_counts, codec, grad_codec, comm_stats.current())
+        per_dst = send_counts
     if encoded:
         wire, nbytes = payload.wire, payload.nbytes
     else:
-        wire, nbytes = codecs.encode_parts(pooled.detach().contiguous(), send_counts, "fp32")
-    ex.fwd = ex.start(wire, nbytes, f"{comm.name} fwd", codec, send_counts, recv_counts,
-                      measure_src=pooled.detach() if encoded else None)
+        wire, nbytes = codecs.encode_parts(pooled.detach().contiguous(), per_dst, "fp32")
+    ex.send_first(wire, nbytes, pooled.detach() if encoded else None)
     token = _OutputDistStart.apply(pooled, ex)
     return Handle((token, ex, b, shards_of, encoded), None, comm)
 
@@ -306,28 +365,13 @@ def _column_map(comm, shards_of):
 
 def _reassemble(handle: Handle) -> torch.Tensor:
     token, ex, b, shards_of, _ = handle.value
-    comm = handle.comm
-    ex.recv = codecs.decode_parts(ex.fwd.recv, ex.recv_counts, ex.codec)
-    ex.fwd = None
-    recv = _OutputDistWait.apply(token, ex)
-    width = comm.width
-    # split (not slicing) so backward concatenates instead of zero-filling a buffer per block.
-    blocks = [blk.view(b, n * width) for blk, n in zip(recv.split([b * n * width for n in shards_of]), shards_of)]
-    side_by_side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
-    kind, index = _column_map(comm, shards_of)
-    if kind == "identity":
-        return side_by_side
-    index = index.to(side_by_side.device)
-    if kind == "permute":
-        return side_by_side.index_select(1, index)
-    # Row blocks of a row-wise table: one scatter-add over columns sums their partial sums.
-    return side_by_side.new_zeros(b, sum(comm.dims)).index_add(1, index, side_by_side)
+    return ex.finish(token, b, shards_of)
 
 
 def output_dist_wait(handle: Handle):
     """Block until this rank's rows have arrived. fp32 payloads come back reassembled
     (``[B, sum(dims)]``); encoded ones as ``ReceivedRows`` for ``recc.dequantize``."""
-    handle.value[1].fwd.wait()
+    handle.value[1].wait_arrival()
     return ReceivedRows(handle) if handle.value[4] else _reassemble(handle)
 
 

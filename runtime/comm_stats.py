@@ -102,6 +102,7 @@ class _Row:
     wait_s: float = 0.0
     emulated_s: float = 0.0
     errors: list = field(default_factory=list)
+    cross_node_bytes: Optional[int] = None  # bytes to ranks on other nodes (multi-node clusters)
 
 
 class CommStats:
@@ -111,6 +112,9 @@ class CommStats:
         self.error_steps = 5
         self.budget: Optional[float] = None
         self.budget_action = "warn"
+        # Ranks per node on a multi-node cluster (0: one node), so the embedding exchanges can
+        # count the bytes that leave this rank's node.
+        self.node_size = 0
         self.reset()
 
     def reset(self) -> None:
@@ -131,8 +135,15 @@ class CommStats:
         return self.steps <= self.error_steps
 
     def add_payload(self, label: str, precision: str, fp32_bytes: int, wire_bytes: int,
-                    error: Optional[float] = None) -> None:
+                    error: Optional[float] = None, send_nbytes=None, me: int = 0) -> None:
+        """Count one payload: ``wire_bytes`` left this rank (``fp32_bytes`` in fp32). With
+        ``send_nbytes`` (bytes per destination rank) on a multi-node cluster, the bytes to
+        other nodes are counted too."""
         r = self._row(label)
+        if send_nbytes is not None and self.node_size:
+            mine = me // self.node_size
+            r.cross_node_bytes = (r.cross_node_bytes or 0) + sum(
+                n for o, n in enumerate(send_nbytes) if o // self.node_size != mine)
         r.calls += 1
         r.fp32_bytes += fp32_bytes
         r.wire_bytes += wire_bytes
@@ -176,7 +187,8 @@ class CommStats:
             exact = r.precision in ("fp32", "int64")  # raw floats, or ids
             err = max(r.errors) if r.errors else (0.0 if exact else float("nan"))
             rows.append(ReportRow(label, r.precision, r.fp32_bytes / steps, r.wire_bytes / steps, err,
-                                  1e3 * r.wait_s / steps, 1e3 * r.emulated_s / steps))
+                                  1e3 * r.wait_s / steps, 1e3 * r.emulated_s / steps,
+                                  None if r.cross_node_bytes is None else r.cross_node_bytes / steps))
         return CommReport(rank, self.steps, 1e3 * self.step_s / max(self._intervals, 1), rows, emulation())
 
 
@@ -189,6 +201,7 @@ class ReportRow:
     rel_error: float         # max over the measured steps (0 for fp32 and ids; nan if none measured)
     wait_ms: float           # per step, blocked in the collective's wait
     emulated_ms: float       # per step, modeled transfer time (0 without link emulation)
+    cross_node_bytes: Optional[float] = None  # per step, of wire_bytes those to other nodes (None: not counted)
 
     @property
     def ratio(self) -> float:
@@ -217,19 +230,29 @@ class CommReport:
     def fp32_bytes(self) -> float:
         return sum(r.fp32_bytes for r in self.rows)
 
+    @property
+    def cross_node_bytes(self) -> Optional[float]:
+        """Bytes per step this rank sent to other nodes in the collectives that count them
+        (the embedding input and output dists); None on one node."""
+        counted = [r.cross_node_bytes for r in self.rows if r.cross_node_bytes is not None]
+        return sum(counted) if counted else None
+
     def __str__(self) -> str:
         link = f", link emulated at {self.link}" if self.link else ""
+        nodes = self.cross_node_bytes is not None
         lines = [f"communication of rank {self.rank} over {self.steps} steps (per step; "
                  f"step {self.step_ms:.1f} ms{link})",
-                 f"{'collective':<26} {'codec':<9} {'fp32 KiB':>10} {'wire KiB':>10} {'ratio':>6} "
-                 f"{'rel err':>9} {'wait ms':>8} {'model ms':>8}"]
+                 f"{'collective':<32} {'codec':<9} {'fp32 KiB':>10} {'wire KiB':>10} {'ratio':>6} "
+                 f"{'rel err':>9} {'wait ms':>8} {'model ms':>8}" + (f" {'x-node KiB':>10}" if nodes else "")]
         for r in self.rows:
-            lines.append(f"{r.collective:<26} {r.precision:<9} {r.fp32_bytes / 1024:>10.1f} "
+            x = "" if not nodes else f" {'-' if r.cross_node_bytes is None else f'{r.cross_node_bytes / 1024:.1f}':>10}"
+            lines.append(f"{r.collective:<32} {r.precision:<9} {r.fp32_bytes / 1024:>10.1f} "
                          f"{r.wire_bytes / 1024:>10.1f} {r.ratio:>6.3f} {r.rel_error:>9.2e} "
-                         f"{r.wait_ms:>8.2f} {r.emulated_ms:>8.2f}")
+                         f"{r.wait_ms:>8.2f} {r.emulated_ms:>8.2f}" + x)
         tot = self.fp32_bytes
-        lines.append(f"{'total':<26} {'':<9} {tot / 1024:>10.1f} {self.wire_bytes / 1024:>10.1f} "
-                     f"{(self.wire_bytes / tot if tot else 1.0):>6.3f}")
+        lines.append(f"{'total':<32} {'':<9} {tot / 1024:>10.1f} {self.wire_bytes / 1024:>10.1f} "
+                     f"{(self.wire_bytes / tot if tot else 1.0):>6.3f}"
+                     + (f" {'':>9} {'':>8} {'':>8} {self.cross_node_bytes / 1024:>10.1f}" if nodes else ""))
         return "\n".join(lines)
 
     def summary(self) -> str:

@@ -110,6 +110,8 @@ class DistributedModel(nn.Module):
         config = program.config
         self._stats.budget = config.comm_error_budget
         self._stats.budget_action = config.comm_error_action
+        cluster = program.cluster
+        self._stats.node_size = cluster.devices_per_node if cluster.nodes > 1 else 0
         if program.cluster.world_size > 1:
             # Dense parameters are replicated; DDP averages their gradients. Tables and their
             # optimizer state are this rank's own (updated inside backward): DDP must ignore them.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dist_support import (CKPT_KIND_W2, CKPT_KIND_W4, LR, STEPS, World, compile_for, eager_run, mixed_data,
-                          mixed_model, parity_jobs, tiny_data, tiny_model)
+                          mixed_model, parity_jobs, tiny_data, tiny_model, two_node_jobs)
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +28,9 @@ def checkpoint(world2) -> dict:
 @pytest.fixture(scope="session")
 def world4(world2) -> World:
     jobs, programs = parity_jobs(4)
+    more_jobs, more_programs = two_node_jobs()  # the world runs as 2 emulated nodes of 2 ranks
+    jobs.update(more_jobs)
+    programs.update(more_programs)
     # Resume the world-2 checkpoint at world size 4, under a different plan, for steps 3 and 4.
     ckpt = world2.results[0]["ckpt/3"]
     if not ckpt.get("error"):

@@ -71,18 +71,22 @@ def mixed_data() -> SyntheticData:
 
 def config(optimizer: str = "sgd", **kw) -> recc.CompileConfig:
     """fp32 communication: the parity contract is stated for it."""
-    return recc.CompileConfig(optimizer=optimizer, lr=LR[optimizer], eps=EPS, comm_fwd="fp32",
-                              comm_bwd="fp32", batch_size=GLOBAL_BATCH, **kw)
+    kw = {"comm_fwd": "fp32", "comm_bwd": "fp32", **kw}
+    return recc.CompileConfig(optimizer=optimizer, lr=LR[optimizer], eps=EPS, batch_size=GLOBAL_BATCH, **kw)
 
 
 def compile_for(model: nn.Module, data: SyntheticData, world: int, optimizer: str = "sgd", *,
-                sharding: str = "auto", plan: Optional[dict] = None) -> recc.Program:
+                sharding: str = "auto", plan: Optional[dict] = None, nodes: int = 1,
+                pass_options: Optional[dict] = None, **overrides) -> recc.Program:
+    """Compile for ``Cluster.local(world, nodes=nodes)``; ``overrides`` are ``config``'s fields."""
     example = slice_batch(data.batch(0), 0, world)[:3]  # a rank's slice, as the ranks call it
     # The constraints travel as inline YAML (JSON is YAML): a dict option cannot be printed into
     # the stage's spec string yet (tests/passes/test_shard_tables.py::test_constraints_from_pass_options).
-    opts = {"shard_tables": {"constraints": json.dumps({"plan": dict(plan)})}} if plan else {}
-    return recc.compile(model, recc.Cluster.local(world), example_inputs=example,
-                        config=config(optimizer, sharding=sharding, pass_options=opts))
+    opts = dict(pass_options or {})
+    if plan:
+        opts["shard_tables"] = {"constraints": json.dumps({"plan": dict(plan)})}
+    cfg = config(optimizer, sharding=sharding, pass_options=opts, **overrides)
+    return recc.compile(model, recc.Cluster.local(world, nodes=nodes), example_inputs=example, config=cfg)
 
 
 # ----------------------------------------------------------------------------- on every rank
@@ -118,7 +122,8 @@ def run_job(job: dict) -> dict:
     held = local_tables(dmodel)
     start, stop = job["steps"]
     outs = train(dmodel, job["data"], start, stop, job["lr"])
-    return {"state": dmodel.state_dict(), "outputs": outs, "tables": held, "error": None}
+    report = dmodel.comm_report() if job.get("report") else None
+    return {"state": dmodel.state_dict(), "outputs": outs, "tables": held, "comm": report, "error": None}
 
 
 def run_jobs(jobs: dict) -> dict:
@@ -205,9 +210,12 @@ def ok(result: dict) -> dict:
 
 
 def launch_jobs(world: int, jobs: dict) -> list[dict]:
+    """One local world for ``jobs``. Four ranks launch as two emulated nodes of two: programs
+    compiled for one node run in it unchanged (a program's own cluster shapes its collectives),
+    and the two-node programs of ``two_node_jobs`` get the world they were planned for."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
-        return recc.launch(run_jobs, recc.Cluster.local(world), jobs)
+        return recc.launch(run_jobs, recc.Cluster.local(world, nodes=2 if world == 4 else 1), jobs)
 
 
 # ----------------------------------------------------------------------------- the launched worlds
@@ -228,6 +236,27 @@ def parity_jobs(world: int) -> tuple[dict, dict]:
             name = f"{mixed}/{optimizer}"
             programs[name] = compile_for(mixed_model(), mixed_data(), world, optimizer, plan=plan)
             jobs[name] = {"program": programs[name], "data": mixed_data(), "steps": (0, STEPS), "lr": LR[optimizer]}
+    return jobs, programs
+
+
+def two_node_jobs() -> tuple[dict, dict]:
+    """Four ranks as 2 nodes x 2: table-row-wise tables (the two-level output dist) with both
+    optimizers, a mixed plan, the default fp16/bf16 codecs, and the flat exchange of the same
+    plan (``insert_comm{two_level=false}``) to compare bytes with. Names start with ``2x2``."""
+    jobs, programs = {}, {}
+
+    def add(name, model, data, optimizer="sgd", **kw):
+        programs[name] = compile_for(model(), data(), 4, optimizer, nodes=2, **kw)
+        jobs[name] = {"program": programs[name], "data": data(), "steps": (0, STEPS), "lr": LR[optimizer],
+                      "report": True}
+
+    for optimizer in ("sgd", "rowwise_adagrad"):
+        add(f"2x2/table_row_wise/{optimizer}", tiny_model, tiny_data, optimizer, sharding="table_row_wise")
+    add("2x2/mixed/sgd", mixed_model, mixed_data, plan=MIXED_PLAN)
+    add("2x2/table_row_wise/sgd/fp16-bf16", tiny_model, tiny_data, sharding="table_row_wise",
+        comm_fwd="fp16", comm_bwd="bf16")
+    add("2x2/table_row_wise/sgd/flat", tiny_model, tiny_data, sharding="table_row_wise",
+        pass_options={"insert_comm": {"two_level": False}})
     return jobs, programs
 
 

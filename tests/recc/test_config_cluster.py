@@ -139,6 +139,19 @@ def test_cluster_local():
 def test_cluster_local_bad_world():
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         recc.Cluster.local(0)
+    with pytest.raises(ValueError, match="6 ranks cannot form 4 equal nodes"):
+        recc.Cluster.local(6, nodes=4)
+
+
+def test_cluster_local_emulated_nodes():
+    c = recc.Cluster.local(4, nodes=2)
+    assert (c.name, c.world_size, c.nodes, c.devices_per_node, c.single_host) == ("local-2x2", 4, 2, 2, True)
+    assert [list(c.node_ranks(n)) for n in range(2)] == [[0, 1], [2, 3]]
+    assert c.link(0, 1) == c.intra_node and c.link(1, 2) == c.inter_node
+    # Only clusters that say so run on this host; a description of real nodes does not.
+    assert recc.Cluster.local(2).single_host
+    assert not recc.Cluster.from_dict({"nodes": 2, "devices_per_node": 2}).single_host
+    assert recc.Cluster.from_dict({"nodes": 2, "devices_per_node": 2, "single_host": True}).single_host
 
 
 ZIONEX = """\
