@@ -137,3 +137,12 @@ def test_compile_terabyte_for_one_rank_says_it_does_not_fit():
 def test_cli_needs_a_command():
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_plan_for_emulated_nodes(capsys):
+    """``--nodes`` splits the local world into emulated nodes: table-row-wise tables stay in one."""
+    assert main(["plan", "--model", "tiny", "--world-size", "4", "--nodes", "2", "--sharding", "table_row_wise"]) == 0
+    out = capsys.readouterr().out
+    assert "for local-2x2 (4 ranks)" in out
+    ranks = re.findall(r"^emb_l\.\d +\S+ +table_row_wise +(\S+) ", out, re.M)
+    assert len(ranks) == 3 and set(ranks) <= {"0-1", "2-3"}, out
