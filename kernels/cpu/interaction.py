@@ -80,12 +80,17 @@ def pairwise_dot_forward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) ->
 
 
 def pairwise_dot_backward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    # The C kernel scatters grad into an F x F buffer at li/lj and reads B*P floats of grad:
+    # check both as the forward does (a bad index would write past the kernel's buffer).
+    _check(x, li, lj)
+    if tuple(grad.shape) != (x.shape[0], li.numel()):
+        raise ValueError(f"pairwise_dot: grad must be [B, P] = {(x.shape[0], li.numel())}, got {tuple(grad.shape)}")
     if not _native_ok(x, li, lj):
         with torch.enable_grad():
             xr = x.detach().requires_grad_(True)
             (gx,) = torch.autograd.grad(pairwise_dot_reference(xr, li, lj), xr, grad)
         return gx
-    x, li, lj, grad = x.contiguous(), li.contiguous(), lj.contiguous(), grad.contiguous()
+    x, li, lj, grad = x.contiguous(), li.contiguous(), lj.contiguous(), grad.to(torch.float32).contiguous()
     b, f, d = x.shape
     dx = torch.empty_like(x)
     rc = _library().recc_pairwise_dot_backward(x.data_ptr(), grad.data_ptr(), b, f, d, li.data_ptr(), lj.data_ptr(),

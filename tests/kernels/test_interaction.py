@@ -62,3 +62,27 @@ def test_reference_is_bmm_gather():
     x = torch.randn(3, 4, 2)
     li, lj = torch.tril_indices(4, 4, -1)
     torch.testing.assert_close(pairwise_dot_reference(x, li, lj), _eager(x, li, lj))
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_backward_checks_pairs_and_grad(monkeypatch, kernels):
+    # The C backward scatters grad into an F x F buffer at (li, lj): an index >= F used to
+    # write past that heap buffer instead of raising (the forward's checks were not repeated).
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    x = torch.randn(4, 5, 16)
+    with pytest.raises(IndexError, match="li"):
+        pairwise_dot_backward(x, torch.tensor([0, 5]), torch.tensor([1, 4]), torch.randn(4, 2))
+    with pytest.raises(IndexError, match="lj"):
+        pairwise_dot_backward(x, torch.tensor([1, 4]), torch.tensor([0, -1]), torch.randn(4, 2))
+    li, lj = torch.tril_indices(5, 5, -1)
+    with pytest.raises(ValueError, match=r"\[B, P\]"):
+        pairwise_dot_backward(x, li, lj, torch.randn(4, 3))  # the kernel would read past grad
+
+
+def test_backward_accepts_a_non_fp32_grad(monkeypatch):
+    monkeypatch.setenv("RECC_CPU_KERNELS", "native")
+    x = torch.randn(3, 6, 16, requires_grad=True)
+    li, lj = torch.tril_indices(6, 6, -1)
+    grad = torch.randn(3, li.numel(), dtype=torch.float64)
+    _eager(x, li, lj).backward(grad.float())
+    torch.testing.assert_close(pairwise_dot_backward(x.detach(), li, lj, grad), x.grad, rtol=1e-5, atol=1e-5)
