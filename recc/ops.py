@@ -454,6 +454,21 @@ def pairwise_dot(x, li, lj):
     return torch.bmm(x, x.transpose(1, 2))[:, li, lj]
 
 
+def _linear_meta(x, weight, bias, activation="none"):
+    return _meta_like(tuple(x.shape[:-1]) + (weight.shape[0],), x.dtype)
+
+
+@define_op("linear", meta=_linear_meta)
+def linear(x, weight, bias, activation: str = "none"):
+    """recc.linear(x: f32[B,K], weight: f32[N,K], bias: f32[N] | None, activation='none'|'relu') -> f32[B,N]
+
+    ``act(x @ weight.T + bias)``: an ``nn.Linear`` and the activation after it as one op, so a
+    backend can fuse the activation into the GEMM and pick its GEMM library per product.
+    """
+    from recc.kernels import linear_reference
+    return linear_reference(x, weight, bias, activation)
+
+
 # ----------------------------------------------------------------------------- collectives
 
 def _dist_meta(x, comm):

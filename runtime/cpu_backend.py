@@ -11,8 +11,8 @@ import torch
 
 from recc.ops import register_impl, use_references
 from recc.runtime.comm import gather_global_batch
-from recc.kernels import (linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
-                          tbe_forward)
+from recc.kernels import (linear_backward, linear_forward, linearize_indices, pairwise_dot_backward,
+                          pairwise_dot_forward, tbe_backward_update, tbe_forward)
 
 
 class TBELookup(torch.autograd.Function):
@@ -84,6 +84,29 @@ class PairwiseDot(torch.autograd.Function):
 @register_impl("pairwise_dot", "cpu")
 def pairwise_dot_cpu(x, li, lj):
     return PairwiseDot.apply(x, li, lj)
+
+
+class Linear(torch.autograd.Function):
+    """A dense layer and its activation; saves the output (not a second copy) for the ReLU mask."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        y = linear_forward(x, weight, bias, activation)
+        ctx.activation, ctx.has_bias = activation, bias is not None
+        ctx.save_for_backward(x, weight, y if activation == "relu" else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, y = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
+        dx, dw, db = linear_backward(grad, x, weight, y, ctx.activation, needs)
+        return dx, dw, db, None
+
+
+@register_impl("linear", "cpu")
+def linear_cpu(x, weight, bias, activation="none"):
+    return Linear.apply(x, weight, bias, activation)
 
 
 use_references("cpu")

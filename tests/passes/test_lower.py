@@ -40,7 +40,8 @@ top_l_3    : f32[8,1]     = top_l.3(top_l_2)
 return [top_l_3]
 """
 
-# The default pipeline also runs fuse_interaction before lower.
+# The default pipeline also runs fuse_interaction, align_linear (a no-op on tiny's small layers) and
+# fuse_linear_act before lower.
 EXPECTED_DEFAULT = """\
 dense_x    : f32[8,13]    = input
 lS_o_0     : i64[8]       = input
@@ -56,18 +57,23 @@ tables_g0  : tuple[3x f32[8,4]] = recc.split_cols[cpu](pooled_g0, (4, 4, 4))  # 
 emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]; @batch_tables
 emb_l_1    : f32[8,4]     = getitem(tables_g0, 1)  # table t1=emb_l.1[20x4,sum]; shard=tw@r0[0:20,0:4]; @batch_tables
 emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
-bot_l_0    : f32[8,8]     = bot_l.0(dense_x)
-bot_l_1    : f32[8,8]     = bot_l.1(bot_l_0)
-bot_l_2    : f32[8,4]     = bot_l.2(bot_l_1)
-bot_l_3    : f32[8,4]     = bot_l.3(bot_l_2)
+bot_l_0_weight : f32[8,13]    = get_attr bot_l.0.weight  # @fuse_linear_act
+bot_l_0_bias : f32[8]       = get_attr bot_l.0.bias  # @fuse_linear_act
+bot_l_1    : f32[8,8]     = recc.linear[cpu](dense_x, bot_l_0_weight, bot_l_0_bias, activation='relu')  # @fuse_linear_act
+bot_l_2_weight : f32[4,8]     = get_attr bot_l.2.weight  # @fuse_linear_act
+bot_l_2_bias : f32[4]       = get_attr bot_l.2.bias  # @fuse_linear_act
+bot_l_3    : f32[8,4]     = recc.linear[cpu](bot_l_1, bot_l_2_weight, bot_l_2_bias, activation='relu')  # @fuse_linear_act
 stack      : f32[8,4,4]   = torch.stack([bot_l_3, emb_l_0, emb_l_1, emb_l_2], dim=1)
 li         : i64[6]       = get_attr li
 lj         : i64[6]       = get_attr lj
 getitem    : f32[8,6]     = recc.pairwise_dot[cpu](stack, li, lj)  # @fuse_interaction
 cat        : f32[8,10]    = torch.cat([bot_l_3, getitem], dim=1)
-top_l_0    : f32[8,8]     = top_l.0(cat)
-top_l_1    : f32[8,8]     = top_l.1(top_l_0)
-top_l_2    : f32[8,1]     = top_l.2(top_l_1)
+top_l_0_weight : f32[8,10]    = get_attr top_l.0.weight  # @fuse_linear_act
+top_l_0_bias : f32[8]       = get_attr top_l.0.bias  # @fuse_linear_act
+top_l_1    : f32[8,8]     = recc.linear[cpu](cat, top_l_0_weight, top_l_0_bias, activation='relu')  # @fuse_linear_act
+top_l_2_weight : f32[1,8]     = get_attr top_l.2.weight  # @fuse_linear_act
+top_l_2_bias : f32[1]       = get_attr top_l.2.bias  # @fuse_linear_act
+top_l_2    : f32[8,1]     = recc.linear[cpu](top_l_1, top_l_2_weight, top_l_2_bias, activation='none')  # @fuse_linear_act
 top_l_3    : f32[8,1]     = top_l.3(top_l_2)
 return [top_l_3]
 """
@@ -85,11 +91,12 @@ def test_tiny_ir_after_lower(tiny):
 def test_default_pipeline_ends_with_lower(tiny):
     program = recc.compile(tiny)
     assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm",
-                                    "quantize_comm", "pipeline_comm", "fuse_interaction", "align_linear", "lower"]
+                                    "quantize_comm", "pipeline_comm", "fuse_interaction", "align_linear",
+                                    "fuse_linear_act", "lower"]
     assert program.stages["lower"].text == EXPECTED_DEFAULT
     assert program.ir == program.stages["lower"].ir
     nodes = _recc_nodes(program.stages["lower"].graph)
-    assert {n.target.op.name for n in nodes} == {"pack_sparse", "tbe_lookup", "split_cols", "pairwise_dot"}
+    assert {n.target.op.name for n in nodes} == {"pack_sparse", "tbe_lookup", "split_cols", "pairwise_dot", "linear"}
     assert all(isinstance(n.target, BoundOp) and n.target.device == "cpu" for n in nodes)
 
 

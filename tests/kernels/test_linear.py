@@ -1,0 +1,75 @@
+"""recc.kernels.linear: act(x W^T + b) and its gradients on oneDNN (large products) or F.linear
+(small ones), against torch autograd on F.linear."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recc.kernels import linear_backward, linear_forward
+from recc.kernels.cpu import linear as linear_mod
+
+SHAPES = [(4, 13, 8), (512, 368, 256), (300, 130, 70)]  # (B, K, N): F.linear path, then oneDNN
+
+
+def _case(b, k, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5,
+            torch.randn(n, generator=g), torch.randn(b, n, generator=g))
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("b, k, n", SHAPES)
+def test_forward_and_backward_match_torch(b, k, n, bias, activation):
+    x, w, bvec, grad = _case(b, k, n)
+    bvec = bvec if bias else None
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    br = bvec.clone().requires_grad_() if bias else None
+    ref = F.linear(xr, wr, br)
+    ref = torch.relu(ref) if activation == "relu" else ref
+    y = linear_forward(x, w, bvec, activation)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    if activation == "relu":
+        assert (y == 0).any() and (y > 0).any()
+    ref.backward(grad)
+    dx, dw, db = linear_backward(grad, x, w, y, activation, (True, True, bias))
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dw, wr.grad, rtol=1e-5, atol=1e-4)
+    if bias:
+        torch.testing.assert_close(db, br.grad, rtol=1e-5, atol=1e-4)
+    else:
+        assert db is None
+
+
+def test_large_products_take_onednn_small_ones_do_not(monkeypatch):
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    big, small = _case(512, 368, 256), _case(4, 13, 8)
+    assert linear_mod._use_onednn(big[0], big[1]) and not linear_mod._use_onednn(small[0], small[1])
+    monkeypatch.setenv("RECC_CPU_KERNELS", "reference")
+    assert not linear_mod._use_onednn(big[0], big[1])
+    x, w, b, _ = big
+    torch.testing.assert_close(linear_forward(x, w, b, "relu"), torch.relu(F.linear(x, w, b)))
+
+
+def test_unneeded_gradients_are_not_computed():
+    x, w, b, grad = _case(300, 130, 70)
+    y = linear_forward(x, w, b)
+    dx, dw, db = linear_backward(grad, x, w, y, "none", (False, True, False))
+    assert dx is None and db is None and dw.shape == w.shape
+
+
+def test_non_contiguous_input_and_grad():
+    x, w, b, grad = _case(300, 131, 70)
+    xs = x[:, :130]  # a strided view, as a padded layer's narrowed input would be
+    y = linear_forward(xs, w[:, :130], b, "relu")
+    torch.testing.assert_close(y, torch.relu(F.linear(xs, w[:, :130], b)), rtol=1e-5, atol=1e-5)
+    dx, dw, _ = linear_backward(grad.t().contiguous().t(), xs, w[:, :130], y, "relu", (True, True, False))
+    assert dx.shape == xs.shape and dw.shape == (70, 130)
+
+
+def test_bad_arguments_are_named():
+    x, w, b, _ = _case(4, 13, 8)
+    with pytest.raises(ValueError, match=r"activation 'gelu' not in \('none', 'relu'\)"):
+        linear_forward(x, w, b, "gelu")
+    with pytest.raises(ValueError, match=r"x \(4, 13\) and weight \(8, 12\) do not multiply"):
+        linear_forward(x, w[:, :12], b)
