@@ -9,7 +9,8 @@
  * Forward builds each sample's Gram matrix Z = x x^T with a register-blocked micro-kernel:
  * 4 rows of x against 16 columns of a zero-padded transposed copy, accumulators kept in
  * registers across the whole D loop (a plain dot product of D floats is too short to vectorise:
- * the horizontal sum dominates).  The requested pairs are then read out of Z.  Backward builds
+ * the horizontal sum dominates), for the tiles that hold a requested pair.  The requested pairs
+ * are then read out of Z.  Backward builds
  * the symmetric pair gradient G (F x F) and computes dx = G x, 16 columns of D at a time.
  */
 #include <stdint.h>
@@ -25,6 +26,12 @@ static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * 
 int recc_pairwise_dot_forward(const float *x, int64_t B, int64_t F, int64_t D, const int64_t *li,
                               const int64_t *lj, int64_t P, float *out, int nthreads) {
     const int64_t Fc = round_up(F, CB), Fr = round_up(F, RB);
+    /* Only the micro-tiles holding a requested pair are computed: DLRM asks for the strictly
+     * lower triangle, so at F = 27 that is 10 of the 7 x 2 tiles. */
+    const int64_t ntr = Fr / RB, ntc = Fc / CB;
+    unsigned char *need = (unsigned char *)calloc((size_t)(ntr * ntc), 1);
+    if (!need) return -1;
+    for (int64_t p = 0; p < P; ++p) need[(li[p] / RB) * ntc + lj[p] / CB] = 1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -45,6 +52,7 @@ int recc_pairwise_dot_forward(const float *x, int64_t B, int64_t F, int64_t D, c
                 for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = xb[f * D + d];
             for (int64_t i0 = 0; i0 < Fr; i0 += RB) {
                 for (int64_t j0 = 0; j0 < Fc; j0 += CB) {
+                    if (!need[(i0 / RB) * ntc + j0 / CB]) continue;
                     float acc[RB][CB];
                     for (int r = 0; r < RB; ++r)
                         for (int c = 0; c < CB; ++c) acc[r][c] = 0.f;
@@ -67,6 +75,7 @@ int recc_pairwise_dot_forward(const float *x, int64_t B, int64_t F, int64_t D, c
         free(xr);
         free(z);
     }
+    free(need);
     return failed ? -1 : 0;
 }
 

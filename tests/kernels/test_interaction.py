@@ -42,6 +42,18 @@ def test_arbitrary_pair_lists_and_repeated_pairs():
     torch.testing.assert_close(pairwise_dot_backward(x.detach(), li, lj, grad), x.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_pairs_in_any_tile():
+    """The forward computes only the Gram tiles (4 rows x 16 columns) that hold a requested pair:
+    pairs above the diagonal, in the last column tile, and scattered ones must all be right."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 40, 8, generator=g)
+    li = torch.tensor([0, 39, 20, 3, 17, 36, 5])
+    lj = torch.tensor([39, 0, 35, 3, 33, 16, 31])
+    torch.testing.assert_close(pairwise_dot_forward(x, li, lj), _eager(x, li, lj), rtol=1e-5, atol=1e-5)
+    li, lj = torch.randint(0, 40, (200,), generator=g), torch.randint(0, 40, (200,), generator=g)
+    torch.testing.assert_close(pairwise_dot_forward(x, li, lj), _eager(x, li, lj), rtol=1e-5, atol=1e-5)
+
+
 def test_empty_batch():
     x = torch.randn(0, 5, 4)
     li, lj = torch.tril_indices(5, 5, -1)
