@@ -51,13 +51,11 @@ class TBELookup(torch.autograd.Function):
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
             lin = linearize_indices(ids, offsets, group.hash_size_cumsum, ctx.t, b)
-        if group.grad_scale != 1.0:
-            grad = grad * group.grad_scale
         if ctx.t and b:
             tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
                                 T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw,
                                 optimizer=o.name, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
-                                weight_decay=o.weight_decay, step=group.step)
+                                weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale)
         return None, None, None
 
 

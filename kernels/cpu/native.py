@@ -125,7 +125,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recc_tbe_backward_update.argtypes = [
         p, i64, i64, p, p,            # weights, R, D, momentum1, momentum2
         p, p, i64, i64,               # lin_indices, offsets, T, B
-        p, p, i32,                    # grad_output, per_sample_weights, mean
+        p, p, i32, f32,               # grad_output, per_sample_weights, mean, grad_scale
         i32, f32, f32, f32, f32, f32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, bc1, bc2
         p, i32,                       # slot_map, nthreads
     ]

@@ -247,7 +247,8 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                                   per_sample_weights: torch.Tensor | None = None,
                                   optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                                   beta1: float = 0.9, beta2: float = 0.999,
-                                  weight_decay: float = 0.0, step: int = 1) -> None:
+                                  weight_decay: float = 0.0, step: int = 1,
+                                  grad_scale: float = 1.0) -> None:
     """Pure-torch backward + fused optimizer: unique + index_add + one row update."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     _check_update(weights, state, optimizer, grad_output, T, B)
@@ -264,6 +265,8 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
         grad_bags = grad_output.detach().to(torch.float32).reshape(B, T, D).transpose(0, 1) \
             .reshape(T * B, D)
         grad_ids = grad_bags[bag_of]
+        if grad_scale != 1.0:
+            grad_ids = grad_ids * grad_scale
         if per_sample_weights is not None:
             grad_ids = grad_ids * per_sample_weights.detach().to(torch.float32)[:, None]
         if pooling == "mean":
@@ -348,7 +351,8 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
                                per_sample_weights: torch.Tensor | None = None,
                                optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                                beta1: float = 0.9, beta2: float = 0.999,
-                               weight_decay: float = 0.0, step: int = 1) -> None:
+                               weight_decay: float = 0.0, step: int = 1,
+                                  grad_scale: float = 1.0) -> None:
     """The C fast path (same semantics as the reference); raises if it is unavailable."""
     lib = native.library()
     if lib is None:
@@ -371,7 +375,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
         weights.data_ptr(), R, D,
         None if m1 is None else m1.data_ptr(), None if m2 is None else m2.data_ptr(),
         lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(),
-        None if psw is None else psw.data_ptr(), int(pooling == "mean"),
+        None if psw is None else psw.data_ptr(), int(pooling == "mean"), grad_scale,
         _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay,
         1.0 - beta1 ** step, 1.0 - beta2 ** step, slot_map.data_ptr(), _num_threads())
     if rc == 1:
@@ -392,8 +396,11 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         per_sample_weights: torch.Tensor | None = None,
                         optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                         beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
-                        step: int = 1) -> None:
+                        step: int = 1, grad_scale: float = 1.0) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
+
+    ``grad_scale`` multiplies every id's gradient (a rank's 1/world share of the global-mean
+    loss) inside the kernel, instead of a pass over ``grad_output``.
 
     ``grad_output`` is dLoss/d(tbe_forward output), ``[B, T*D]``.  Each id's gradient is its
     bag's gradient (times its per-sample weight; divided by the bag length for mean); the
@@ -419,4 +426,4 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
         fn = tbe_backward_update_reference
     fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
        per_sample_weights=per_sample_weights, optimizer=optimizer, lr=lr, eps=eps, beta1=beta1,
-       beta2=beta2, weight_decay=weight_decay, step=step)
+       beta2=beta2, weight_decay=weight_decay, step=step, grad_scale=grad_scale)

@@ -146,6 +146,7 @@ typedef struct {
     const float* go;
     const float* psw;
     int mean, optimizer;
+    float grad_scale; /* every id's gradient is multiplied by it (the loss's 1/world share) */
     float lr, eps, beta1, beta2, wd, bc1, bc2;
     int32_t* slot_map;
 } bwd_t;
@@ -230,6 +231,7 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
     const int64_t* restrict offsets = c->offsets;
     const float* restrict psw = c->psw;
     const int mean = c->mean;
+    const float gs = c->grad_scale;
     const uint32_t parts = u->parts, part = u->part;
     int32_t* restrict slot_map = c->slot_map;
     pending_t* restrict pend = ws->pend;
@@ -245,7 +247,7 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
         const int64_t t = j / B, b = j - t * B;
         const int32_t go_row = (int32_t)(b * T + t);
         const int64_t lo = offsets[j], hi = offsets[j + 1];
-        const float inv_len = (mean && hi > lo) ? 1.0f / (float)(hi - lo) : 1.0f;
+        const float inv_len = (mean && hi > lo) ? gs / (float)(hi - lo) : gs;
         for (int64_t i = lo; i < hi; ++i) {
             if (i + SLOT_PREFETCH < i_hi)
                 __builtin_prefetch(slot_map + lin[i + SLOT_PREFETCH], 1, 3);
@@ -367,12 +369,13 @@ static int cmp_unit_bigger_first(const void* a, const void* b) {
 /*
  * weights [R, D]; m1/m2: optimizer state (NULL when unused; rowwise_adagrad m1 is [R]);
  * lin [N]; offsets [T*B+1]; go [B, T*D]; psw [N] or NULL; mean: 1 for mean pooling;
+ * grad_scale: multiplies every id's gradient (folded into its per-id scale, no pass over go);
  * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return.
  */
 int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, float* m2,
                              const int64_t* lin, const int64_t* offsets, int64_t T,
                              int64_t B, const float* go, const float* psw, int mean,
-                             int optimizer, float lr, float eps, float beta1, float beta2,
+                             float grad_scale, int optimizer, float lr, float eps, float beta1, float beta2,
                              float wd, float bc1, float bc2, int32_t* slot_map,
                              int nthreads) {
     if (D <= 0 || T < 0 || B < 0 || optimizer < 0 || optimizer > 3) return RC_BAD_ARGS;
@@ -474,7 +477,7 @@ int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, fl
 
     /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
     const bwd_t ctx = {weights, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
-                       psw,     mean, optimizer, lr, eps, beta1, beta2, wd, bc1, bc2,
+                       psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2,
                        slot_map};
     void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
         D == 16 ? process_unit_16

@@ -558,3 +558,23 @@ def test_reference_mode_is_forced(monkeypatch):
         tbe_backward_update_native(torch.zeros(1, 1), {}, torch.zeros(0, dtype=torch.long),
                                    torch.zeros(2, dtype=torch.long), torch.zeros(1, 1), T=1,
                                    B=1, lr=0.1)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad", "adam"])
+@pytest.mark.parametrize("pooling, weighted", [("sum", False), ("mean", False), ("sum", True)])
+def test_grad_scale_is_the_scaled_gradient(impl, optimizer, pooling, weighted):
+    """grad_scale multiplies every id's gradient inside the kernel: the same update as passing
+    grad_output * scale (exactly, for a power-of-two scale such as a 1/world share)."""
+    c = Case(seed=41, D=20, dup_pool=3)
+    psw = c.psw if weighted else None
+    for scale, exact in ((0.25, True), (1 / 3, False)):
+        got_w, want_w = c.weights.clone(), c.weights.clone()
+        got_s, want_s = new_state(optimizer, got_w), new_state(optimizer, want_w)
+        kw = dict(T=c.T, B=c.B, pooling=pooling, per_sample_weights=psw, optimizer=optimizer, lr=0.1, step=2)
+        tbe_backward_update(got_w, got_s, c.lin, c.offsets, c.grad, grad_scale=scale, **kw)
+        tbe_backward_update(want_w, want_s, c.lin, c.offsets, c.grad * scale, **kw)
+        assert not torch.equal(got_w, c.weights)
+        if exact:
+            assert torch.equal(got_w, want_w)
+        else:
+            torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-6)
