@@ -28,7 +28,6 @@ After:
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F

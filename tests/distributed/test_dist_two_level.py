@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import recc
-from dist_support import MIXED_PLAN, STEPS, assert_same_state, mixed_model, tiny_model
+from dist_support import MIXED_PLAN, STEPS, assert_same_state, tiny_model
 
 
 def _parity(world4, job, model, optimizer, eager_results, atol=1e-6, rtol=1e-5):
