@@ -13,6 +13,8 @@ local batch of B bags per table:
 - output dist (``all_to_all`` of pooled rows): owner o's kernel output is [W*B, J_o*width];
   rows [r*B, (r+1)*B) go back to rank r, which reassembles each logical table: column blocks
   side by side, row blocks (partial sums) added. Backward is the same exchange reversed.
+  Table-row-wise groups on several nodes (``CommSpec.node_size``) take two hops instead:
+  ``recc.runtime.comm_two_level``.
 - data-parallel groups: no forward communication; backward all-gathers every rank's ids and
   output gradients so each replica applies the identical update for the global batch.
 
