@@ -71,8 +71,8 @@ def mixed_data() -> SyntheticData:
 
 def config(optimizer: str = "sgd", **kw) -> recc.CompileConfig:
     """fp32 communication: the parity contract is stated for it."""
-    kw = {"comm_fwd": "fp32", "comm_bwd": "fp32", **kw}
-    return recc.CompileConfig(optimizer=optimizer, lr=LR[optimizer], eps=EPS, batch_size=GLOBAL_BATCH, **kw)
+    kw = {"comm_fwd": "fp32", "comm_bwd": "fp32", "batch_size": GLOBAL_BATCH, **kw}
+    return recc.CompileConfig(optimizer=optimizer, lr=LR[optimizer], eps=EPS, **kw)
 
 
 def compile_for(model: nn.Module, data: SyntheticData, world: int, optimizer: str = "sgd", *,
@@ -209,13 +209,18 @@ def ok(result: dict) -> dict:
     return result
 
 
+def launch_cluster(cluster: recc.Cluster, jobs: dict) -> list[dict]:
+    """``jobs`` on a world of ``cluster``'s shape (every rank's ``run_jobs`` result)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
+        return recc.launch(run_jobs, cluster, jobs)
+
+
 def launch_jobs(world: int, jobs: dict) -> list[dict]:
     """One local world for ``jobs``. Four ranks launch as two emulated nodes of two: programs
     compiled for one node run in it unchanged (a program's own cluster shapes its collectives),
     and the two-node programs of ``two_node_jobs`` get the world they were planned for."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
-        return recc.launch(run_jobs, recc.Cluster.local(world, nodes=2 if world == 4 else 1), jobs)
+    return launch_cluster(recc.Cluster.local(world, nodes=2 if world == 4 else 1), jobs)
 
 
 # ----------------------------------------------------------------------------- the launched worlds

@@ -104,3 +104,34 @@ def test_launch_runs_emulated_nodes_only_on_this_host():
     cluster = recc.Cluster(name="two-hosts", nodes=2, devices_per_node=2)
     with pytest.raises(ValueError, match="spans 2 nodes; start multi-node runs with torchrun"):
         recc.launch(print, cluster)
+
+
+def test_three_nodes_of_two_match_eager():
+    """Six ranks as 3 nodes x 2 (a launch of its own): the cross-node hop exchanges between
+    three nodes, and tables smaller than a node (1 row, 3 rows) leave a rank without a block."""
+    import recc
+    from dist_support import LR, STEPS, compile_for, eager_run, launch_cluster
+    from recc.models import DLRM, SyntheticData
+
+    rows = [1, 3, 7, 20, 41]
+
+    def model():
+        torch.manual_seed(0)
+        return DLRM(ln_emb=list(rows), m_spa=4, ln_bot=[13, 8, 4], ln_top=[8, 1])
+
+    def data():
+        return SyntheticData("tiny", batch_size=24, seed=2, num_embeddings=rows)
+
+    program = compile_for(model(), data(), 6, sharding="table_row_wise", nodes=3, batch_size=24)
+    # emb_l.0 has one row: one block, and the other rank of its node holds none of it.
+    assert [s[1:] for s in program.plan.shards["emb_l.0"].shards] == [(0, 1, 0, 4)]
+    jobs = {"3x2": {"program": program, "data": data(), "steps": (0, STEPS), "lr": LR["sgd"], "report": True}}
+    results = [r["3x2"] for r in launch_cluster(recc.Cluster.local(6, nodes=3), jobs)]
+    want, want_outs = eager_run(model(), data(), "sgd")
+    for step in range(STEPS):
+        got = torch.cat([r["outputs"][step] for r in results])
+        torch.testing.assert_close(got, want_outs[step], atol=1e-5, rtol=1e-5)
+    for rank, r in enumerate(results):
+        assert r.get("error") is None, r.get("error")
+        assert_same_state(r["state"], want)
+        assert r["comm"].row("output_dist g0 fwd cross-node").cross_node_bytes > 0
