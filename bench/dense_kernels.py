@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from recc.kernels import linear_backward, linear_forward
 from recc.models import build_model, load_preset
+from recc.passes.align_linear import k_padding
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -69,7 +70,7 @@ def time_layer(b: int, k: int, n: int, relu: bool, reps: int, needs_dx: bool):
         torch.autograd.grad(torch_fwd(), [p for p in (xr, wr, br) if p.requires_grad], grad)
 
     # recc: K padded to a multiple of 8 when misaligned (align_linear), then recc.linear
-    pad = -k % 8 if k % 4 else 0
+    pad = k_padding(k, n)
     xp, wp = F.pad(x, (0, pad)), F.pad(w, (0, pad))
 
     def recc_fwd():

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import recc
-from recc.models import SyntheticData, build_model, slice_batch
+from recc.models import SyntheticData, build_model, load_preset, slice_batch
 
 
 def rank_main(programs: dict, config: str, batch: int, steps: int) -> dict:
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     cluster = recc.Cluster.local(args.world_size, nodes=args.nodes)
     torch.manual_seed(0)
     model = build_model(args.config)
-    data = SyntheticData(args.config, batch_size=args.batch_size or None, seed=0)
-    batch = data.batch_size - data.batch_size % args.world_size
+    batch = args.batch_size or load_preset(args.config)["batch_size"]
+    batch -= batch % args.world_size
     data = SyntheticData(args.config, batch_size=batch, seed=0)
     example = slice_batch(data.batch(0), 0, args.world_size)[:3]
     programs = {}

@@ -36,6 +36,14 @@ from recc.graph_utils import rename
 from recc.passmanager import PassContext, register_pass
 
 
+def k_padding(in_features: int, out_features: int, multiple: int = 8, min_weight: int = 4096) -> int:
+    """Zero columns ``align_linear`` adds to a layer's K: up to the next multiple of ``multiple``
+    when K is not a multiple of 4 and the weight has at least ``min_weight`` elements, else 0."""
+    if in_features % 4 == 0 or in_features * out_features < min_weight:
+        return 0
+    return -in_features % multiple
+
+
 @register_pass
 def align_linear(gm: fx.GraphModule, ctx: PassContext, *, multiple: int = 8, min_weight: int = 4096) -> fx.GraphModule:
     """Pad misaligned Linear layers' K to a multiple of ``multiple`` (weights of at least
@@ -50,9 +58,9 @@ def align_linear(gm: fx.GraphModule, ctx: PassContext, *, multiple: int = 8, min
         mod = gm.get_submodule(node.target)
         if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
             continue
-        k, n = mod.in_features, mod.out_features
-        pad = -k % multiple
-        if k % 4 == 0 or not pad or k * n < min_weight:
+        k = mod.in_features
+        pad = k_padding(k, mod.out_features, multiple, min_weight)
+        if not pad:
             continue
         (x,) = node.args
         base = node.name

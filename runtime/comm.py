@@ -105,23 +105,24 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
         ii += n_shards
     send = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64, device=dev)
     recv = torch.empty(world * j_me * b + sum(rc), dtype=torch.int64, device=dev)
-    works = [_a2a(recv, send, [j_me * b + n for n in rc], [l + n for l, n in zip(per_dst_len, id_counts)],
-                  async_op=True)]
-    recv_w = None
     send_splits = [l + n for l, n in zip(per_dst_len, id_counts)]
-    sent = 8 * sum(n for o, n in enumerate(send_splits) if o != me)
-    received = 8 * sum(j_me * b + n for s_, n in enumerate(rc) if s_ != me)
+    works = [_a2a(recv, send, [j_me * b + n for n in rc], send_splits, async_op=True)]
+    recv_w = None
+    # Bytes of phase 2 per destination / source: int64 lengths and ids, fp32 weights.
+    to_dst = [8 * n for n in send_splits]
+    from_src = [8 * (j_me * b + n) for n in rc]
     if psw is not None:
         w_all = torch.cat(send_w) if send_w else torch.zeros(0, device=dev)
         recv_w = torch.empty(sum(rc), dtype=w_all.dtype, device=dev)
         works.append(_a2a(recv_w, w_all, rc, id_counts, async_op=True))
-        sent += 4 * sum(n for o, n in enumerate(id_counts) if o != me)
-        received += 4 * sum(n for s_, n in enumerate(rc) if s_ != me)
-    # Ids are exact integers: no codec, the wire carries what fp32 accounting would.
-    per_dst = [8 * n + 8 for n in send_splits]
-    if psw is not None:
-        per_dst = [n + 4 * c for n, c in zip(per_dst, id_counts)]
-    st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1), send_nbytes=per_dst, me=me)
+        to_dst = [n + 4 * c for n, c in zip(to_dst, id_counts)]
+        from_src = [n + 4 * c for n, c in zip(from_src, rc)]
+    sent = sum(n for o, n in enumerate(to_dst) if o != me)
+    received = sum(n for s_, n in enumerate(from_src) if s_ != me)
+    # Ids are exact integers: no codec, the wire carries what fp32 accounting would. Phase 1
+    # sent each peer one 8-byte count.
+    st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1),
+                   send_nbytes=[n + 8 for n in to_dst], me=me)
     return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st), comm)
 
 

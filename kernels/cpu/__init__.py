@@ -15,12 +15,11 @@ from .tbe import (
 )
 from .native import backend as cpu_backend
 from .interaction import pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference
-from .linear import linear_backward, linear_forward, linear_reference
+from .linear import linear_backward, linear_forward
 
 __all__ = [
     "linear_backward",
     "linear_forward",
-    "linear_reference",
     "pairwise_dot_backward",
     "pairwise_dot_forward",
     "pairwise_dot_reference",

@@ -41,8 +41,7 @@ def check_activation(activation: str) -> None:
         raise ValueError(f"linear: activation {activation!r} not in {ACTIVATIONS}")
 
 
-def linear_reference(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str = "none"):
-    check_activation(activation)
+def _torch_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str):
     y = F.linear(x, w, b)
     return torch.relu(y) if activation == "relu" else y
 
@@ -54,7 +53,7 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} do not multiply (x must be "
                          f"[B, K] and weight [N, K])")
     if not _use_onednn(x, w):
-        return linear_reference(x, w, b, activation)
+        return _torch_linear(x, w, b, activation)
     return _pointwise()(x.contiguous(), w.contiguous(), b, activation, [], "")
 
 

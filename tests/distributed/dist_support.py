@@ -202,6 +202,24 @@ def assert_same_state(got: dict, want: dict, atol: float = 1e-6, rtol: float = 1
         torch.testing.assert_close(got[k], want[k], atol=atol, rtol=rtol, msg=lambda m: f"{k}: {m}")
 
 
+def assert_matches_eager(results: list[dict], eager: tuple, steps: int = STEPS, atol: float = 1e-6,
+                         rtol: float = 1e-5):
+    """The parity contract on every rank's job result against ``eager_run``'s ``(state_dict,
+    outputs)``: the ranks' outputs, in rank order, are eager's on the global batch at every step
+    (a mismatch at step 0 points at the forward, later ones at an update), and each rank's
+    ``state_dict()`` is eager's."""
+    want, want_outs = eager
+    for step in range(steps):
+        got = torch.cat([r["outputs"][step] for r in results])
+        torch.testing.assert_close(got, want_outs[step], atol=max(atol, 1e-5), rtol=max(rtol, 1e-5),
+                                   msg=lambda m: f"outputs of step {step}: {m}")
+    for rank, r in enumerate(results):
+        try:
+            assert_same_state(r["state"], want, atol=atol, rtol=rtol)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank}'s state_dict after {steps} steps: {e}") from None
+
+
 def ok(result: dict) -> dict:
     """A job's result on one rank, failing the test with the rank's traceback if it raised."""
     if result.get("error"):

@@ -31,7 +31,8 @@ from recc.kernels import codecs
 from recc.models import DLRM, SyntheticData, slice_batch
 from recc.runtime import comm_stats
 
-from dist_support import LR, TIMEOUT_S, assert_same_state, config, eager_run, tiny_data, tiny_model
+from dist_support import (LR, TIMEOUT_S, assert_matches_eager, assert_same_state, config, eager_run, tiny_data,
+                          tiny_model)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks need not import this file
 
@@ -228,17 +229,8 @@ def eager4():
 @pytest.mark.parametrize("kind", ["table_wise", "row_wise"])
 def test_train_pipeline_fp32_matches_eager(comm_world, eager4, kind):
     results = job(comm_world, f"parity/{kind}")
-    want, want_outs = eager4
     assert all(r["split"] for r in results), "the pipelined graph was not split into the sparse-dist stage"
-    for step in range(PARITY_STEPS):
-        got = torch.cat([r["outputs"][step] for r in results])
-        torch.testing.assert_close(got, want_outs[step], atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"outputs of step {step}: {m}")
-    for rank, r in enumerate(results):
-        try:
-            assert_same_state(r["state"], want)
-        except AssertionError as e:
-            raise AssertionError(f"rank {rank}'s state_dict after {PARITY_STEPS} steps: {e}") from None
+    assert_matches_eager(results, eager4, PARITY_STEPS)
     for k, v in tiny_model().state_dict().items():
         assert not torch.equal(results[0]["state"][k], v), f"{k} did not change"
 

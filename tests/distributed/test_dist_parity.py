@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_support import KINDS, MIXED_PLAN, MIXED_PLAN_NO_CW, STEPS, assert_same_state, mixed_model, tiny_model
+from dist_support import (KINDS, MIXED_PLAN, MIXED_PLAN_NO_CW, assert_matches_eager, assert_same_state, mixed_model,
+                          tiny_model)
 
 WORLDS = (2, 4)
 
@@ -24,18 +25,7 @@ def world(request):
 
 def _check_parity(world, job: str, model: str, optimizer: str, eager_results, initial: dict):
     results = world.job(job)
-    want, want_outs = eager_results[(model, optimizer)]
-    # Forward first: the ranks' outputs, in rank order, are eager's outputs on the global batch
-    # at every step (a mismatch at step 0 points at the forward, later ones at an update).
-    for step in range(STEPS):
-        got = torch.cat([r["outputs"][step] for r in results])
-        torch.testing.assert_close(got, want_outs[step], atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"outputs of step {step}: {m}")
-    for rank, r in enumerate(results):
-        try:
-            assert_same_state(r["state"], want)
-        except AssertionError as e:
-            raise AssertionError(f"rank {rank}'s state_dict after {STEPS} steps: {e}") from None
+    assert_matches_eager(results, eager_results[(model, optimizer)])
     # Every rank gathers the identical logical state.
     for r in results[1:]:
         assert_same_state(r["state"], results[0]["state"], atol=0, rtol=0)
