@@ -14,7 +14,8 @@ a 2048 x 367 x 512 layer's forward + backward takes 31 ms and the same at K = 36
 halves its weight-gradient GEMM. DLRM's top MLP input (dense features + F(F-1)/2 pairs: 367 on
 Criteo Kaggle, 479 for 27 features of 16 + 128) is rarely aligned; GPU tensor cores likewise
 want K in multiples of 16 bytes. Small layers (tiny test models) are left alone: the pad would
-cost more than it saves.
+cost more than it saves. When the layer's input is a ``recc.dot_interaction`` used only there,
+the interaction writes the zero columns itself (its ``pad``) instead of a padded copy being made.
 
 Before:
     cat      : f32[2048,367] = torch.cat([bot_l_3, getitem], dim=1)
@@ -33,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recc.graph_utils import rename
+from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 
 
@@ -64,16 +66,23 @@ def align_linear(gm: fx.GraphModule, ctx: PassContext, *, multiple: int = 8, min
             continue
         (x,) = node.args
         base = node.name
+        pads_itself = (isinstance(x, fx.Node) and op_of(x.target) is OPS["dot_interaction"]
+                       and len(x.users) == 1 and not x.kwargs.get("pad"))
         with graph.inserting_before(node):
             w = graph.get_attr(f"{node.target}.weight")
             b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
-            x_pad = graph.call_function(F.pad, (x, (0, pad)))
+            if pads_itself:
+                x.update_kwarg("pad", pad)
+                x_pad = x
+            else:
+                x_pad = graph.call_function(F.pad, (x, (0, pad)))
             w_pad = graph.call_function(F.pad, (w, (0, pad)))
             out = graph.call_function(F.linear, (x_pad, w_pad, b))
         rename(w, f"{base}_weight")
         if b is not None:
             rename(b, f"{base}_bias")
-        rename(x_pad, f"{x.name if isinstance(x, fx.Node) else base + '_in'}_k{multiple}")
+        if not pads_itself:
+            rename(x_pad, f"{x.name if isinstance(x, fx.Node) else base + '_in'}_k{multiple}")
         rename(w_pad, f"{base}_w_k{multiple}")
         padded.append(f"{node.target}:{k}->{k + pad}")
         node.replace_all_uses_with(out)

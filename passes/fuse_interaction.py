@@ -1,24 +1,38 @@
-"""fuse_interaction: replace the DLRM dot interaction by one ``recc.pairwise_dot``.
+"""fuse_interaction: replace the DLRM dot interaction by one recc op.
 
 Contract: requires nothing but a traced graph. Finds ``Z = torch.bmm(X, X.transpose(1, 2))``
 (``torch.transpose``, ``.transpose``, ``.permute(0, 2, 1)`` or ``.mT``) whose only use is the
 gather of constant index pairs ``Z[:, li, lj]`` (``li``/``lj`` read with ``get_attr``), and
-replaces the pair by ``recc.pairwise_dot(X, li, lj)``. Ensures the result is computed pair by
-pair: no F x F matrix, no index gather, no scatter-add in backward — on CPU this was the
-largest non-GEMM cost of a DLRM step. Must not change what the graph computes (the same dot
-products; summation order within one dot product may differ, which is fp32 rounding).
-Graphs without the pattern are left unchanged.
+replaces the pair by ``recc.pairwise_dot(X, li, lj)``. Then, with ``concat=True`` (default),
+where X is ``torch.stack([x, v1, ...], dim=1)`` used only there and the pairs' only use is
+``torch.cat([x, pairs], dim=1)`` (DLRM's ``interact``), the stack, the pairs and the cat become
+one ``recc.dot_interaction(x, blocks, li, lj, features=...)``; a vector that is one table's
+column block of a batched lookup (``getitem(recc.split_cols(pooled, sizes), k)``) is named by
+its place in ``pooled`` instead, so the kernel reads it in place and its gradient is written
+into one tensor per group. Ensures the result is computed pair by pair: no F x F matrix, no
+index gather, no scatter-add in backward — on CPU this was the largest non-GEMM cost of a DLRM
+step — and, with ``concat``, no per-table split, stacked copy or concatenation either. Must not
+change what the graph computes (the same dot products; summation order within one dot product
+may differ, which is fp32 rounding). Graphs without the pattern are left unchanged.
 
-Before:
-    transpose : f32[8,4,4] = torch.transpose(stack, 1, 2)
-    bmm       : f32[8,4,4] = torch.bmm(stack, transpose)
-    li        : i64[6]     = get_attr li
-    lj        : i64[6]     = get_attr lj
-    getitem   : f32[8,6]   = getitem(bmm, (slice(None, None, None), li, lj))
+Before (tiny):
+    tables_g0  : tuple[3x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4, 4))
+    emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)
+    emb_l_1    : f32[8,4]     = getitem(tables_g0, 1)
+    emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)
+    stack      : f32[8,4,4]   = torch.stack([bot_l_3, emb_l_0, emb_l_1, emb_l_2], dim=1)
+    transpose  : f32[8,4,4]   = torch.transpose(stack, 1, 2)
+    bmm        : f32[8,4,4]   = torch.bmm(stack, transpose)
+    li         : i64[6]       = get_attr li
+    lj         : i64[6]       = get_attr lj
+    getitem    : f32[8,6]     = getitem(bmm, (slice(None, None, None), li, lj))
+    cat        : f32[8,10]    = torch.cat([bot_l_3, getitem], dim=1)
 After:
-    li        : i64[6]     = get_attr li
-    lj        : i64[6]     = get_attr lj
-    getitem   : f32[8,6]   = recc.pairwise_dot(stack, li, lj)
+    li         : i64[6]       = get_attr li
+    lj         : i64[6]       = get_attr lj
+    cat        : f32[8,10]    = recc.dot_interaction(bot_l_3, [pooled_g0], li, lj, features=((0, 0), (0, 4), (0, 8)))
+With concat=false the stack, split and cat stay and the pairs are
+    getitem    : f32[8,6]     = recc.pairwise_dot(stack, li, lj)
 """
 from __future__ import annotations
 
@@ -28,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from recc.graph_utils import rename
-from recc.ops import OPS
+from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 
 
@@ -51,11 +65,75 @@ def _is_full_slice(s) -> bool:
     return isinstance(s, slice) and s == slice(None, None, None)
 
 
+def _arg(node: fx.Node, pos: int, name: str, default=None):
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+
+def _is_call(node, fn) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is fn
+
+
+def _dim(node: fx.Node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def _column_block(v: fx.Node, stack: fx.Node, d: int):
+    """(tensor, first column) of vector ``v``: its place in a batched lookup when ``v`` is a
+    D-wide ``split_cols`` piece used only by ``stack``, else (v, 0)."""
+    if (_is_call(v, operator.getitem) and len(v.users) == 1 and isinstance(v.args[0], fx.Node)
+            and v.args[0].op == "call_function" and op_of(v.args[0].target) is OPS["split_cols"]):
+        source, sizes = v.args[0].args
+        k = v.args[1]
+        if isinstance(k, int) and sizes[k] == d:
+            return source, sum(sizes[:k])
+    return v, 0
+
+
+def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
+    """cat([x, pairwise_dot(stack([x, ...], 1), li, lj)], 1) -> recc.dot_interaction; True if done."""
+    stack, li, lj = pd.args
+    if not (_is_call(stack, torch.stack) and len(stack.users) == 1 and len(pd.users) == 1):
+        return False
+    vectors, sdim = _arg(stack, 0, "tensors"), _arg(stack, 1, "dim", 0)
+    (cat,) = pd.users
+    if not (_is_call(cat, torch.cat) and isinstance(vectors, (list, tuple)) and len(vectors) >= 2):
+        return False
+    parts, cdim = _arg(cat, 0, "tensors"), _arg(cat, 1, "dim", 0)
+    if sdim != 1 or cdim not in (1, -1) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return False
+    x = vectors[0]
+    if parts[0] is not x or parts[1] is not pd or not all(_dim(v) == 2 for v in vectors):
+        return False
+    d = x.meta["val"].shape[1]
+    blocks, features = [], []
+    for v in vectors[1:]:
+        source, col = _column_block(v, stack, d)
+        if source not in blocks:
+            blocks.append(source)
+        features.append((blocks.index(source), col))
+    with graph.inserting_before(cat):
+        new = graph.call_function(OPS["dot_interaction"], (x, blocks, li, lj), {"features": tuple(features)})
+    name = cat.name
+    cat.replace_all_uses_with(new)
+    for n in (cat, pd, stack):
+        graph.erase_node(n)
+    for v in vectors[1:]:
+        if isinstance(v, fx.Node) and not v.users and _is_call(v, operator.getitem):
+            split = v.args[0]
+            graph.erase_node(v)
+            if not split.users:
+                graph.erase_node(split)
+    rename(new, name)
+    return True
+
+
 @register_pass
-def fuse_interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Fuse bmm(X, X^T)[:, li, lj] into recc.pairwise_dot(X, li, lj)."""
+def fuse_interaction(gm: fx.GraphModule, ctx: PassContext, *, concat: bool = True) -> fx.GraphModule:
+    """Fuse bmm(X, X^T)[:, li, lj] into recc.pairwise_dot(X, li, lj), and with ``concat`` DLRM's
+    stack + pairs + cat around it into recc.dot_interaction."""
     graph = gm.graph
-    fused = 0
+    fused, whole = 0, 0
     for bmm in list(graph.nodes):
         is_bmm = (bmm.op == "call_function" and bmm.target in (torch.bmm, torch.matmul)) or \
                  (bmm.op == "call_method" and bmm.target in ("bmm", "matmul"))
@@ -85,5 +163,8 @@ def fuse_interaction(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             graph.erase_node(xt)
         rename(new, name)
         fused += 1
+        if concat and _fold_concat(graph, new):
+            whole += 1
     ctx.stats["fused_interactions"] = fused
+    ctx.stats["fused_interaction_concats"] = whole
     return gm

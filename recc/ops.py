@@ -454,6 +454,28 @@ def pairwise_dot(x, li, lj):
     return torch.bmm(x, x.transpose(1, 2))[:, li, lj]
 
 
+def _dot_interaction_meta(dense, blocks, li, lj, features, pad=0):
+    return _meta_like((dense.shape[0], dense.shape[1] + li.shape[0] + pad), dense.dtype)
+
+
+@define_op("dot_interaction", meta=_dot_interaction_meta)
+def dot_interaction(dense, blocks, li, lj, features, pad: int = 0):
+    """recc.dot_interaction(dense: f32[B,D], blocks: [f32[B,W_k]], li: i64[P], lj: i64[P], features=((k, col), ...), pad=0) -> f32[B, D+P+pad]
+
+    DLRM's whole interaction, ``cat([dense, pairwise_dot(stack(v), li, lj), zeros(pad)])``: the
+    interacting vectors are v_0 = ``dense`` and, for each ``(k, col)`` of ``features``, the D
+    columns ``blocks[k][:, col:col+D]`` (a table group's batched lookup, read in place: no
+    per-table split, no stack, no concatenation, and their gradients land in one tensor per
+    block). ``pad`` zero columns at the end let the next layer's GEMM see an aligned K.
+    """
+    d = dense.shape[1]
+    x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
+    parts = [dense, pairwise_dot(x, li, lj)]
+    if pad:
+        parts.append(dense.new_zeros(dense.shape[0], pad))
+    return torch.cat(parts, dim=1)
+
+
 def _linear_meta(x, weight, bias, activation="none"):
     return _meta_like(tuple(x.shape[:-1]) + (weight.shape[0],), x.dtype)
 

@@ -11,8 +11,9 @@ import torch
 
 from recc.ops import register_impl, use_references
 from recc.runtime.comm import gather_global_batch
-from recc.kernels import (linear_backward, linear_forward, linearize_indices, pairwise_dot_backward,
-                          pairwise_dot_forward, tbe_backward_update, tbe_forward)
+from recc.kernels import (dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward,
+                          linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
+                          tbe_forward)
 
 
 class TBELookup(torch.autograd.Function):
@@ -82,6 +83,27 @@ class PairwiseDot(torch.autograd.Function):
 @register_impl("pairwise_dot", "cpu")
 def pairwise_dot_cpu(x, li, lj):
     return PairwiseDot.apply(x, li, lj)
+
+
+class DotInteraction(torch.autograd.Function):
+    """Saves its inputs (no stacked copy); backward writes each block's gradient whole."""
+
+    @staticmethod
+    def forward(ctx, dense, li, lj, features, pad, *blocks):
+        ctx.features, ctx.pad = features, pad
+        ctx.save_for_backward(dense, li, lj, *blocks)
+        return dot_interaction_forward(dense, list(blocks), features, li, lj, pad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dense, li, lj, *blocks = ctx.saved_tensors
+        gd, gb = dot_interaction_backward(dense, blocks, ctx.features, li, lj, ctx.pad, grad)
+        return (gd, None, None, None, None, *gb)
+
+
+@register_impl("dot_interaction", "cpu")
+def dot_interaction_cpu(dense, blocks, li, lj, features, pad=0):
+    return DotInteraction.apply(dense, li, lj, features, pad, *blocks)
 
 
 class Linear(torch.autograd.Function):

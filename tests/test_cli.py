@@ -28,7 +28,8 @@ def test_compile_prints_the_final_ir_and_plan_and_dumps(tmp_path, capsys):
     assert "\npooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables\n" in out
     assert "# sharding plan: 3 tables over 1 rank(s), strategy=auto" in out
     assert "emb_l.2  30x4        table_wise  0      r0:30x4" in out
-    assert "\ngetitem    : f32[8,6]     = recc.pairwise_dot[cpu](stack, li, lj)  # @fuse_interaction\n" in out
+    assert ("\ncat        : f32[8,10]    = recc.dot_interaction[cpu](bot_l_3, [pooled_g0], li, lj, "
+            "features=((0, 0), (0, 4), (0, 8)))  # @fuse_interaction\n") in out
     assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 10 passes, pipeline discover_tables,"
                      r"shard_tables\{strategy=auto\},batch_tables,insert_comm,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
                      r"pipeline_comm\{enabled=true\},fuse_interaction,align_linear,fuse_linear_act,lower$", out, re.M)

@@ -14,10 +14,14 @@ from .tbe import (
     validate_inputs,
 )
 from .native import backend as cpu_backend
-from .interaction import pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference
+from .interaction import (dot_interaction_backward, dot_interaction_forward, dot_interaction_reference,
+                          pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
 from .linear import linear_backward, linear_forward
 
 __all__ = [
+    "dot_interaction_backward",
+    "dot_interaction_forward",
+    "dot_interaction_reference",
     "linear_backward",
     "linear_forward",
     "pairwise_dot_backward",

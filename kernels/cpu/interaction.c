@@ -1,6 +1,12 @@
-/* DLRM dot interaction, pair by pair (recc.pairwise_dot).
+/* DLRM dot interaction, pair by pair (recc.pairwise_dot and recc.dot_interaction).
  *
- * out[b, p] = <x[b, li[p], :], x[b, lj[p], :]> for x of shape [B, F, D].
+ * Sample b has F interacting vectors of D floats, v_0 .. v_{F-1}; vector f is read from
+ * blk[fblk[f]] + b * bld[fblk[f]] + fcol[f], so the vectors can be columns of the tensors that
+ * hold them (the dense MLP output, a table group's batched lookup) and nothing is stacked.
+ * Output row b (out + b * ldo) is [v_head (D floats, when head >= 0) | <v_li[p], v_lj[p]> for
+ * p < P | pad zeros]: recc.dot_interaction writes the top MLP's whole (K-padded) input, and
+ * recc.pairwise_dot is the case of one [B, F*D] block, no head and no padding.
+ *
  * torch computes this as bmm(x, x^T) followed by an index gather: for the small F x F matrices
  * of a DLRM, batched GEMM runs far below the machine's speed, and the gather's backward is a
  * scatter-add into a zero-filled F x F gradient.  Here every sample is independent, so the
@@ -10,8 +16,9 @@
  * 4 rows of x against 16 columns of a zero-padded transposed copy, accumulators kept in
  * registers across the whole D loop (a plain dot product of D floats is too short to vectorise:
  * the horizontal sum dominates), for the tiles that hold a requested pair.  The requested pairs
- * are then read out of Z.  Backward builds
- * the symmetric pair gradient G (F x F) and computes dx = G x, 16 columns of D at a time.
+ * are then read out of Z.  Backward builds the symmetric pair gradient G (F x F) and computes
+ * dx = G x, 4 rows of G by 16 columns of D at a time (four independent accumulator chains), and
+ * adds dx_f into the gradient of the tensor vector f came from.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,37 +26,57 @@
 #include <omp.h>
 
 #define RB 4  /* rows of x per micro-tile */
-#define CB 16 /* columns (of x^T) per micro-tile: one AVX-512 vector, two AVX2 vectors */
+#define CB 16 /* columns (of x^T, or of D) per micro-tile: one AVX-512 vector, two AVX2 vectors */
 
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-int recc_pairwise_dot_forward(const float *x, int64_t B, int64_t F, int64_t D, const int64_t *li,
-                              const int64_t *lj, int64_t P, float *out, int nthreads) {
+static inline const float *vec(const float *const *blk, const int64_t *bld, const int64_t *fblk,
+                               const int64_t *fcol, int64_t f, int64_t b) {
+    return blk[fblk[f]] + b * bld[fblk[f]] + fcol[f];
+}
+
+int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_t B, int64_t F,
+                             int64_t D, const int64_t *fblk, const int64_t *fcol, const int64_t *li,
+                             const int64_t *lj, int64_t P, int64_t head, float *out, int64_t ldo,
+                             int64_t pad, int nthreads) {
     const int64_t Fc = round_up(F, CB), Fr = round_up(F, RB);
+    const int64_t hd = head >= 0 ? D : 0;
     /* Only the micro-tiles holding a requested pair are computed: DLRM asks for the strictly
      * lower triangle, so at F = 27 that is 10 of the 7 x 2 tiles. */
     const int64_t ntr = Fr / RB, ntc = Fc / CB;
     unsigned char *need = (unsigned char *)calloc((size_t)(ntr * ntc), 1);
-    if (!need) return -1;
-    for (int64_t p = 0; p < P; ++p) need[(li[p] / RB) * ntc + lj[p] / CB] = 1;
+    int32_t *zi = (int32_t *)malloc(sizeof(int32_t) * (size_t)(P + 1)); /* pair p's cell of z */
+    if (!need || !zi) {
+        free(need);
+        free(zi);
+        return -1;
+    }
+    for (int64_t p = 0; p < P; ++p) {
+        need[(li[p] / RB) * ntc + lj[p] / CB] = 1;
+        zi[p] = (int32_t)(li[p] * Fc + lj[p]);
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        /* xt: x^T padded to Fc columns; xr: x padded to Fr rows; z: Fr x Fc Gram matrix. */
+        /* xt: x^T padded to Fc columns; zero: the rows of x past F; v: sample b's vectors (then
+         * zero rows up to Fr); z: Fr x Fc Gram matrix. */
         float *xt = (float *)calloc((size_t)(D * Fc), sizeof(float));
-        float *xr = (float *)calloc((size_t)(Fr * D), sizeof(float));
+        float *zero = (float *)calloc((size_t)D, sizeof(float));
+        const float **v = (const float **)malloc(sizeof(float *) * (size_t)Fr);
         float *z = (float *)malloc(sizeof(float) * (size_t)(Fr * Fc));
-        if (!xt || !xr || !z) {
+        const int ok = xt && zero && v && z;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
+        for (int64_t f = F; ok && f < Fr; ++f) v[f] = zero;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
-            if (!xt || !xr || !z) continue;
-            const float *xb = x + b * F * D;
-            memcpy(xr, xb, sizeof(float) * (size_t)(F * D));
-            for (int64_t f = 0; f < F; ++f)
-                for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = xb[f * D + d];
+            if (!ok) continue;
+            for (int64_t f = 0; f < F; ++f) {
+                const float *x = v[f] = vec(blk, bld, fblk, fcol, f, b);
+                for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = x[d];
+            }
             for (int64_t i0 = 0; i0 < Fr; i0 += RB) {
                 for (int64_t j0 = 0; j0 < Fc; j0 += CB) {
                     if (!need[(i0 / RB) * ntc + j0 / CB]) continue;
@@ -59,7 +86,7 @@ int recc_pairwise_dot_forward(const float *x, int64_t B, int64_t F, int64_t D, c
                     for (int64_t d = 0; d < D; ++d) {
                         const float *col = xt + d * Fc + j0;
                         for (int r = 0; r < RB; ++r) {
-                            const float a = xr[(i0 + r) * D + d];
+                            const float a = v[i0 + r][d];
 #pragma omp simd
                             for (int c = 0; c < CB; ++c) acc[r][c] += a * col[c];
                         }
@@ -68,62 +95,120 @@ int recc_pairwise_dot_forward(const float *x, int64_t B, int64_t F, int64_t D, c
                         for (int c = 0; c < CB; ++c) z[(i0 + r) * Fc + j0 + c] = acc[r][c];
                 }
             }
-            float *ob = out + b * P;
-            for (int64_t p = 0; p < P; ++p) ob[p] = z[li[p] * Fc + lj[p]];
+            float *ob = out + b * ldo;
+            if (hd)
+                for (int64_t d = 0; d < D; ++d) ob[d] = v[head][d];
+            for (int64_t p = 0; p < P; ++p) ob[hd + p] = z[zi[p]];
+            for (int64_t k = 0; k < pad; ++k) ob[hd + P + k] = 0.f;
         }
         free(xt);
-        free(xr);
+        free(zero);
+        free((void *)v);
         free(z);
     }
+    free(zi);
     free(need);
     return failed ? -1 : 0;
 }
 
-int recc_pairwise_dot_backward(const float *x, const float *g, int64_t B, int64_t F, int64_t D,
-                               const int64_t *li, const int64_t *lj, int64_t P, float *dx,
-                               int nthreads) {
+/* g: the output's gradient, row b at g + b * ldg (head, pairs, pad as in the forward).
+ * dblk[k]: the gradient of blk[k], row b at dblk[k] + b * dld[k], dwidth[k] floats wide; every
+ * row is written (zeros where no vector was read), vector f's part accumulated, so a tensor
+ * whose columns are several vectors (or the head and a vector) gets their sum.
+ *
+ * d<x_i, x_j> = x_j dx_i + x_i dx_j, i.e. dx = G x for the symmetric pair gradient G (F x F).
+ * When every requested pair is off the diagonal and requested once (DLRM's triangle), G is
+ * never built: cell (i, j) is read straight from the sample's pair gradients through a table
+ * of pair indices made once per call (cells of no pair point at a zero), so the loads overlap
+ * with the products. Otherwise (diagonal or repeated pairs, whose values add up) G is
+ * accumulated per sample and read through the identity table: a scatter of read-modify-writes
+ * that costs ~1.5x. */
+int recc_interaction_backward(const float *const *blk, const int64_t *bld, int64_t nblk, int64_t B,
+                              int64_t F, int64_t D, const int64_t *fblk, const int64_t *fcol,
+                              const int64_t *li, const int64_t *lj, int64_t P, int64_t head,
+                              const float *g, int64_t ldg, float *const *dblk, const int64_t *dld,
+                              const int64_t *dwidth, int nthreads) {
+    const int64_t Fr = round_up(F, RB);
+    const int64_t hd = head >= 0 ? D : 0;
+    /* tab: for each cell of G (Fr x F), where its value is: a pair index into the sample's
+     * copy of its pair gradients (P: the zero after them), or the cell itself. */
+    int32_t *tab = (int32_t *)malloc(sizeof(int32_t) * (size_t)(Fr * F));
+    if (!tab) return -1;
+    int direct = 1;
+    for (int64_t k = 0; k < Fr * F; ++k) tab[k] = (int32_t)P;
+    for (int64_t p = 0; p < P; ++p) {
+        const int64_t a = li[p] * F + lj[p], c = lj[p] * F + li[p];
+        if (a == c || tab[a] != (int32_t)P) direct = 0;
+        tab[a] = tab[c] = (int32_t)p;
+    }
+    if (!direct)
+        for (int64_t k = 0; k < Fr * F; ++k) tab[k] = (int32_t)k;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *gm = (float *)malloc(sizeof(float) * (size_t)(F * F));
-        if (!gm) {
+        /* src: what tab indexes — the sample's P pair gradients and a zero, or G (Fr x F, rows
+         * past F zero); v/dv: sample b's vectors and where their gradients go. */
+        float *src = (float *)calloc((size_t)(direct ? P + 1 : Fr * F), sizeof(float));
+        const float **v = (const float **)malloc(sizeof(float *) * (size_t)F);
+        float **dv = (float **)malloc(sizeof(float *) * (size_t)F);
+        const int ok = src && v && dv;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
-            if (!gm) continue;
-            const float *xb = x + b * F * D;
-            const float *gb = g + b * P;
-            float *db = dx + b * F * D;
-            memset(gm, 0, sizeof(float) * (size_t)(F * F));
-            /* d<x_i, x_j> = x_j dx_i + x_i dx_j: both orientations (twice on the diagonal). */
-            for (int64_t p = 0; p < P; ++p) {
-                gm[li[p] * F + lj[p]] += gb[p];
-                gm[lj[p] * F + li[p]] += gb[p];
+            if (!ok) continue;
+            const float *gb = g + b * ldg + hd;
+            for (int64_t f = 0; f < F; ++f) {
+                v[f] = vec(blk, bld, fblk, fcol, f, b);
+                dv[f] = dblk[fblk[f]] + b * dld[fblk[f]] + fcol[f];
             }
-            for (int64_t i = 0; i < F; ++i) {
-                const float *gi = gm + i * F;
+            for (int64_t k = 0; k < nblk; ++k) memset(dblk[k] + b * dld[k], 0, sizeof(float) * (size_t)dwidth[k]);
+            if (hd)
+                for (int64_t d = 0; d < D; ++d) dv[head][d] += gb[d - hd];
+            if (direct) {
+                memcpy(src, gb, sizeof(float) * (size_t)P);
+            } else {
+                memset(src, 0, sizeof(float) * (size_t)(F * F));
+                for (int64_t p = 0; p < P; ++p) {
+                    src[li[p] * F + lj[p]] += gb[p];
+                    src[lj[p] * F + li[p]] += gb[p];
+                }
+            }
+            for (int64_t i0 = 0; i0 < F; i0 += RB) {
+                const int32_t *t0 = tab + i0 * F;
                 int64_t d0 = 0;
                 for (; d0 + CB <= D; d0 += CB) {
-                    float acc[CB];
-                    for (int c = 0; c < CB; ++c) acc[c] = 0.f;
+                    float acc[RB][CB];
+                    for (int r = 0; r < RB; ++r)
+                        for (int c = 0; c < CB; ++c) acc[r][c] = 0.f;
                     for (int64_t j = 0; j < F; ++j) {
-                        const float a = gi[j];
-                        const float *xj = xb + j * D + d0;
+                        const float *xj = v[j] + d0;
+                        for (int r = 0; r < RB; ++r) {
+                            const float a = src[t0[r * F + j]];
 #pragma omp simd
-                        for (int c = 0; c < CB; ++c) acc[c] += a * xj[c];
+                            for (int c = 0; c < CB; ++c) acc[r][c] += a * xj[c];
+                        }
                     }
-                    for (int c = 0; c < CB; ++c) db[i * D + d0 + c] = acc[c];
+                    for (int r = 0; r < RB && i0 + r < F; ++r) {
+                        float *di = dv[i0 + r] + d0;
+#pragma omp simd
+                        for (int c = 0; c < CB; ++c) di[c] += acc[r][c];
+                    }
                 }
-                for (int64_t d = d0; d < D; ++d) {
-                    float s = 0.f;
-                    for (int64_t j = 0; j < F; ++j) s += gi[j] * xb[j * D + d];
-                    db[i * D + d] = s;
-                }
+                for (int64_t i = i0; i < i0 + RB && i < F; ++i)
+                    for (int64_t d = d0; d < D; ++d) {
+                        float s = 0.f;
+                        for (int64_t j = 0; j < F; ++j) s += src[tab[i * F + j]] * v[j][d];
+                        dv[i][d] += s;
+                    }
             }
         }
-        free(gm);
+        free(src);
+        free((void *)v);
+        free(dv);
     }
+    free(tab);
     return failed ? -1 : 0;
 }

@@ -1,9 +1,13 @@
-"""The DLRM dot interaction (``recc.pairwise_dot``) on CPU: a C kernel and a torch reference.
+"""The DLRM dot interaction on CPU: a C kernel and a torch reference.
 
 ``pairwise_dot_forward(x, li, lj)`` returns ``out[b, p] = <x[b, li[p]], x[b, lj[p]]>`` and
-``pairwise_dot_backward(x, li, lj, grad)`` the gradient for ``x``. The C kernel
-(``interaction.c``) is built and cached like the TBE kernels (see ``native.py``) and honours
-``RECC_CPU_KERNELS``; without it the reference (``bmm`` + gather, autograd for backward) runs.
+``pairwise_dot_backward(x, li, lj, grad)`` the gradient for ``x`` (``recc.pairwise_dot``).
+``dot_interaction_forward(dense, blocks, features, li, lj, pad)`` computes
+``recc.dot_interaction``: the vectors are ``dense`` and D-column slices of ``blocks``, read in
+place, and the output row is ``[dense | pairs | pad zeros]``; ``dot_interaction_backward``
+returns the gradients of ``dense`` and of every block. The C kernel (``interaction.c``) is built
+and cached like the TBE kernels (see ``native.py``) and honours ``RECC_CPU_KERNELS``; without it
+the references (``stack`` + ``bmm`` + gather + ``cat``, autograd for backward) run.
 """
 from __future__ import annotations
 
@@ -30,10 +34,12 @@ def _library():
                 try:
                     lib, _ = native.build_and_load(SOURCE)
                     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                    lib.recc_pairwise_dot_forward.restype = i32
-                    lib.recc_pairwise_dot_forward.argtypes = [p, i64, i64, i64, p, p, i64, p, i32]
-                    lib.recc_pairwise_dot_backward.restype = i32
-                    lib.recc_pairwise_dot_backward.argtypes = [p, p, i64, i64, i64, p, p, i64, p, i32]
+                    lib.recc_interaction_forward.restype = i32
+                    lib.recc_interaction_forward.argtypes = [p, p, i64, i64, i64, p, p, p, p, i64, i64,
+                                                             p, i64, i64, i32]
+                    lib.recc_interaction_backward.restype = i32
+                    lib.recc_interaction_backward.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, i64,
+                                                              i64, p, i64, p, p, p, i32]
                     _state["lib"] = lib
                 except Exception as exc:
                     _state["error"] = f"{type(exc).__name__}: {exc}"
@@ -45,38 +51,107 @@ def _library():
     return _state["lib"]
 
 
+def _check_pairs(f: int, li: torch.Tensor, lj: torch.Tensor, what: str) -> None:
+    if li.shape != lj.shape or li.dim() != 1:
+        raise ValueError(f"{what}: li and lj must be 1-D of one length, got {tuple(li.shape)} and {tuple(lj.shape)}")
+    for name, idx in (("li", li), ("lj", lj)):
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= f):
+            raise IndexError(f"{what}: {name} holds an index outside the {f} interacting vectors")
+
+
 def _check(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> None:
     if x.dim() != 3:
         raise ValueError(f"pairwise_dot: x must be [B, F, D], got shape {tuple(x.shape)}")
-    if li.shape != lj.shape or li.dim() != 1:
-        raise ValueError(f"pairwise_dot: li and lj must be 1-D of one length, got {tuple(li.shape)} and {tuple(lj.shape)}")
-    f = x.shape[1]
-    for name, idx in (("li", li), ("lj", lj)):
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= f):
-            raise IndexError(f"pairwise_dot: {name} holds an index outside the {f} interacting vectors")
+    _check_pairs(x.shape[1], li, lj, "pairwise_dot")
 
 
-def _native_ok(x, li, lj) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and li.dtype == torch.int64
-            and lj.dtype == torch.int64 and _library() is not None)
+def _check_interaction(dense, blocks, features, li, lj, pad) -> None:
+    what = "dot_interaction"
+    if dense.dim() != 2:
+        raise ValueError(f"{what}: dense must be [B, D], got shape {tuple(dense.shape)}")
+    b, d = dense.shape
+    for k, t in enumerate(blocks):
+        if t.dim() != 2 or t.shape[0] != b:
+            raise ValueError(f"{what}: block {k} must be [{b}, W], got shape {tuple(t.shape)}")
+    for f, (k, c) in enumerate(features, start=1):
+        if not 0 <= k < len(blocks):
+            raise IndexError(f"{what}: vector {f} reads block {k} of {len(blocks)}")
+        if c < 0 or c + d > blocks[k].shape[1]:
+            raise IndexError(f"{what}: vector {f} reads columns [{c}, {c + d}) of block {k}, "
+                             f"which has {blocks[k].shape[1]}")
+    if pad < 0:
+        raise ValueError(f"{what}: pad must be >= 0, got {pad}")
+    _check_pairs(len(features) + 1, li, lj, what)
+
+
+def _native_ok(tensors, li, lj) -> bool:
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and li.dtype == torch.int64 and lj.dtype == torch.int64 and _library() is not None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with unit column stride (the kernel reads rows at any row stride)."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
+def _i64(values) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64)
+
+
+def _ptrs(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def _forward(blocks, fblk, fcol, d, li, lj, head, pad) -> torch.Tensor:
+    """Run the C forward over vectors (blocks[fblk[f]], column fcol[f]); [B, hd + P + pad]."""
+    blocks = [_rows(t) for t in blocks]
+    li, lj = li.contiguous(), lj.contiguous()
+    b, p = blocks[0].shape[0], li.numel()
+    width = (d if head >= 0 else 0) + p + pad
+    out = torch.empty(b, width, dtype=torch.float32)
+    bld, fb, fc = _i64(t.stride(0) for t in blocks), _i64(fblk), _i64(fcol)
+    rc = _library().recc_interaction_forward(_ptrs(blocks), bld.data_ptr(), b, len(fblk), d, fb.data_ptr(),
+                                             fc.data_ptr(), li.data_ptr(), lj.data_ptr(), p, head,
+                                             out.data_ptr(), width, pad, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("interaction: the C kernel could not allocate its per-thread buffers")
+    return out
+
+
+def _backward(blocks, fblk, fcol, d, li, lj, head, grad) -> list[torch.Tensor]:
+    """The C backward: the gradient of every block (full shape, zero where no vector was read)."""
+    blocks = [_rows(t) for t in blocks]
+    li, lj, grad = li.contiguous(), lj.contiguous(), _rows(grad.to(torch.float32))
+    b = blocks[0].shape[0]
+    grads = [torch.empty(t.shape, dtype=torch.float32) for t in blocks]
+    bld, fb, fc = _i64(t.stride(0) for t in blocks), _i64(fblk), _i64(fcol)
+    dld, dw = _i64(g.stride(0) for g in grads), _i64(g.shape[1] for g in grads)
+    rc = _library().recc_interaction_backward(_ptrs(blocks), bld.data_ptr(), len(blocks), b, len(fblk), d,
+                                              fb.data_ptr(), fc.data_ptr(), li.data_ptr(), lj.data_ptr(),
+                                              li.numel(), head, grad.data_ptr(), grad.stride(0), _ptrs(grads),
+                                              dld.data_ptr(), dw.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("interaction: the C kernel could not allocate its per-thread buffers")
+    return grads
 
 
 def pairwise_dot_reference(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, x.transpose(1, 2))[:, li, lj]
 
 
+def _reference_grads(fn, inputs, grad):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in inputs]
+        grads = torch.autograd.grad(fn(*leaves), leaves, grad, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+
+
 def pairwise_dot_forward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> torch.Tensor:
     _check(x, li, lj)
-    if not _native_ok(x, li, lj):
+    if not _native_ok([x], li, lj):
         return pairwise_dot_reference(x, li, lj)
-    x, li, lj = x.contiguous(), li.contiguous(), lj.contiguous()
     b, f, d = x.shape
-    out = torch.empty(b, li.numel(), dtype=x.dtype)
-    rc = _library().recc_pairwise_dot_forward(x.data_ptr(), b, f, d, li.data_ptr(), lj.data_ptr(), li.numel(),
-                                              out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("pairwise_dot: the C kernel could not allocate its per-thread buffers")
-    return out
+    return _forward([x.contiguous().view(b, f * d)], [0] * f, range(0, f * d, d), d, li, lj, -1, 0)
 
 
 def pairwise_dot_backward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -85,16 +160,43 @@ def pairwise_dot_backward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor, g
     _check(x, li, lj)
     if tuple(grad.shape) != (x.shape[0], li.numel()):
         raise ValueError(f"pairwise_dot: grad must be [B, P] = {(x.shape[0], li.numel())}, got {tuple(grad.shape)}")
-    if not _native_ok(x, li, lj):
-        with torch.enable_grad():
-            xr = x.detach().requires_grad_(True)
-            (gx,) = torch.autograd.grad(pairwise_dot_reference(xr, li, lj), xr, grad)
-        return gx
-    x, li, lj, grad = x.contiguous(), li.contiguous(), lj.contiguous(), grad.to(torch.float32).contiguous()
+    if not _native_ok([x], li, lj):
+        return _reference_grads(lambda t: pairwise_dot_reference(t, li, lj), [x], grad)[0]
     b, f, d = x.shape
-    dx = torch.empty_like(x)
-    rc = _library().recc_pairwise_dot_backward(x.data_ptr(), grad.data_ptr(), b, f, d, li.data_ptr(), lj.data_ptr(),
-                                               li.numel(), dx.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError("pairwise_dot: the C kernel could not allocate its per-thread buffers")
-    return dx
+    (gx,) = _backward([x.contiguous().view(b, f * d)], [0] * f, range(0, f * d, d), d, li, lj, -1, grad)
+    return gx.view(b, f, d)
+
+
+def dot_interaction_reference(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
+    d = dense.shape[1]
+    x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
+    parts = [dense, pairwise_dot_reference(x, li, lj)]
+    if pad:
+        parts.append(dense.new_zeros(dense.shape[0], pad))
+    return torch.cat(parts, dim=1)
+
+
+def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
+    _check_interaction(dense, blocks, features, li, lj, pad)
+    if not _native_ok([dense, *blocks], li, lj):
+        return dot_interaction_reference(dense, blocks, features, li, lj, pad)
+    fblk = [0] + [k + 1 for k, _ in features]
+    fcol = [0] + [c for _, c in features]
+    return _forward([dense, *blocks], fblk, fcol, dense.shape[1], li, lj, 0, pad)
+
+
+def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
+    """(gradient of dense, [gradient of each block]) for the output gradient ``grad``."""
+    _check_interaction(dense, blocks, features, li, lj, pad)
+    want = (dense.shape[0], dense.shape[1] + li.numel() + pad)
+    if tuple(grad.shape) != want:
+        raise ValueError(f"dot_interaction: grad must be [B, D + P + pad] = {want}, got {tuple(grad.shape)}")
+    if not _native_ok([dense, *blocks], li, lj):
+        n = len(blocks)
+        grads = _reference_grads(lambda x, *bl: dot_interaction_reference(x, list(bl), features, li, lj, pad),
+                                 [dense, *blocks], grad)
+        return grads[0], list(grads[1:1 + n])
+    fblk = [0] + [k + 1 for k, _ in features]
+    fcol = [0] + [c for _, c in features]
+    grads = _backward([dense, *blocks], fblk, fcol, dense.shape[1], li, lj, 0, grad)
+    return grads[0], grads[1:]

@@ -1,9 +1,11 @@
-"""recc.pairwise_dot on CPU: the C kernel and the torch reference against bmm + gather."""
+"""recc.pairwise_dot and recc.dot_interaction on CPU: the C kernel and the torch references
+against stack + bmm + gather + cat, forward and backward."""
 import pytest
 import torch
 
 from recc.kernels.cpu import interaction
-from recc.kernels import pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference
+from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_reference,
+                          pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
 
 
 def _eager(x, li, lj):
@@ -98,3 +100,88 @@ def test_backward_accepts_a_non_fp32_grad(monkeypatch):
     grad = torch.randn(3, li.numel(), dtype=torch.float64)
     _eager(x, li, lj).backward(grad.float())
     torch.testing.assert_close(pairwise_dot_backward(x.detach(), li, lj, grad), x.grad, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- dot_interaction
+
+def _eager_interaction(dense, blocks, features, li, lj, pad):
+    """DLRM's interact(), spelled out: stack the vectors, bmm, gather, cat with dense, pad."""
+    d = dense.shape[1]
+    x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
+    out = torch.cat([dense, _eager(x, li, lj)], dim=1)
+    return torch.nn.functional.pad(out, (0, pad))
+
+
+def _check_interaction(dense, blocks, features, li, lj, pad, g):
+    leaves = [t.detach().clone().requires_grad_(True) for t in [dense, *blocks]]
+    ref = _eager_interaction(leaves[0], leaves[1:], features, li, lj, pad)
+    grad = torch.randn(ref.shape, generator=g)
+    ref.backward(grad)
+    out = dot_interaction_forward(dense, blocks, features, li, lj, pad)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
+    gd, gb = dot_interaction_backward(dense, blocks, features, li, lj, pad, grad)
+    torch.testing.assert_close(gd, leaves[0].grad, rtol=1e-5, atol=1e-5)
+    assert len(gb) == len(blocks)
+    for k, (got, leaf) in enumerate(zip(gb, leaves[1:])):
+        want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"block {k}: {m}")
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+@pytest.mark.parametrize("tables,d,pad", [(26, 16, 1), (8, 64, 0), (3, 4, 5), (5, 7, 2), (1, 16, 0)])
+def test_interaction_matches_stack_bmm_gather_cat(monkeypatch, kernels, tables, d, pad):
+    """DLRM's shape: the vectors are the dense output and the column blocks of one batched lookup,
+    in an order that is not the lookup's (a plan groups tables by rank)."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    g = torch.Generator().manual_seed(tables * 10 + d)
+    dense = torch.randn(11, d, generator=g)
+    pooled = torch.randn(11, tables * d, generator=g)
+    order = torch.randperm(tables, generator=g).tolist()
+    features = tuple((0, k * d) for k in order)
+    li, lj = torch.tril_indices(tables + 1, tables + 1, -1)
+    _check_interaction(dense, [pooled], features, li, lj, pad, g)
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_interaction_several_blocks_repeats_unread_columns_and_strided_rows(monkeypatch, kernels):
+    """Vectors from two blocks and a lone vector, one column block read twice, one never read
+    (its gradient is zero), a block whose rows are a strided view, diagonal and repeated pairs
+    (the backward's accumulation path)."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    g = torch.Generator().manual_seed(3)
+    d = 16
+    dense = torch.randn(9, d, generator=g)
+    wide = torch.randn(9, 5 * d + 3, generator=g)[:, 3:]  # rows with a stride of 5 * d + 3
+    lone = torch.randn(9, d, generator=g)
+    features = ((0, 2 * d), (1, 0), (0, 0), (0, 2 * d), (0, 4 * d))  # wide's block 1 and 3 unread
+    li, lj = torch.tril_indices(6, 6, -1)
+    _check_interaction(dense, [wide, lone], features, li, lj, 3, g)
+    li, lj = torch.tensor([2, 5, 0, 2, 3]), torch.tensor([2, 1, 0, 2, 4])  # diagonal, repeated
+    _check_interaction(dense, [wide, lone], features, li, lj, 0, g)
+
+
+def test_interaction_reference_is_the_op_reference():
+    import recc
+    g = torch.Generator().manual_seed(5)
+    dense, pooled = torch.randn(4, 8, generator=g), torch.randn(4, 24, generator=g)
+    li, lj = torch.tril_indices(4, 4, -1)
+    features = ((0, 16), (0, 0), (0, 8))
+    want = recc.ops.OPS["dot_interaction"](dense, [pooled], li, lj, features=features, pad=2)
+    torch.testing.assert_close(dot_interaction_reference(dense, [pooled], features, li, lj, 2), want)
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_interaction_bad_input_is_an_error(monkeypatch, kernels):
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    dense, pooled = torch.randn(4, 8), torch.randn(4, 24)
+    li, lj = torch.tril_indices(3, 3, -1)
+    with pytest.raises(IndexError, match=r"vector 2 reads columns \[20, 28\) of block 0, which has 24"):
+        dot_interaction_forward(dense, [pooled], ((0, 0), (0, 20)), li, lj)
+    with pytest.raises(IndexError, match="vector 1 reads block 1 of 1"):
+        dot_interaction_forward(dense, [pooled], ((1, 0), (0, 8)), li, lj)
+    with pytest.raises(IndexError, match="li holds an index outside the 3 interacting vectors"):
+        dot_interaction_forward(dense, [pooled], ((0, 0), (0, 8)), torch.tensor([3]), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"block 0 must be \[4, W\]"):
+        dot_interaction_forward(dense, [torch.randn(5, 24)], ((0, 0), (0, 8)), li, lj)
+    with pytest.raises(ValueError, match=r"grad must be \[B, D \+ P \+ pad\] = \(4, 12\)"):
+        dot_interaction_backward(dense, [pooled], ((0, 0), (0, 8)), li, lj, 1, torch.randn(4, 11))

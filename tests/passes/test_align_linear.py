@@ -34,19 +34,32 @@ def test_misaligned_layers_are_padded_in_the_ir():
         "dense_x_k8 : f32[32,16]   = torch.nn.functional.pad(dense_x, (0, 3))  # @align_linear",
         "bot_l_0_w_k8 : f32[512,16]  = torch.nn.functional.pad(bot_l_0_weight, (0, 3))  # @align_linear",
         "bot_l_0    : f32[32,512]  = torch._C._nn.linear(dense_x_k8, bot_l_0_w_k8, bot_l_0_bias)  # @align_linear",
-        "cat_k8     : f32[32,32]   = torch.nn.functional.pad(cat, (0, 1))  # @align_linear",
-        "top_l_0    : f32[32,256]  = torch._C._nn.linear(cat_k8, top_l_0_w_k8, top_l_0_bias)  # @align_linear",
+        # The fused interaction writes the top MLP's zero column itself: no padded copy.
+        "cat        : f32[32,32]   = recc.dot_interaction(bot_l_3, [pooled_g0], li, lj, "
+        "features=((0, 0), (0, 16), (0, 32), (0, 48), (0, 64)), pad=1)  # @fuse_interaction",
+        "top_l_0    : f32[32,256]  = torch._C._nn.linear(cat, top_l_0_w_k8, top_l_0_bias)  # @align_linear",
     ]:
         assert line in text.splitlines(), line
+    assert "torch.nn.functional.pad(cat" not in text
     # Aligned layers (K = 512, 256) and the user's parameters are untouched.
     assert "bot_l_2    : f32[32,16]   = bot_l.2(bot_l_1)" in text.splitlines()
     assert program.graph.get_submodule("top_l.0").weight.shape == (256, 31)
 
 
-def test_padded_model_trains_like_eager():
+def test_an_unfused_interaction_output_is_padded_by_a_copy():
+    program = _compile(_model(), pipeline="discover_tables,shard_tables,batch_tables,fuse_interaction{concat=false},"
+                                          "align_linear")
+    lines = program.stages["align_linear"].text.splitlines()
+    assert "cat_k8     : f32[32,32]   = torch.nn.functional.pad(cat, (0, 1))  # @align_linear" in lines
+    assert "top_l_0    : f32[32,256]  = torch._C._nn.linear(cat_k8, top_l_0_w_k8, top_l_0_bias)  # @align_linear" in lines
+
+
+@pytest.mark.parametrize("concat", [True, False])
+def test_padded_model_trains_like_eager(concat):
     model = _model()
     eager = _model()
-    dm = _compile(model, config=recc.CompileConfig(lr=0.1, verify=2)).instantiate()
+    pipeline = recc.DEFAULT_PIPELINE.replace("fuse_interaction", f"fuse_interaction{{concat={str(concat).lower()}}}")
+    dm = _compile(model, pipeline=pipeline, config=recc.CompileConfig(lr=0.1, verify=2)).instantiate()
     assert sorted(tuple(p.shape) for p in dm.dense_parameters()) == \
         sorted(tuple(p.shape) for n, p in eager.named_parameters() if "emb_l" not in n)
     opt = torch.optim.SGD(dm.dense_parameters(), lr=0.1)

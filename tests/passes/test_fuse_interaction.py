@@ -1,4 +1,5 @@
-"""fuse_interaction: bmm(X, X^T)[:, li, lj] becomes one recc.pairwise_dot."""
+"""fuse_interaction: bmm(X, X^T)[:, li, lj] becomes one recc.pairwise_dot, and DLRM's whole
+interaction (split per table, stack, pairs, cat) one recc.dot_interaction."""
 import torch
 import torch.nn as nn
 
@@ -15,6 +16,33 @@ def _ops(program, stage):
 def test_tiny_dlrm_interaction_is_fused():
     program = recc.compile(build_model("tiny"), pipeline=PIPELINE)
     expected_diff_lines = {
+        "-tables_g0  : tuple[3x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4, 4))  # @batch_tables",
+        "-emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]; "
+        "@batch_tables",
+        "-emb_l_1    : f32[8,4]     = getitem(tables_g0, 1)  # table t1=emb_l.1[20x4,sum]; shard=tw@r0[0:20,0:4]; "
+        "@batch_tables",
+        "-emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum]; shard=tw@r0[0:30,0:4]; "
+        "@batch_tables",
+        "-stack      : f32[8,4,4]   = torch.stack([bot_l_3, emb_l_0, emb_l_1, emb_l_2], dim=1)",
+        "-transpose  : f32[8,4,4]   = torch.transpose(stack, 1, 2)",
+        "-bmm        : f32[8,4,4]   = torch.bmm(stack, transpose)",
+        "-getitem    : f32[8,6]     = getitem(bmm, (slice(None, None, None), li, lj))",
+        "-cat        : f32[8,10]    = torch.cat([bot_l_3, getitem], dim=1)",
+        "+cat        : f32[8,10]    = recc.dot_interaction(bot_l_3, [pooled_g0], li, lj, "
+        "features=((0, 0), (0, 4), (0, 8)))  # @fuse_interaction",
+    }
+    changed = {l for l in program.stages["fuse_interaction"].diff.splitlines()
+               if l[:1] in "+-" and not l.startswith(("+++", "---"))}
+    assert changed == expected_diff_lines
+    assert program.stats["fused_interactions"] == 1
+    assert program.stats["fused_interaction_concats"] == 1
+    assert torch.bmm not in _ops(program, "fuse_interaction")
+
+
+def test_tiny_dlrm_pairs_only_without_concat():
+    program = recc.compile(build_model("tiny"), pipeline=PIPELINE.replace("fuse_interaction",
+                                                                          "fuse_interaction{concat=false}"))
+    expected_diff_lines = {
         "-transpose  : f32[8,4,4]   = torch.transpose(stack, 1, 2)",
         "-bmm        : f32[8,4,4]   = torch.bmm(stack, transpose)",
         "-getitem    : f32[8,6]     = getitem(bmm, (slice(None, None, None), li, lj))",
@@ -24,7 +52,7 @@ def test_tiny_dlrm_interaction_is_fused():
                if l[:1] in "+-" and not l.startswith(("+++", "---"))}
     assert changed == expected_diff_lines
     assert program.stats["fused_interactions"] == 1
-    assert torch.bmm not in _ops(program, "fuse_interaction")
+    assert program.stats["fused_interaction_concats"] == 0
 
 
 class _Interaction(nn.Module):
@@ -87,7 +115,58 @@ def test_full_dlrm_parity_with_fused_interaction():
     model = build_model("tiny")
     data = SyntheticData("tiny", seed=3)
     program = recc.compile(model, config=recc.CompileConfig(verify=2))
-    assert "recc.pairwise_dot[cpu]" in program.stages["lower"].text
+    assert "recc.dot_interaction[cpu]" in program.stages["lower"].text
     dm = program.instantiate()
     x, o, i, _ = data.batch(0)
     torch.testing.assert_close(dm(x, o, i), model(x, o, i), rtol=1e-5, atol=1e-6)
+
+
+class _Projected(nn.Module):
+    """DLRM's interact() where one table's vector is projected first (not a column of the batched
+    lookup: its own block), and a second cat afterwards that must stay."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.ModuleList([nn.EmbeddingBag(10, 3) for _ in range(3)])
+        self.proj = nn.Linear(3, 3)
+        self.bot = nn.Linear(5, 3)
+        self.top = nn.Linear(3 + 6, 1)
+        li, lj = torch.tril_indices(4, 4, -1)
+        self.register_buffer("li", li, persistent=False)
+        self.register_buffer("lj", lj, persistent=False)
+
+    def forward(self, dense, offsets, ids):
+        x = self.bot(dense)
+        ly = [e(i, o) for e, i, o in zip(self.emb, ids, offsets)]
+        ly[1] = self.proj(ly[1])
+        t = torch.stack([x, *ly], dim=1)
+        z = torch.bmm(t, torch.transpose(t, 1, 2))[:, self.li, self.lj]
+        return torch.sigmoid(self.top(torch.cat([x, z], dim=1)))
+
+
+def test_projected_vector_is_its_own_block_and_training_matches_eager():
+    torch.manual_seed(0)
+    model, eager = _Projected(), _Projected()
+    eager.load_state_dict(model.state_dict())
+    ex = _inputs()
+    program = recc.compile(model, example_inputs=ex, config=recc.CompileConfig(lr=0.1, verify=2))
+    text = program.stages["fuse_interaction"].text
+    assert ("cat        : f32[6,9]     = recc.dot_interaction(bot, [pooled_g0, proj], li, lj, "
+            "features=((0, 0), (1, 0), (0, 6)))  # @fuse_interaction") in text.splitlines(), text
+    dm = program.instantiate()
+    opt = torch.optim.SGD(dm.dense_parameters(), lr=0.1)
+    for e in eager.emb:
+        e.sparse = True
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step in range(3):
+        out, want = dm(*ex), eager(*ex)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        out.sum().backward()
+        want.sum().backward()
+        opt.step()
+        eager_opt.step()
+        opt.zero_grad()
+        eager_opt.zero_grad()
+    got, ref = dm.state_dict(), eager.state_dict()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

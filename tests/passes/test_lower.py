@@ -40,8 +40,9 @@ top_l_3    : f32[8,1]     = top_l.3(top_l_2)
 return [top_l_3]
 """
 
-# The default pipeline also runs fuse_interaction, align_linear (a no-op on tiny's small layers) and
-# fuse_linear_act before lower.
+# The default pipeline also runs fuse_interaction (the per-table split, stack, pairs and cat become
+# one recc.dot_interaction reading pooled_g0 in place), align_linear (a no-op on tiny's small
+# layers) and fuse_linear_act before lower.
 EXPECTED_DEFAULT = """\
 dense_x    : f32[8,13]    = input
 lS_o_0     : i64[8]       = input
@@ -53,21 +54,15 @@ lS_i_2     : i64[16]      = input
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01); @batch_tables
 sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse[cpu]([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
 pooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables
-tables_g0  : tuple[3x f32[8,4]] = recc.split_cols[cpu](pooled_g0, (4, 4, 4))  # @batch_tables
-emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]; @batch_tables
-emb_l_1    : f32[8,4]     = getitem(tables_g0, 1)  # table t1=emb_l.1[20x4,sum]; shard=tw@r0[0:20,0:4]; @batch_tables
-emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
 bot_l_0_weight : f32[8,13]    = get_attr bot_l.0.weight  # @fuse_linear_act
 bot_l_0_bias : f32[8]       = get_attr bot_l.0.bias  # @fuse_linear_act
 bot_l_1    : f32[8,8]     = recc.linear[cpu](dense_x, bot_l_0_weight, bot_l_0_bias, activation='relu')  # @fuse_linear_act
 bot_l_2_weight : f32[4,8]     = get_attr bot_l.2.weight  # @fuse_linear_act
 bot_l_2_bias : f32[4]       = get_attr bot_l.2.bias  # @fuse_linear_act
 bot_l_3    : f32[8,4]     = recc.linear[cpu](bot_l_1, bot_l_2_weight, bot_l_2_bias, activation='relu')  # @fuse_linear_act
-stack      : f32[8,4,4]   = torch.stack([bot_l_3, emb_l_0, emb_l_1, emb_l_2], dim=1)
 li         : i64[6]       = get_attr li
 lj         : i64[6]       = get_attr lj
-getitem    : f32[8,6]     = recc.pairwise_dot[cpu](stack, li, lj)  # @fuse_interaction
-cat        : f32[8,10]    = torch.cat([bot_l_3, getitem], dim=1)
+cat        : f32[8,10]    = recc.dot_interaction[cpu](bot_l_3, [pooled_g0], li, lj, features=((0, 0), (0, 4), (0, 8)))  # @fuse_interaction
 top_l_0_weight : f32[8,10]    = get_attr top_l.0.weight  # @fuse_linear_act
 top_l_0_bias : f32[8]       = get_attr top_l.0.bias  # @fuse_linear_act
 top_l_1    : f32[8,8]     = recc.linear[cpu](cat, top_l_0_weight, top_l_0_bias, activation='relu')  # @fuse_linear_act
@@ -96,7 +91,7 @@ def test_default_pipeline_ends_with_lower(tiny):
     assert program.stages["lower"].text == EXPECTED_DEFAULT
     assert program.ir == program.stages["lower"].ir
     nodes = _recc_nodes(program.stages["lower"].graph)
-    assert {n.target.op.name for n in nodes} == {"pack_sparse", "tbe_lookup", "split_cols", "pairwise_dot", "linear"}
+    assert {n.target.op.name for n in nodes} == {"pack_sparse", "tbe_lookup", "dot_interaction", "linear"}
     assert all(isinstance(n.target, BoundOp) and n.target.device == "cpu" for n in nodes)
 
 

@@ -66,7 +66,8 @@ def _check_order(nodes: list, groups: int, bot_nodes: int = 4):
     assert len(in_starts) == len(out_starts) == len(out_waits) == groups
     bot = [n for n in nodes if n.name.startswith("bot_l_") and n.op != "get_attr"]
     assert len(bot) == bot_nodes
-    stack = names.index("stack")
+    # the interaction: the stack of its vectors, or (fused) the one recc.dot_interaction
+    stack = next(i for i, n in enumerate(nodes) if n.name == "stack" or _op(n) == "dot_interaction")
     # 1. every input dist starts before any wait
     assert max(pos[s] for s in in_starts) < min(pos[w] for w in waits), names
     # input dists before output dists

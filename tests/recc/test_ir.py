@@ -117,7 +117,7 @@ def test_banner_format():
     assert program.stages["shard_tables"].banner.endswith("| nodes 29 -> 29 (+0) | verify ok")
     assert program.stages["batch_tables"].banner.endswith("| nodes 29 -> 30 (+1) | verify ok")
     assert program.stages["insert_comm"].banner.endswith("| nodes 30 -> 30 (+0) | verify ok")  # one rank: no-op
-    assert program.stages["fuse_interaction"].banner.endswith("| nodes 30 -> 28 (-2) | verify ok")
+    assert program.stages["fuse_interaction"].banner.endswith("| nodes 30 -> 22 (-8) | verify ok")
     assert program.stages["lower"].banner.startswith("# recc IR after [10/10] lower | ")
 
 
@@ -357,9 +357,10 @@ def _check_dump(d, program):
     assert by_pass["shard_tables"][6] == ""
     assert by_pass["insert_comm"][3:7] == ["30", "30", "ok", ""]  # one rank: nothing to insert
     assert {"recc.tbe_lookup+1", "recc.pack_sparse+1", "recc.embedding_bag-3"} <= set(by_pass["batch_tables"][6].split())
-    assert by_pass["fuse_interaction"][3:6] == ["30", "28", "ok"]
+    assert by_pass["fuse_interaction"][3:6] == ["30", "22", "ok"]
     assert set(by_pass["fuse_interaction"][6].split()) == \
-        {"getitem-1", "recc.pairwise_dot+1", "torch.bmm-1", "torch.transpose-1"}
+        {"getitem-4", "recc.split_cols-1", "recc.dot_interaction+1", "torch.bmm-1", "torch.cat-1", "torch.stack-1",
+         "torch.transpose-1"}
     assert {"recc.tbe_lookup-1", "recc.tbe_lookup[cpu]+1"} <= set(by_pass["lower"][6].split())
 
 

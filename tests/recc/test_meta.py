@@ -55,8 +55,10 @@ def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
     assert re.search(r"^ids_g0_h +: handle += recc.all_to_all_start\[cuda\]\(sparse_g0, comm=input_dist\)",
                      final, re.M)
     assert "recc.tbe_lookup[cuda](tbe_g0, ids_g0)" in final  # A100s: lowered for cuda
-    # 27 features (bottom MLP + 26 tables) interact pairwise: 27 * 26 / 2 dot products.
-    assert "getitem    : f32[8,351]   = recc.pairwise_dot[cuda](stack, li, lj)  # @fuse_interaction" in final
+    # 27 features (bottom MLP + 26 tables) interact pairwise: 128 + 27 * 26 / 2 = 479 columns, one
+    # zero column from align_linear (K -> 480) written by the interaction itself.
+    assert re.search(r"^cat +: f32\[8,480\] += recc\.dot_interaction\[cuda\]\(bot_l_5, \[emb_g0\], li, lj, "
+                     r"features=\(\(0, 0\), \(0, 128\), ", final, re.M)
     assert "?" not in [line.split(" : ")[1].split()[0] for line in final.splitlines() if " : " in line]
 
     _check_meta_only(program)
