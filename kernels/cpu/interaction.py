@@ -12,43 +12,23 @@ the references (``stack`` + ``bmm`` + gather + ``cat``, autograd for backward) r
 from __future__ import annotations
 
 import ctypes
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
 from . import native
 
-SOURCE = Path(__file__).with_name("interaction.c")
-_lock = threading.Lock()
-_state: dict = {"tried": False, "lib": None, "error": None}
+
+def _declare(lib) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.recc_interaction_forward.restype = i32
+    lib.recc_interaction_forward.argtypes = [p, p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, i32]
+    lib.recc_interaction_backward.restype = i32
+    lib.recc_interaction_backward.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, i64, i64, p, i64, p, p, p, i32]
 
 
-def _library():
-    if native.mode() == "reference":
-        return None
-    if not _state["tried"]:
-        with _lock:
-            if not _state["tried"]:
-                try:
-                    lib, _ = native.build_and_load(SOURCE)
-                    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                    lib.recc_interaction_forward.restype = i32
-                    lib.recc_interaction_forward.argtypes = [p, p, i64, i64, i64, p, p, p, p, i64, i64,
-                                                             p, i64, i64, i32]
-                    lib.recc_interaction_backward.restype = i32
-                    lib.recc_interaction_backward.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, i64,
-                                                              i64, p, i64, p, p, p, i32]
-                    _state["lib"] = lib
-                except Exception as exc:
-                    _state["error"] = f"{type(exc).__name__}: {exc}"
-                    if native.mode() == "native":
-                        raise
-                    warnings.warn(f"recc: interaction C kernel unavailable, using the torch reference "
-                                  f"({_state['error']})", RuntimeWarning, stacklevel=3)
-                _state["tried"] = True
-    return _state["lib"]
+_KERNELS = native.KernelLibrary(Path(__file__).with_name("interaction.c"), _declare, "interaction")
+_library = _KERNELS.get
 
 
 def _check_pairs(f: int, li: torch.Tensor, lj: torch.Tensor, what: str) -> None:

@@ -119,6 +119,39 @@ def build_and_load(source: Path) -> tuple[ctypes.CDLL, dict]:
     return lib, dict(path=str(path), compiled=compiled, seconds=time.perf_counter() - start)
 
 
+class KernelLibrary:
+    """One more C source built and loaded like the TBE kernels, at first use.
+
+    ``get()`` returns the library with ``declare(lib)`` applied, or None when the reference
+    must run: ``RECC_CPU_KERNELS=reference``, or the build failed (warned once; under
+    ``RECC_CPU_KERNELS=native`` the failure is raised instead).
+    """
+
+    def __init__(self, source: Path, declare, what: str):
+        self.source, self.declare, self.what = Path(source), declare, what
+        self._lock = threading.Lock()
+        self._tried, self._lib, self.error = False, None, None
+
+    def get(self) -> ctypes.CDLL | None:
+        if mode() == "reference":
+            return None
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    try:
+                        lib, _ = build_and_load(self.source)
+                        self.declare(lib)
+                        self._lib = lib
+                    except Exception as exc:
+                        self.error = f"{type(exc).__name__}: {exc}"
+                        if mode() == "native":
+                            raise
+                        warnings.warn(f"recc: {self.what} C kernel unavailable, using the torch reference "
+                                      f"({self.error})", RuntimeWarning, stacklevel=3)
+                    self._tried = True
+        return self._lib
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.recc_tbe_backward_update.restype = ctypes.c_int

@@ -73,3 +73,29 @@ def test_bad_arguments_are_named():
         linear_forward(x, w, b, "gelu")
     with pytest.raises(ValueError, match=r"x \(4, 13\) and weight \(8, 12\) do not multiply"):
         linear_forward(x, w[:, :12], b)
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_relu_backward_is_threshold_backward_and_column_sum(monkeypatch, kernels, threads):
+    """The fused mask + bias-gradient pass: rows past several 64-row blocks, a strided grad,
+    and torch's NaN rule (a NaN output passes the gradient through, as y <= 0 is false)."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(1)
+        grad = torch.randn(333, 2 * 70, generator=g)[:, ::2]
+        y = torch.relu(torch.randn(333, 70, generator=g))
+        y[5, 3], y[7, 0] = float("nan"), 0.0
+        want = torch.ops.aten.threshold_backward(grad, y, 0)
+        got, db = linear_mod.relu_backward(grad, y, True)
+        assert torch.equal(got, want)
+        assert got[5, 3] == grad[5, 3] and got[7, 0] == 0
+        torch.testing.assert_close(db, want.sum(0), rtol=1e-5, atol=1e-5)
+        got, db = linear_mod.relu_backward(grad, y, False)
+        assert torch.equal(got, want) and db is None
+    finally:
+        torch.set_num_threads(prev)
+    with pytest.raises(ValueError, match=r"grad \(3, 4\) and output \(3, 5\)"):
+        linear_mod.relu_backward(torch.randn(3, 4), torch.randn(3, 5), True)

@@ -1,0 +1,61 @@
+/* The backward of a dense layer's ReLU and bias in one pass (recc.linear on CPU).
+ *
+ * g = grad * (y > 0) and db = sum over rows of g: torch runs these as threshold_backward and a
+ * column sum, two passes over a [B, N] gradient that does not fit in cache at DLRM's batch
+ * sizes; here each row is masked and added into db while it is in registers. Rows are split
+ * across threads, each with its own partial db, summed at the end in thread order (the result
+ * does not depend on scheduling, only on the thread count). Rows are summed in blocks of 64
+ * before they are added to the partial, which keeps the rounding of a 2048-row sum close to
+ * torch's pairwise sum. The mask is torch's: a NaN in y passes the gradient, as y <= 0 is false.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+int recc_relu_backward(const float *grad, int64_t ldg, const float *y, int64_t ldy, int64_t B, int64_t N,
+                       float *g, float *db, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    float *part = NULL;
+    if (db) {
+        /* per thread: its partial db (N), then its current block's sum (N) */
+        part = (float *)calloc((size_t)nthreads * 2 * (size_t)N, sizeof(float));
+        if (!part) return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num();
+        float *total = part ? part + (size_t)t * 2 * (size_t)N : NULL;
+        float *blk = total ? total + N : NULL;
+        int64_t in_block = 0;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            const float *gr = grad + b * ldg, *yr = y + b * ldy;
+            float *out = g + b * N;
+            if (blk) {
+#pragma omp simd
+                for (int64_t n = 0; n < N; ++n) {
+                    const float v = yr[n] <= 0.f ? 0.f : gr[n];
+                    out[n] = v;
+                    blk[n] += v;
+                }
+                if (++in_block == 64) {
+                    for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;
+                    in_block = 0;
+                }
+            } else {
+#pragma omp simd
+                for (int64_t n = 0; n < N; ++n) out[n] = yr[n] <= 0.f ? 0.f : gr[n];
+            }
+        }
+        if (blk)
+            for (int64_t n = 0; n < N; ++n) total[n] += blk[n];
+    }
+    if (db) {
+        memcpy(db, part, sizeof(float) * (size_t)N);
+        for (int t = 1; t < nthreads; ++t)
+            for (int64_t n = 0; n < N; ++n) db[n] += part[(size_t)t * 2 * (size_t)N + n];
+        free(part);
+    }
+    return 0;
+}
