@@ -179,7 +179,6 @@ def _rss_mb() -> float:
 
 def rank_main(job: dict) -> dict:
     """Runs on every rank of the launched world; returns this rank's measurements."""
-
     _quiet()
     rank, world = dist.get_rank(), dist.get_world_size()
     if job["threads"]:

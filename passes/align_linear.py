@@ -17,7 +17,7 @@ want K in multiples of 16 bytes. Small layers (tiny test models) are left alone:
 cost more than it saves. When the layer's input is a ``recc.dot_interaction`` used only there,
 the interaction writes the zero columns itself (its ``pad``) instead of a padded copy being made.
 
-Before:
+Before (an input that is not a fused interaction; see above for that case):
     cat      : f32[2048,367] = torch.cat([bot_l_3, getitem], dim=1)
     top_l_0  : f32[2048,512] = top_l.0(cat)
 After:

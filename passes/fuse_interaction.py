@@ -78,14 +78,14 @@ def _dim(node: fx.Node) -> int | None:
     return val.dim() if isinstance(val, torch.Tensor) else None
 
 
-def _column_block(v: fx.Node, stack: fx.Node, d: int):
+def _column_block(v: fx.Node, d: int):
     """(tensor, first column) of vector ``v``: its place in a batched lookup when ``v`` is a
-    D-wide ``split_cols`` piece used only by ``stack``, else (v, 0)."""
+    D-wide ``split_cols`` piece used only by the stack, else (v, 0)."""
     if (_is_call(v, operator.getitem) and len(v.users) == 1 and isinstance(v.args[0], fx.Node)
             and v.args[0].op == "call_function" and op_of(v.args[0].target) is OPS["split_cols"]):
-        source, sizes = v.args[0].args
-        k = v.args[1]
-        if isinstance(k, int) and sizes[k] == d:
+        split = v.args[0]
+        source, sizes, k = _arg(split, 0, "x"), _arg(split, 1, "sizes"), v.args[1]
+        if isinstance(k, int) and sizes is not None and sizes[k] == d:
             return source, sum(sizes[:k])
     return v, 0
 
@@ -100,7 +100,7 @@ def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
     if not (_is_call(cat, torch.cat) and isinstance(vectors, (list, tuple)) and len(vectors) >= 2):
         return False
     parts, cdim = _arg(cat, 0, "tensors"), _arg(cat, 1, "dim", 0)
-    if sdim != 1 or cdim not in (1, -1) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+    if sdim not in (1, -2) or cdim not in (1, -1) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return False
     x = vectors[0]
     if parts[0] is not x or parts[1] is not pd or not all(_dim(v) == 2 for v in vectors):
@@ -108,7 +108,7 @@ def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
     d = x.meta["val"].shape[1]
     blocks, features = [], []
     for v in vectors[1:]:
-        source, col = _column_block(v, stack, d)
+        source, col = _column_block(v, d)
         if source not in blocks:
             blocks.append(source)
         features.append((blocks.index(source), col))
@@ -118,7 +118,8 @@ def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
     cat.replace_all_uses_with(new)
     for n in (cat, pd, stack):
         graph.erase_node(n)
-    for v in vectors[1:]:
+    # A vector may appear several times in the stack: erase each piece (and its split) once.
+    for v in dict.fromkeys(vectors[1:]):
         if isinstance(v, fx.Node) and not v.users and _is_call(v, operator.getitem):
             split = v.args[0]
             graph.erase_node(v)

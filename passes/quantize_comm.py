@@ -41,7 +41,6 @@ import torch.fx as fx
 from recc.graph_utils import rename
 from recc.ops import OPS, WIRE_DTYPES, op_of
 from recc.passmanager import PassContext, register_pass
-from recc.tables import TableGroup
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 ALLREDUCE_PRECISIONS = ("fp32", "fp16", "bf16")

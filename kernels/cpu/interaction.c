@@ -19,6 +19,9 @@
  * are then read out of Z.  Backward builds the symmetric pair gradient G (F x F) and computes
  * dx = G x, 4 rows of G by 16 columns of D at a time (four independent accumulator chains), and
  * adds dx_f into the gradient of the tensor vector f came from.
+ *
+ * Pair cells and pair indices are int32: the callers keep F <= 32768 and P < 2^31 (the torch
+ * reference runs beyond).
  */
 #include <stdint.h>
 #include <stdlib.h>

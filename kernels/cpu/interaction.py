@@ -64,9 +64,14 @@ def _check_interaction(dense, blocks, features, li, lj, pad) -> None:
     _check_pairs(len(features) + 1, li, lj, what)
 
 
-def _native_ok(tensors, li, lj) -> bool:
+# The C kernel indexes its F x F tables and the pairs with int32.
+_MAX_VECTORS, _MAX_PAIRS = 1 << 15, (1 << 31) - 2
+
+
+def _native_ok(tensors, li, lj, f: int) -> bool:
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and li.dtype == torch.int64 and lj.dtype == torch.int64 and _library() is not None)
+            and li.dtype == torch.int64 and lj.dtype == torch.int64 and f <= _MAX_VECTORS
+            and li.numel() <= _MAX_PAIRS and _library() is not None)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +133,7 @@ def _reference_grads(fn, inputs, grad):
 
 def pairwise_dot_forward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> torch.Tensor:
     _check(x, li, lj)
-    if not _native_ok([x], li, lj):
+    if not _native_ok([x], li, lj, x.shape[1]):
         return pairwise_dot_reference(x, li, lj)
     b, f, d = x.shape
     return _forward([x.contiguous().view(b, f * d)], [0] * f, range(0, f * d, d), d, li, lj, -1, 0)
@@ -140,7 +145,7 @@ def pairwise_dot_backward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor, g
     _check(x, li, lj)
     if tuple(grad.shape) != (x.shape[0], li.numel()):
         raise ValueError(f"pairwise_dot: grad must be [B, P] = {(x.shape[0], li.numel())}, got {tuple(grad.shape)}")
-    if not _native_ok([x], li, lj):
+    if not _native_ok([x], li, lj, x.shape[1]):
         return _reference_grads(lambda t: pairwise_dot_reference(t, li, lj), [x], grad)[0]
     b, f, d = x.shape
     (gx,) = _backward([x.contiguous().view(b, f * d)], [0] * f, range(0, f * d, d), d, li, lj, -1, grad)
@@ -158,7 +163,7 @@ def dot_interaction_reference(dense, blocks, features, li, lj, pad: int = 0) -> 
 
 def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
     _check_interaction(dense, blocks, features, li, lj, pad)
-    if not _native_ok([dense, *blocks], li, lj):
+    if not _native_ok([dense, *blocks], li, lj, len(features) + 1):
         return dot_interaction_reference(dense, blocks, features, li, lj, pad)
     fblk = [0] + [k + 1 for k, _ in features]
     fcol = [0] + [c for _, c in features]
@@ -171,7 +176,7 @@ def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
     want = (dense.shape[0], dense.shape[1] + li.numel() + pad)
     if tuple(grad.shape) != want:
         raise ValueError(f"dot_interaction: grad must be [B, D + P + pad] = {want}, got {tuple(grad.shape)}")
-    if not _native_ok([dense, *blocks], li, lj):
+    if not _native_ok([dense, *blocks], li, lj, len(features) + 1):
         n = len(blocks)
         grads = _reference_grads(lambda x, *bl: dot_interaction_reference(x, list(bl), features, li, lj, pad),
                                  [dense, *blocks], grad)
