@@ -368,13 +368,17 @@ def _check_packed(tables, rows, ids, off, counts) -> None:
             raise ValueError(f"table {tables[k]}: last offset {int(off[k, -1])} is past the "
                              f"{int(counts[k])} indices")
     if ids.numel():
-        limit = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=counts.device), counts)
-        bad = (ids < 0) | (ids >= limit)
+        # One min/max per table (a per-id bound tensor built with repeat_interleave cost ~10x as
+        # much: 0.4 ms per step for 8 tables of 20k ids); the offender is located only on failure.
+        sizes = counts.tolist()
+        parts = [(k, p) for k, p in enumerate(ids.split(sizes)) if sizes[k]]
+        bounds = torch.stack([torch.stack(torch.aminmax(p)) for _, p in parts])
+        limit = torch.tensor([rows[k] for k, _ in parts], dtype=torch.int64, device=bounds.device)
+        bad = (bounds[:, 0] < 0) | (bounds[:, 1] >= limit)
         if bool(bad.any()):
-            pos = int(bad.nonzero()[0, 0])
-            k = int(torch.searchsorted(counts.cumsum(0), torch.tensor(pos), right=True))
-            local = pos - int(counts[:k].sum())
-            raise IndexError(f"table {tables[k]}: id {int(ids[pos])} at position {local} is outside the "
+            k, part = parts[int(bad.nonzero()[0, 0])]
+            local = int(((part < 0) | (part >= rows[k])).nonzero()[0, 0])
+            raise IndexError(f"table {tables[k]}: id {int(part[local])} at position {local} is outside the "
                              f"table's rows [0, {rows[k]})")
 
 
