@@ -61,8 +61,10 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     t = sparse.num_tables
     dev = sparse.indices.device  # helper tensors live with the ids (NCCL needs them on the GPU)
     lengths = (sparse.offsets[1:] - sparse.offsets[:-1]).view(t, b)
-    starts = sparse.offsets[:-1].view(t, b)[:, 0] if b else torch.zeros(t, dtype=torch.int64, device=dev)
-    ends = sparse.offsets[torch.arange(1, t + 1, device=dev) * b] if b else torch.zeros(t, dtype=torch.int64, device=dev)
+    # Each table's id range, as Python ints in one transfer (slicing with 0-d tensors would
+    # convert each bound on its own, a sync per table on a GPU).
+    bounds = sparse.offsets[torch.arange(t + 1, device=dev) * b].tolist() if b else [0] * (t + 1)
+    starts, ends = bounds[:-1], bounds[1:]
     psw = sparse.per_sample_weights
     send_len, send_ids, send_w, id_counts = [], [], [], []
     for o in range(world):
