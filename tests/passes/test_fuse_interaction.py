@@ -121,94 +121,15 @@ def test_full_dlrm_parity_with_fused_interaction():
     torch.testing.assert_close(dm(x, o, i), model(x, o, i), rtol=1e-5, atol=1e-6)
 
 
-class _Projected(nn.Module):
-    """DLRM's interact() where one table's vector is projected first (not a column of the batched
-    lookup: its own block), and a second cat afterwards that must stay."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.ModuleList([nn.EmbeddingBag(10, 3) for _ in range(3)])
-        self.proj = nn.Linear(3, 3)
-        self.bot = nn.Linear(5, 3)
-        self.top = nn.Linear(3 + 6, 1)
-        li, lj = torch.tril_indices(4, 4, -1)
-        self.register_buffer("li", li, persistent=False)
-        self.register_buffer("lj", lj, persistent=False)
-
-    def forward(self, dense, offsets, ids):
-        x = self.bot(dense)
-        ly = [e(i, o) for e, i, o in zip(self.emb, ids, offsets)]
-        ly[1] = self.proj(ly[1])
-        t = torch.stack([x, *ly], dim=1)
-        z = torch.bmm(t, torch.transpose(t, 1, 2))[:, self.li, self.lj]
-        return torch.sigmoid(self.top(torch.cat([x, z], dim=1)))
-
-
-def test_projected_vector_is_its_own_block_and_training_matches_eager():
-    torch.manual_seed(0)
-    model, eager = _Projected(), _Projected()
-    eager.load_state_dict(model.state_dict())
-    ex = _inputs()
-    program = recc.compile(model, example_inputs=ex, config=recc.CompileConfig(lr=0.1, verify=2))
-    text = program.stages["fuse_interaction"].text
-    assert ("cat        : f32[6,9]     = recc.dot_interaction(bot, [pooled_g0, proj], li, lj, "
-            "features=((0, 0), (1, 0), (0, 6)))  # @fuse_interaction") in text.splitlines(), text
+def _trains_like_eager(program, eager, ex, steps=3):
+    """SGD (lr 0.1) on the compiled program and on ``eager`` (sparse tables): same outputs each
+    step, same parameters (tables included) at the end."""
     dm = program.instantiate()
     opt = torch.optim.SGD(dm.dense_parameters(), lr=0.1)
     for e in eager.emb:
         e.sparse = True
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    for step in range(3):
-        out, want = dm(*ex), eager(*ex)
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
-        out.sum().backward()
-        want.sum().backward()
-        opt.step()
-        eager_opt.step()
-        opt.zero_grad()
-        eager_opt.zero_grad()
-    got, ref = dm.state_dict(), eager.state_dict()
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-
-
-class _Repeated(nn.Module):
-    """One table's vector interacts twice (stacked at dim=-2, cat at dim=-1): the piece is
-    read twice in place and erased once."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.ModuleList([nn.EmbeddingBag(10, 3) for _ in range(2)])
-        self.bot = nn.Linear(5, 3)
-        self.top = nn.Linear(3 + 6, 1)
-        li, lj = torch.tril_indices(4, 4, -1)
-        self.register_buffer("li", li, persistent=False)
-        self.register_buffer("lj", lj, persistent=False)
-
-    def forward(self, dense, offsets, ids):
-        x = self.bot(dense)
-        e0, e1 = [e(i, o) for e, i, o in zip(self.emb, ids, offsets)]
-        t = torch.stack([x, e0, e0, e1], dim=-2)
-        z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
-        return torch.sigmoid(self.top(torch.cat([x, z], dim=-1)))
-
-
-def test_a_vector_stacked_twice_is_read_twice_and_trains_like_eager():
-    torch.manual_seed(0)
-    model, eager = _Repeated(), _Repeated()
-    eager.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(1)
-    ex = [torch.randn(6, 5, generator=g), [torch.arange(6) for _ in range(2)],
-          [torch.randint(0, 10, (6,), generator=g) for _ in range(2)]]
-    program = recc.compile(model, example_inputs=ex, config=recc.CompileConfig(lr=0.1, verify=2))
-    assert program.stats["fused_interaction_concats"] == 1
-    assert "features=((0, 0), (0, 0), (0, 3))" in program.stages["fuse_interaction"].text
-    dm = program.instantiate()
-    opt = torch.optim.SGD(dm.dense_parameters(), lr=0.1)
-    for e in eager.emb:
-        e.sparse = True
-    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    for _ in range(3):
+    for _ in range(steps):
         out, want = dm(*ex), eager(*ex)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
         out.sum().backward()
@@ -219,3 +140,57 @@ def test_a_vector_stacked_twice_is_read_twice_and_trains_like_eager():
     got, ref = dm.state_dict(), eager.state_dict()
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+class _UserInteract(nn.Module):
+    """DLRM's interact() as users vary it, followed by a top layer. ``projected``: three tables,
+    the second one's vector projected first (not a column of the batched lookup: its own
+    block). ``repeated``: two tables, the first one's vector stacked twice (at dim=-2, cat at
+    dim=-1): read twice in place, its split piece erased once."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.ModuleList([nn.EmbeddingBag(10, 3) for _ in range(3 if kind == "projected" else 2)])
+        self.proj = nn.Linear(3, 3)
+        self.bot = nn.Linear(5, 3)
+        self.top = nn.Linear(3 + 6, 1)
+        li, lj = torch.tril_indices(4, 4, -1)
+        self.register_buffer("li", li, persistent=False)
+        self.register_buffer("lj", lj, persistent=False)
+
+    def forward(self, dense, offsets, ids):
+        x = self.bot(dense)
+        ly = [e(i, o) for e, i, o in zip(self.emb, ids, offsets)]
+        if self.kind == "projected":
+            ly[1] = self.proj(ly[1])
+            t = torch.stack([x, *ly], dim=1)
+        else:
+            t = torch.stack([x, ly[0], ly[0], ly[1]], dim=-2)
+        z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
+        return torch.sigmoid(self.top(torch.cat([x, z], dim=-1)))
+
+
+def test_projected_vector_is_its_own_block_and_training_matches_eager():
+    torch.manual_seed(0)
+    model, eager = _UserInteract("projected"), _UserInteract("projected")
+    eager.load_state_dict(model.state_dict())
+    ex = _inputs()
+    program = recc.compile(model, example_inputs=ex, config=recc.CompileConfig(lr=0.1, verify=2))
+    text = program.stages["fuse_interaction"].text
+    assert ("cat        : f32[6,9]     = recc.dot_interaction(bot, [pooled_g0, proj], li, lj, "
+            "features=((0, 0), (1, 0), (0, 6)))  # @fuse_interaction") in text.splitlines(), text
+    _trains_like_eager(program, eager, ex)
+
+
+def test_a_vector_stacked_twice_is_read_twice_and_trains_like_eager():
+    torch.manual_seed(0)
+    model, eager = _UserInteract("repeated"), _UserInteract("repeated")
+    eager.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(1)
+    ex = [torch.randn(6, 5, generator=g), [torch.arange(6) for _ in range(2)],
+          [torch.randint(0, 10, (6,), generator=g) for _ in range(2)]]
+    program = recc.compile(model, example_inputs=ex, config=recc.CompileConfig(lr=0.1, verify=2))
+    assert program.stats["fused_interaction_concats"] == 1
+    assert "features=((0, 0), (0, 0), (0, 3))" in program.stages["fuse_interaction"].text
+    _trains_like_eager(program, eager, ex)
