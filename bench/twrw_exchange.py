@@ -7,14 +7,19 @@ prints each rank's communication per step from ``dmodel.comm_report()``: bytes o
 bytes to other nodes, time blocked in waits. The point of the two-level exchange: each pooled
 row crosses nodes once (the flat one sends every row block's partial sums across), so the output
 dist's inter-node bytes drop by the ranks per node. Step times on a 2-core host running 4 ranks
-say little; the bytes are exact.
+say little; the bytes are exact. ``--link INTRA/INTER`` emulates a fast link inside a node and a
+slow one across nodes (``RECC_LINK_EMULATION``, Gb/s with optional ``,latency us``): each
+collective then lasts at least its modeled time, and the ``modeled ms`` column shows what the
+exchange would cost on such links.
 
     python bench/twrw_exchange.py                         # small, 4 ranks as 2 x 2, ~1 min
     python bench/twrw_exchange.py --codec fp16 --world-size 4 --nodes 2
+    python bench/twrw_exchange.py --link 100,5/2,20       # 100 Gb/s in a node, 2 Gb/s across
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -49,7 +54,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--codec", default="fp32", choices=["fp32", "fp16", "bf16", "int8", "fp8"],
                    help="forward and backward codec of the output dist")
+    p.add_argument("--link", default=None, help="emulated links 'INTRA/INTER' in Gb/s[,latency us], "
+                                                "e.g. 100,5/2,20 (default: loopback as it is)")
     args = p.parse_args(argv)
+    if args.link:
+        from recc.runtime.comm_stats import parse_emulation
+        parse_emulation(args.link)  # a bad value fails here, not in every rank
+        os.environ["RECC_LINK_EMULATION"] = args.link  # the spawned ranks read it
     cluster = recc.Cluster.local(args.world_size, nodes=args.nodes)
     torch.manual_seed(0)
     model = build_model(args.config)
@@ -64,10 +75,10 @@ def main(argv=None) -> int:
         programs[name] = recc.compile(model, cluster, config=config, example_inputs=example)
     print(f"{args.config}: {len(model.emb_l)} tables, all table_row_wise, on {cluster.name} "
           f"({args.world_size} ranks, {args.nodes} nodes), global batch {batch}, codec {args.codec}, "
-          f"{args.steps} steps")
+          f"{args.steps} steps" + (f", links {args.link}" if args.link else ""))
     results = recc.launch(rank_main, cluster, programs, args.config, batch, args.steps)
     print(f"{'rank':>4} {'exchange':<10} {'output dist KiB':>16} {'to other nodes':>15} {'all emb KiB':>12} "
-          f"{'to other nodes':>15} {'wait ms':>8} {'step ms':>8}")
+          f"{'to other nodes':>15} {'modeled ms':>10} {'wait ms':>8} {'step ms':>8}")
     for rank, res in enumerate(results):
         for name in ("flat", "two-level"):
             report, step_s = res[name]
@@ -76,7 +87,8 @@ def main(argv=None) -> int:
             print(f"{rank:>4} {name:<10} {sum(r.wire_bytes for r in out_rows) / 1024:>16.1f} "
                   f"{sum(r.cross_node_bytes for r in out_rows) / 1024:>15.1f} "
                   f"{sum(r.wire_bytes for r in emb_rows) / 1024:>12.1f} {report.cross_node_bytes / 1024:>15.1f} "
-                  f"{sum(r.wait_ms for r in emb_rows):>8.2f} {1e3 * step_s:>8.1f}")
+                  f"{sum(r.emulated_ms for r in emb_rows):>10.2f} {sum(r.wait_ms for r in emb_rows):>8.2f} "
+                  f"{1e3 * step_s:>8.1f}")
     flat = sum(r.cross_node_bytes for res in results for r in res["flat"][0].rows if r.collective.startswith("output_dist"))
     two = sum(r.cross_node_bytes for res in results for r in res["two-level"][0].rows
               if r.collective.startswith("output_dist"))

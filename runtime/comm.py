@@ -92,7 +92,7 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     st = comm_stats.current()
     label = comm.name or "input_dist"
     Transfer(label, [_a2a(recv_counts, counts, [1] * world, [1] * world, async_op=True)],  # phase 1: how many ids
-             8 * (world - 1), st).wait()
+             8 * (world - 1), st, st.cross_node([8] * world, me)).wait()
     shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
     j_me = shards_of[me]
     rc = recv_counts.tolist()
@@ -125,7 +125,8 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     # sent each peer one 8-byte count.
     st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1),
                    send_nbytes=[n + 8 for n in to_dst], me=me)
-    return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st), comm)
+    cross = max(st.cross_node(to_dst, me), st.cross_node(from_src, me))
+    return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st, cross), comm)
 
 
 def input_dist_wait(handle: Handle) -> SparseBatch:
@@ -187,7 +188,8 @@ def send_bytes(wire, send_nbytes, recv_nbytes, label, codec, fp32_sent: int, sta
     received = sum(n for o, n in enumerate(recv_nbytes) if o != me)
     stats.add_payload(label, codec, fp32_sent, sent, error, send_nbytes=send_nbytes, me=me)
     work = _a2a(recv, wire, recv_nbytes, send_nbytes, async_op=True)
-    t = Transfer(label, [work], max(sent, received), stats)
+    cross = max(stats.cross_node(send_nbytes, me), stats.cross_node(recv_nbytes, me))
+    t = Transfer(label, [work], max(sent, received), stats, cross)
     t.recv = recv
     return t
 
@@ -387,17 +389,19 @@ def dequantize_received(rows: ReceivedRows) -> torch.Tensor:
 # ----------------------------------------------------------------------------- data parallel
 
 def _all_gather_varlen(t: torch.Tensor, label: str, st) -> list[torch.Tensor]:
-    world = dist.get_world_size()
+    world, me = dist.get_world_size(), dist.get_rank()
     n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     sizes = [torch.empty(1, dtype=torch.int64, device=t.device) for _ in range(world)]
-    Transfer(label, [dist.all_gather(sizes, n, group=embedding_group(), async_op=True)], 8 * (world - 1), st).wait()
+    Transfer(label, [dist.all_gather(sizes, n, group=embedding_group(), async_op=True)], 8 * (world - 1), st,
+             st.cross_node([8] * world, me)).wait()
     sizes = [int(x) for x in sizes]
     top = max(sizes)
     padded = torch.zeros((top,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     padded[:t.shape[0]] = t
     out = [torch.empty_like(padded) for _ in range(world)]
-    nbytes = padded.numel() * padded.element_size() * (world - 1)
-    Transfer(label, [dist.all_gather(out, padded, group=embedding_group(), async_op=True)], nbytes, st).wait()
+    row = padded.numel() * padded.element_size()
+    Transfer(label, [dist.all_gather(out, padded, group=embedding_group(), async_op=True)], row * (world - 1), st,
+             st.cross_node([row] * world, me)).wait()
     return [o[:s] for o, s in zip(out, sizes)]
 
 

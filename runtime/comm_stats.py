@@ -12,7 +12,10 @@ faster than a real network): with ``RECC_LINK_EMULATION="<Gb/s>[,<latency us>]"`
 environment (or ``emulate_link(gbps, latency_us)``), a collective cannot complete before
 ``latency + max(bytes sent, bytes received) / bandwidth`` has passed since it started, counting
 bytes to and from other ranks only. The wait sleeps out the difference, so the CPU is free for
-whatever the schedule overlaps with the transfer, as it would be with a real NIC.
+whatever the schedule overlaps with the transfer, as it would be with a real NIC. On a world of
+emulated nodes (``Cluster.local(n, nodes=k)``) a second link can be given for the bytes that
+cross nodes, ``"<Gb/s>[,<us>]/<inter-node Gb/s>[,<us>]"``: the two links run in parallel, so a
+collective takes the longer of its intra-node and its inter-node part.
 """
 from __future__ import annotations
 
@@ -30,37 +33,61 @@ _ENV = "RECC_LINK_EMULATION"
 class LinkEmulation:
     gbps: float
     latency_us: float = 0.0
+    inter_gbps: Optional[float] = None  # bytes to other nodes, when given (else the same link)
+    inter_latency_us: float = 0.0
 
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_us * 1e-6 + nbytes * 8 / (self.gbps * 1e9)
+    def seconds(self, nbytes: int, cross_nbytes: int = 0) -> float:
+        """Modeled time of a collective moving ``nbytes``, ``cross_nbytes`` of them across nodes."""
+        if self.inter_gbps is None or not cross_nbytes:
+            return self.latency_us * 1e-6 + nbytes * 8 / (self.gbps * 1e9)
+        intra = nbytes - cross_nbytes
+        inter = self.inter_latency_us * 1e-6 + cross_nbytes * 8 / (self.inter_gbps * 1e9)
+        return max(inter, self.latency_us * 1e-6 + intra * 8 / (self.gbps * 1e9) if intra else 0.0)
 
     def __str__(self):
-        return f"{self.gbps:g} Gb/s, {self.latency_us:g} us latency"
+        own = f"{self.gbps:g} Gb/s, {self.latency_us:g} us latency"
+        if self.inter_gbps is None:
+            return own
+        return f"{own} in a node; {self.inter_gbps:g} Gb/s, {self.inter_latency_us:g} us across nodes"
 
 
 _emulation: Optional[LinkEmulation] = None
 _emulation_read = False
 
 
-def parse_emulation(text: str) -> Optional[LinkEmulation]:
-    text = text.strip()
-    if not text or text.lower() in ("0", "off", "none"):
-        return None
+def _parse_link(text: str, whole: str) -> tuple[float, float]:
     parts = text.split(",")
     try:
         gbps = float(parts[0])
         latency = float(parts[1]) if len(parts) > 1 else 0.0
     except ValueError:
-        raise ValueError(f"{_ENV}={text!r}: expected '<Gb/s>[,<latency us>]', e.g. '10' or '10,20'") from None
+        raise ValueError(f"{_ENV}={whole!r}: expected '<Gb/s>[,<latency us>][/<inter-node Gb/s>[,<latency us>]]', "
+                         f"e.g. '10', '10,20' or '100,5/10,20'") from None
     if not (gbps > 0 and math.isfinite(gbps)) or latency < 0 or len(parts) > 2:
-        raise ValueError(f"{_ENV}={text!r}: bandwidth must be > 0 Gb/s and latency >= 0 us")
-    return LinkEmulation(gbps, latency)
+        raise ValueError(f"{_ENV}={whole!r}: bandwidth must be > 0 Gb/s and latency >= 0 us")
+    return gbps, latency
 
 
-def emulate_link(gbps: Optional[float], latency_us: float = 0.0) -> None:
-    """Turn link emulation on for this process (``gbps=None`` turns it off)."""
+def parse_emulation(text: str) -> Optional[LinkEmulation]:
+    text = text.strip()
+    if not text or text.lower() in ("0", "off", "none"):
+        return None
+    links = text.split("/")
+    if len(links) > 2:
+        raise ValueError(f"{_ENV}={text!r}: at most two links, '<intra-node>/<inter-node>'")
+    gbps, latency = _parse_link(links[0], text)
+    if len(links) == 1:
+        return LinkEmulation(gbps, latency)
+    return LinkEmulation(gbps, latency, *_parse_link(links[1], text))
+
+
+def emulate_link(gbps: Optional[float], latency_us: float = 0.0, inter_gbps: Optional[float] = None,
+                 inter_latency_us: float = 0.0) -> None:
+    """Turn link emulation on for this process (``gbps=None`` turns it off); ``inter_gbps`` is
+    the link between emulated nodes (default: the same link)."""
     global _emulation, _emulation_read
-    _emulation = None if gbps is None else LinkEmulation(float(gbps), float(latency_us))
+    _emulation = None if gbps is None else LinkEmulation(
+        float(gbps), float(latency_us), None if inter_gbps is None else float(inter_gbps), float(inter_latency_us))
     _emulation_read = True
 
 
@@ -75,11 +102,11 @@ def emulation() -> Optional[LinkEmulation]:
 class Transfer:
     """One started collective: completes its ``works`` and, under emulation, the modeled time."""
 
-    def __init__(self, label: str, works, wire_bytes: int, st: "CommStats"):
+    def __init__(self, label: str, works, wire_bytes: int, st: "CommStats", cross_bytes: int = 0):
         self.label, self.works, self.stats = label, [w for w in works if w is not None], st
         self.started = time.perf_counter()
         emu = emulation()
-        self.modeled = emu.seconds(wire_bytes) if emu is not None else 0.0
+        self.modeled = emu.seconds(wire_bytes, cross_bytes) if emu is not None else 0.0
         st.add_emulated(label, self.modeled)
 
     def wait(self) -> None:
@@ -134,6 +161,14 @@ class CommStats:
         """Whether this step's payloads should also be decoded to measure the codec's error."""
         return self.steps <= self.error_steps
 
+    def cross_node(self, per_peer, me: int) -> int:
+        """Of ``per_peer[o]`` bytes to (or from) each rank o, those to ranks on other nodes (0 on
+        a one-node cluster)."""
+        if not self.node_size:
+            return 0
+        mine = me // self.node_size
+        return sum(n for o, n in enumerate(per_peer) if o // self.node_size != mine)
+
     def add_payload(self, label: str, precision: str, fp32_bytes: int, wire_bytes: int,
                     error: Optional[float] = None, send_nbytes=None, me: int = 0) -> None:
         """Count one payload: ``wire_bytes`` left this rank (``fp32_bytes`` in fp32). With
@@ -141,9 +176,7 @@ class CommStats:
         other nodes are counted too."""
         r = self._row(label)
         if send_nbytes is not None and self.node_size:
-            mine = me // self.node_size
-            r.cross_node_bytes = (r.cross_node_bytes or 0) + sum(
-                n for o, n in enumerate(send_nbytes) if o // self.node_size != mine)
+            r.cross_node_bytes = (r.cross_node_bytes or 0) + self.cross_node(send_nbytes, me)
         r.calls += 1
         r.fp32_bytes += fp32_bytes
         r.wire_bytes += wire_bytes

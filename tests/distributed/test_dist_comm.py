@@ -345,6 +345,33 @@ def test_parse_link_emulation():
         with pytest.raises(ValueError, match="RECC_LINK_EMULATION"):
             parse_emulation(bad)
     assert LinkEmulation(8.0, 10.0).seconds(1000) == pytest.approx(10e-6 + 1e-6)
+    # Two links: intra-node / inter-node, in parallel; a collective lasts its slower part.
+    assert parse_emulation("100,5/2,20") == LinkEmulation(100.0, 5.0, 2.0, 20.0)
+    two = LinkEmulation(8.0, 0.0, 0.8, 1.0)
+    assert two.seconds(1000) == pytest.approx(1e-6)                   # nothing across nodes
+    assert two.seconds(1000, 500) == pytest.approx(1e-6 + 5e-6)       # 500 B at 0.8 Gb/s + 1 us
+    assert two.seconds(100_000, 10) == pytest.approx(99_990 * 8 / 8e9)  # the intra part is longer
+    assert LinkEmulation(8.0).seconds(1000, 500) == pytest.approx(1e-6)  # one link: all the same
+    assert "across nodes" in str(two)
+    for bad in ("1/2/3", "10/x", "10/-1", "/5"):
+        with pytest.raises(ValueError, match="RECC_LINK_EMULATION"):
+            parse_emulation(bad)
+
+
+def test_bytes_to_other_nodes_and_their_modeled_time():
+    from recc.runtime import comm_stats
+    st = comm_stats.CommStats()
+    assert st.cross_node([5, 6, 7, 8], me=1) == 0                  # one node
+    st.node_size = 2
+    assert st.cross_node([5, 6, 7, 8], me=1) == 7 + 8              # ranks 2, 3 are the other node
+    assert st.cross_node([5, 6, 7, 8], me=2) == 5 + 6
+    comm_stats.emulate_link(8.0, 0.0, 0.8, 0.0)
+    try:
+        t = comm_stats.Transfer("x", [], 1000, st, cross_bytes=500)
+        assert t.modeled == pytest.approx(5e-6)
+        assert comm_stats.Transfer("x", [], 1000, st).modeled == pytest.approx(1e-6)
+    finally:
+        comm_stats.emulate_link(None)
 
 
 # ----------------------------------------------------------------------------- the dense all-reduce
