@@ -41,7 +41,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from recc.graph_utils import rename
+from recc.graph_utils import rename, value_dim
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 
@@ -73,11 +73,6 @@ def _is_call(node, fn) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is fn
 
 
-def _dim(node: fx.Node) -> int | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val.dim() if isinstance(val, torch.Tensor) else None
-
-
 def _column_block(v: fx.Node, d: int):
     """(tensor, first column) of vector ``v``: its place in a batched lookup when ``v`` is a
     D-wide ``split_cols`` piece used only by the stack, else (v, 0)."""
@@ -103,7 +98,7 @@ def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
     if sdim not in (1, -2) or cdim not in (1, -1) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return False
     x = vectors[0]
-    if parts[0] is not x or parts[1] is not pd or not all(_dim(v) == 2 for v in vectors):
+    if parts[0] is not x or parts[1] is not pd or not all(value_dim(v) == 2 for v in vectors):
         return False
     d = x.meta["val"].shape[1]
     blocks, features = [], []

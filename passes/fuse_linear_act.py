@@ -26,7 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recc.graph_utils import rename
+from recc.graph_utils import rename, value_dim
 from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 
@@ -53,11 +53,6 @@ def _is_relu(gm: fx.GraphModule, node: fx.Node) -> bool:
     return node.op == "call_method" and node.target == "relu" and len(node.args) == 1
 
 
-def _two_d(x) -> bool:
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dim() == 2
-
-
 @register_pass
 def fuse_linear_act(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite dense layers (+ their ReLU) as ``recc.linear``."""
@@ -65,7 +60,7 @@ def fuse_linear_act(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fused = {"none": 0, "relu": 0}
     for node in list(graph.nodes):
         parts = _linear_parts(gm, node)
-        if parts is None or not _two_d(parts[0]):
+        if parts is None or value_dim(parts[0]) != 2:
             continue
         x, w, b, path = parts
         users = list(node.users)

@@ -1,12 +1,19 @@
 """Small graph-editing helpers shared by passes."""
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 # node.meta[STAGE] names the pipeline stage a node runs in (set by pipeline_comm, read by the
 # IR printer and the runtime); SPARSE_DIST is the stage that runs one batch ahead.
 STAGE = "recc.stage"
 SPARSE_DIST = "sparse_dist"
+
+
+def value_dim(node) -> int | None:
+    """Dimensions of the tensor ``node`` computes (from its shape annotation), else None."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dim() if isinstance(val, torch.Tensor) else None
 
 
 def resolve_attr(root, path: str):

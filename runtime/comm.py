@@ -211,10 +211,13 @@ class _Exchange:
     ``send_grad`` and ``receive_grad``; ``finish`` turns the arrived rows into the tables.
     """
 
-    def __init__(self, comm, shape, send_counts, recv_counts, codec, grad_codec, st):
-        self.comm, self.shape, self.send_counts, self.recv_counts = comm, shape, send_counts, recv_counts
+    def __init__(self, comm, shape, b: int, shards_of, codec, grad_codec, st):
+        self.comm, self.shape, self.b, self.shards_of = comm, shape, b, list(shards_of)
         self.codec, self.grad_codec, self.stats = codec, grad_codec, st
         self.me = dist.get_rank()
+        # Owner o sends every rank its B bags of o's shards: B x J_o x width elements.
+        self.send_counts = [b * self.shards_of[self.me] * comm.width] * len(self.shards_of)
+        self.recv_counts = [b * n * comm.width for n in self.shards_of]
         self.fwd = self.bwd = None
         self.recv = None
 
@@ -250,9 +253,9 @@ class _Exchange:
         self.bwd = None
         return grad
 
-    def finish(self, token, b, shards_of):
+    def finish(self, token):
         """The arrived rows as this rank's ``[B, sum(dims)]`` tables, through autograd."""
-        comm = self.comm
+        comm, b, shards_of = self.comm, self.b, self.shards_of
         self.recv = codecs.decode_parts(self.fwd.recv, self.recv_counts, self.codec)
         self.fwd = None
         recv = _OutputDistWait.apply(token, self)
@@ -307,29 +310,24 @@ def output_dist_start(payload, comm) -> Handle:
     tensor, or an ``Encoded`` one from ``recc.quantize``). Two-level groups
     (``comm.node_size``) take ``TwoLevelExchange``'s path: reduce-scatter inside the node, then
     all-to-all across nodes."""
-    world, me = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     encoded = isinstance(payload, Encoded)
     pooled = payload.source if encoded else payload
     codec = payload.precision if encoded else "fp32"
     grad_codec = payload.grad_precision if encoded else "fp32"
     shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
-    b = pooled.shape[0] // world
     if comm.node_size:
-        from recc.runtime.comm_two_level import TwoLevelExchange
-        ex = TwoLevelExchange(comm, pooled.shape, b, shards_of, codec, grad_codec, comm_stats.current())
-        per_dst = [b * shards_of[me] * comm.width] * world
+        from recc.runtime.comm_two_level import TwoLevelExchange as exchange
     else:
-        send_counts = [b * shards_of[me] * comm.width] * world
-        recv_counts = [b * shards_of[o] * comm.width for o in range(world)]
-        ex = _Exchange(comm, pooled.shape, send_counts, recv_counts, codec, grad_codec, comm_stats.current())
-        per_dst = send_counts
+        exchange = _Exchange
+    ex = exchange(comm, pooled.shape, pooled.shape[0] // world, shards_of, codec, grad_codec, comm_stats.current())
     if encoded:
         wire, nbytes = payload.wire, payload.nbytes
     else:
-        wire, nbytes = codecs.encode_parts(pooled.detach().contiguous(), per_dst, "fp32")
+        wire, nbytes = codecs.encode_parts(pooled.detach().contiguous(), ex.send_counts, "fp32")
     ex.send_first(wire, nbytes, pooled.detach() if encoded else None)
     token = _OutputDistStart.apply(pooled, ex)
-    return Handle((token, ex, b, shards_of, encoded), None, comm)
+    return Handle((token, ex, encoded), None, comm)
 
 
 class ReceivedRows:
@@ -371,15 +369,16 @@ def _column_map(comm, shards_of):
 
 
 def _reassemble(handle: Handle) -> torch.Tensor:
-    token, ex, b, shards_of, _ = handle.value
-    return ex.finish(token, b, shards_of)
+    token, ex, _ = handle.value
+    return ex.finish(token)
 
 
 def output_dist_wait(handle: Handle):
     """Block until this rank's rows have arrived. fp32 payloads come back reassembled
     (``[B, sum(dims)]``); encoded ones as ``ReceivedRows`` for ``recc.dequantize``."""
-    handle.value[1].wait_arrival()
-    return ReceivedRows(handle) if handle.value[4] else _reassemble(handle)
+    _, ex, encoded = handle.value
+    ex.wait_arrival()
+    return ReceivedRows(handle) if encoded else _reassemble(handle)
 
 
 def dequantize_received(rows: ReceivedRows) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from recc.kernels import codecs
-from recc.runtime.comm import _OutputDistWait, measured_error, send_bytes
+from recc.runtime.comm import _Exchange, _OutputDistWait, measured_error, send_bytes
 
 _MAPS: dict = {}
 
@@ -84,14 +84,14 @@ def _node_maps(comm, node_size: int, world: int):
     return _MAPS[key]
 
 
-class TwoLevelExchange:
+class TwoLevelExchange(_Exchange):
     """One two-level output dist, forward and backward (see the module docstring). Used by
-    ``comm.output_dist_start`` through the same autograd halves as the flat ``_Exchange``."""
+    ``comm.output_dist_start`` through the same autograd halves as the flat ``_Exchange``, whose
+    bookkeeping it shares; the four steps that move bytes take two hops here."""
 
     def __init__(self, comm, shape, b: int, shards_of, codec, grad_codec, st):
-        self.comm, self.shape, self.b, self.shards_of = comm, shape, b, list(shards_of)
-        self.codec, self.grad_codec, self.stats = codec, grad_codec, st
-        self.world, self.me = dist.get_world_size(), dist.get_rank()
+        super().__init__(comm, shape, b, shards_of, codec, grad_codec, st)
+        self.world = dist.get_world_size()
         self.L = comm.node_size
         if self.world % self.L:
             raise ValueError(f"{comm.name}: world of {self.world} ranks is not made of nodes of {self.L}")
@@ -100,8 +100,6 @@ class TwoLevelExchange:
         self.tables, self.peer_cols, self.logical, self.gather = _node_maps(comm, self.L, self.world)
         self.cols = [len(ks) * comm.width for ks in self.tables]          # C_m per node
         self.peers = range(self.node * self.L, (self.node + 1) * self.L)  # this node's ranks
-        self.fwd = self.bwd = None
-        self.recv = None
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _peer_count(self, o: int) -> int:
@@ -130,9 +128,6 @@ class TwoLevelExchange:
                               self._in_node(lambda q: self.N * codecs.wire_nbytes(self._peer_count(q), self.codec)),
                               label, self.codec, fp32, self.stats, error)
 
-    def wait_arrival(self):
-        self.fwd.wait()
-
     def _reduce_in_node(self) -> torch.Tensor:
         """Phase 1's arrivals summed into this node's layout: ``[N*B, C_n]``."""
         counts = [self._peer_count(q) for q in self.peers for _ in range(self.N)]
@@ -144,7 +139,7 @@ class TwoLevelExchange:
         index = self.peer_cols[self.node].to(side.device)
         return side.new_zeros(nb, self.cols[self.node]).index_add_(1, index, side)
 
-    def finish(self, token, b, shards_of):
+    def finish(self, token):
         """Sum phase 1, run phase 2 and lay the tables out: this rank's ``[B, sum(dims)]``."""
         summed = self._reduce_in_node()
         c_n = self.cols[self.node]
@@ -161,10 +156,6 @@ class TwoLevelExchange:
         side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
         self.recv = side if self.logical is None else side.index_select(1, self.logical.to(side.device))
         return _OutputDistWait.apply(token, self)
-
-    def take_received(self):
-        recv, self.recv = self.recv, None  # no reference from the exchange to autograd's output
-        return recv
 
     # -- backward ---------------------------------------------------------------------------
     def send_grad(self, grad):

@@ -152,6 +152,11 @@ def pairwise_dot_backward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor, g
     return gx.view(b, f, d)
 
 
+def _vectors(features):
+    """(block, column) of every vector for the C kernel, whose block 0 is ``dense`` (vector 0)."""
+    return [0] + [k + 1 for k, _ in features], [0] + [c for _, c in features]
+
+
 def dot_interaction_reference(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
     d = dense.shape[1]
     x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
@@ -165,9 +170,7 @@ def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> to
     _check_interaction(dense, blocks, features, li, lj, pad)
     if not _native_ok([dense, *blocks], li, lj, len(features) + 1):
         return dot_interaction_reference(dense, blocks, features, li, lj, pad)
-    fblk = [0] + [k + 1 for k, _ in features]
-    fcol = [0] + [c for _, c in features]
-    return _forward([dense, *blocks], fblk, fcol, dense.shape[1], li, lj, 0, pad)
+    return _forward([dense, *blocks], *_vectors(features), dense.shape[1], li, lj, 0, pad)
 
 
 def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
@@ -181,7 +184,5 @@ def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
         grads = _reference_grads(lambda x, *bl: dot_interaction_reference(x, list(bl), features, li, lj, pad),
                                  [dense, *blocks], grad)
         return grads[0], list(grads[1:1 + n])
-    fblk = [0] + [k + 1 for k, _ in features]
-    fcol = [0] + [c for _, c in features]
-    grads = _backward([dense, *blocks], fblk, fcol, dense.shape[1], li, lj, 0, grad)
+    grads = _backward([dense, *blocks], *_vectors(features), dense.shape[1], li, lj, 0, grad)
     return grads[0], grads[1:]

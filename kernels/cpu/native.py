@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import os
 import platform
 import shutil
@@ -27,16 +26,10 @@ import time
 import warnings
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("tbe_backward.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-_error: str | None = None
-_warned = False
 build_info: dict = {}  # path, compiled (bool), seconds: filled by the first successful load
 
 
@@ -120,35 +113,46 @@ def build_and_load(source: Path) -> tuple[ctypes.CDLL, dict]:
 
 
 class KernelLibrary:
-    """One more C source built and loaded like the TBE kernels, at first use.
+    """A C source built and loaded at first use (the TBE kernels here, and the other CPU kernels).
 
     ``get()`` returns the library with ``declare(lib)`` applied, or None when the reference
-    must run: ``RECC_CPU_KERNELS=reference``, or the build failed (warned once; under
-    ``RECC_CPU_KERNELS=native`` the failure is raised instead).
+    must run: ``RECC_CPU_KERNELS=reference``, or the build failed (warned once). Under
+    ``RECC_CPU_KERNELS=native`` a failed build is an error on every call.
     """
 
-    def __init__(self, source: Path, declare, what: str):
-        self.source, self.declare, self.what = Path(source), declare, what
+    def __init__(self, source: Path, declare, what: str, on_load=None):
+        self.source, self.declare, self.what, self.on_load = Path(source), declare, what, on_load
         self._lock = threading.Lock()
-        self._tried, self._lib, self.error = False, None, None
+        self._tried, self._lib, self._warned, self.error = False, None, False, None
+
+    def load(self) -> ctypes.CDLL:
+        """Build (or reuse) and load the library now; raises when that fails."""
+        lib, info = build_and_load(self.source)
+        self.declare(lib)
+        if self.on_load is not None:
+            self.on_load(info)
+        return lib
 
     def get(self) -> ctypes.CDLL | None:
-        if mode() == "reference":
+        m = mode()
+        if m == "reference":
             return None
         if not self._tried:
             with self._lock:
                 if not self._tried:
                     try:
-                        lib, _ = build_and_load(self.source)
-                        self.declare(lib)
-                        self._lib = lib
-                    except Exception as exc:
+                        self._lib = self.load()
+                    except Exception as exc:  # no gcc, compile error, unloadable .so, ...
                         self.error = f"{type(exc).__name__}: {exc}"
-                        if mode() == "native":
-                            raise
-                        warnings.warn(f"recc: {self.what} C kernel unavailable, using the torch reference "
-                                      f"({self.error})", RuntimeWarning, stacklevel=3)
                     self._tried = True
+        if self._lib is None:
+            if m == "native":
+                raise RuntimeError(f"RECC_CPU_KERNELS=native but the {self.what} C kernels are unavailable: "
+                                   f"{self.error}")
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"recc: {self.what} C kernels unavailable, using the slower pure-torch reference "
+                              f"kernels ({self.error})", RuntimeWarning, stacklevel=3)
         return self._lib
 
 
@@ -166,39 +170,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recc_tbe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, p, i32]
 
 
-def _load() -> ctypes.CDLL:
-    lib, info = build_and_load(SOURCE)
-    _declare(lib)
+def _record_build(info: dict) -> None:
     build_info.clear()
     build_info.update(info)
-    return lib
+
+
+_TBE = KernelLibrary(SOURCE, _declare, "CPU TBE", on_load=_record_build)
+
+
+def _load() -> ctypes.CDLL:
+    return _TBE.load()
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded C kernels, or None when the reference must be used (see the module doc)."""
-    global _lib, _tried, _error, _warned
-    m = mode()
-    if m == "reference":
-        return None
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    _lib = _load()
-                except Exception as exc:  # no gcc, compile error, unloadable .so, ...
-                    _error = f"{type(exc).__name__}: {exc}"
-                _tried = True
-    if _lib is None:
-        if m == "native":
-            raise RuntimeError(f"RECC_CPU_KERNELS=native but the C kernels are unavailable: "
-                               f"{_error}")
-        if not _warned:
-            _warned = True
-            msg = (f"recc: CPU C kernels unavailable, using the slower pure-torch reference "
-                   f"kernels ({_error})")
-            logger.debug(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    return _lib
+    """The loaded TBE kernels, or None when the reference must be used (see the module doc)."""
+    return _TBE.get()
 
 
 def backend() -> str:

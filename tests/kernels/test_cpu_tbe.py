@@ -534,9 +534,7 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
 
 def test_missing_gcc_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setenv("RECC_CPU_KERNELS", "auto")
-    monkeypatch.setattr(native, "_lib", None)
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_warned", False)
+    monkeypatch.setattr(native, "_TBE", native.KernelLibrary(native.SOURCE, native._declare, "CPU TBE"))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     c = Case(seed=50)
     with warnings.catch_warnings(record=True) as caught:
