@@ -57,6 +57,17 @@ def check_precision(precision: str) -> None:
                          f"torch ({torch.__version__}) lacks")
 
 
+def is_cast(precision: str) -> bool:
+    """Whether ``precision`` is a plain cast (fp32/fp16/bf16): its wire is the values as that
+    dtype, so strided copies can encode and decode it in place."""
+    return precision in _CASTS
+
+
+def cast_dtype(precision: str) -> torch.dtype:
+    """The dtype a cast precision's wire holds (``is_cast`` must be true)."""
+    return _CASTS[precision]
+
+
 def wire_nbytes(n: int, precision: str) -> int:
     """Bytes on the wire for a payload of ``n`` fp32 elements."""
     check_precision(precision)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.fx as fx
 
-from recc.kernels import optimizer_state_shapes
+from recc.kernels import huge_page_empty, optimizer_state_shapes
 from recc.graph_utils import resolve_attr
 from recc.program import quiet_deepcopy
 from recc.runtime import comm_stats
@@ -30,7 +30,9 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
     state. Only the rank's own blocks of the source tables are read; nothing else is copied."""
     group.set_rank(rank)
     rows, dim = group.total_rows, group.dim
-    weights = torch.empty(rows, dim, dtype=torch.float32, device=device)
+    # CPU tables on huge pages: their rows are read and updated at random (fewer TLB misses).
+    weights = (huge_page_empty((rows, dim)) if device.type == "cpu"
+               else torch.empty(rows, dim, dtype=torch.float32, device=device))
     for j in range(group.num_tables):
         spec = group.local_table(j)
         r0, r1 = int(group.hash_size_cumsum[j]), int(group.hash_size_cumsum[j + 1])
@@ -50,7 +52,8 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
             weights[r0:r1].copy_(src.detach())
     group.weights = nn.Parameter(weights)
     for name, shape in optimizer_state_shapes(group.optimizer.name, rows, dim).items():
-        group.register_buffer(name, torch.zeros(shape, dtype=torch.float32, device=device))
+        state = huge_page_empty(shape).zero_() if device.type == "cpu" else torch.zeros(shape, device=device)
+        group.register_buffer(name, state)
     group.state_names = list(optimizer_state_shapes(group.optimizer.name, rows, dim))
     group.step = 0
     # Per-rank mean losses: an owner receives W ranks' gradients (or, data-parallel, gathers

@@ -17,11 +17,13 @@ from .native import backend as cpu_backend
 from .interaction import (dot_interaction_backward, dot_interaction_forward, dot_interaction_reference,
                           pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
 from .linear import linear_backward, linear_forward
+from .memory import huge_page_empty
 
 __all__ = [
     "dot_interaction_backward",
     "dot_interaction_forward",
     "dot_interaction_reference",
+    "huge_page_empty",
     "linear_backward",
     "linear_forward",
     "pairwise_dot_backward",

@@ -99,3 +99,14 @@ def test_relu_backward_is_threshold_backward_and_column_sum(monkeypatch, kernels
         torch.set_num_threads(prev)
     with pytest.raises(ValueError, match=r"grad \(3, 4\) and output \(3, 5\)"):
         linear_mod.relu_backward(torch.randn(3, 4), torch.randn(3, 5), True)
+
+
+@pytest.mark.parametrize("k", [13, 16, 64, 104, 256])
+def test_weight_grad_equals_gT_x(k):
+    """Both product orders give g^T x (to fp32 rounding); reference mode keeps torch's order."""
+    from recc.kernels.cpu.linear import _weight_grad_transposed, weight_grad
+    g, x = torch.randn(300, 96), torch.randn(300, k)
+    got = weight_grad(g, x)
+    assert got.shape == (96, k) and got.is_contiguous()
+    torch.testing.assert_close(got, g.t().mm(x), rtol=1e-5, atol=1e-4)
+    assert _weight_grad_transposed(k) == (k in (13, 16, 104))
