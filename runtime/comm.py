@@ -8,7 +8,7 @@ local batch of B bags per table:
 - input dist (``all_to_all`` of ids, two phases): rank r sends owner o, for each of o's shards
   (in o's local order), the B bag lengths of the shard's table on r's batch slice, then the ids
   (row-split shards: only the ids in [row0, row1), rebased to the shard). Phase 1 exchanges the
-  id counts, phase 2 the lengths and ids. Owner o then holds, per local shard, W*B bags: rank
+  id counts, phase 2 the lengths and ids (int32 when every table has fewer than 2**31 rows). Owner o then holds, per local shard, W*B bags: rank
   0's B bags, then rank 1's, ... — the global batch in order.
 - output dist (``all_to_all`` of pooled rows): owner o's kernel output is [W*B, J_o*width];
   rows [r*B, (r+1)*B) go back to rank r, which reassembles each logical table: column blocks
@@ -87,6 +87,12 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
                 send_w.append(w)
             n_ids += ids.numel()
         id_counts.append(n_ids)
+    # Ids travel as int32 when every table's rows fit (they were checked against the rows by
+    # pack_sparse; a bag's length is at most its rank's id count): half the bytes of int64.
+    wire = id_wire_dtype(comm)
+    if wire == torch.int32 and sum(id_counts) >= 2 ** 31:
+        raise ValueError(f"input dist: rank {me} sends {sum(id_counts)} ids in one batch; bag lengths are "
+                         f"sent as int32, so a batch holds fewer than 2**31 ids per rank")
     counts = torch.tensor(id_counts, dtype=torch.int64, device=dev)
     recv_counts = torch.empty(world, dtype=torch.int64, device=dev)
     st = comm_stats.current()
@@ -105,14 +111,17 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
         chunks.extend(send_ids[ii:ii + n_shards])
         li += n_shards
         ii += n_shards
-    send = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64, device=dev)
-    recv = torch.empty(world * j_me * b + sum(rc), dtype=torch.int64, device=dev)
+    send = torch.empty(sum(per_dst_len) + sum(id_counts), dtype=wire, device=dev)
+    if chunks:
+        torch.cat(chunks, out=send)
+    recv = torch.empty(world * j_me * b + sum(rc), dtype=wire, device=dev)
     send_splits = [l + n for l, n in zip(per_dst_len, id_counts)]
     works = [_a2a(recv, send, [j_me * b + n for n in rc], send_splits, async_op=True)]
     recv_w = None
-    # Bytes of phase 2 per destination / source: int64 lengths and ids, fp32 weights.
-    to_dst = [8 * n for n in send_splits]
-    from_src = [8 * (j_me * b + n) for n in rc]
+    # Bytes of phase 2 per destination / source: lengths and ids, fp32 weights.
+    size = send.element_size()
+    to_dst = [size * n for n in send_splits]
+    from_src = [size * (j_me * b + n) for n in rc]
     if psw is not None:
         w_all = torch.cat(send_w) if send_w else torch.zeros(0, device=dev)
         recv_w = torch.empty(sum(rc), dtype=w_all.dtype, device=dev)
@@ -123,10 +132,15 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     received = sum(n for s_, n in enumerate(from_src) if s_ != me)
     # Ids are exact integers: no codec, the wire carries what fp32 accounting would. Phase 1
     # sent each peer one 8-byte count.
-    st.add_payload(label, "int64", sent + 8 * (world - 1), sent + 8 * (world - 1),
+    st.add_payload(label, str(wire).removeprefix("torch."), sent + 8 * (world - 1), sent + 8 * (world - 1),
                    send_nbytes=[n + 8 for n in to_dst], me=me)
     cross = max(st.cross_node(to_dst, me), st.cross_node(from_src, me))
     return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st, cross), comm)
+
+
+def id_wire_dtype(comm) -> torch.dtype:
+    """int32 when every table's row ids fit in it, else int64 (the same on every rank)."""
+    return torch.int32 if max(comm.rows, default=0) < 2 ** 31 else torch.int64
 
 
 def input_dist_wait(handle: Handle) -> SparseBatch:

@@ -130,7 +130,7 @@ def linearize_indices(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cu
     offsets = offsets.to(torch.int64)
     N = indices.numel()
     base = torch.repeat_interleave(hsc[:-1], _table_counts(offsets, T, B), output_size=N)
-    return indices.to(torch.int64) + base
+    return base.add_(indices)  # int32 ids widen inside the add: one pass
 
 
 def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights):

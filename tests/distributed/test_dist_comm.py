@@ -274,7 +274,7 @@ def test_report_bytes_per_codec(comm_world, name):
                 assert 0.0 < row.rel_error < 0.2, (label, row)
             assert row.wait_ms >= 0.0 and row.emulated_ms == 0.0
         ids = report.row("input_dist g0")
-        assert ids.precision == "int64" and ids.ratio == 1.0 and ids.fp32_bytes > 0
+        assert ids.precision == "int32" and ids.ratio == 1.0 and ids.fp32_bytes > 0
         text = r["text"]
         for label in ("output_dist g0 fwd", "output_dist g0 bwd", "input_dist g0"):
             assert label in text
