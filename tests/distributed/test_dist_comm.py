@@ -112,7 +112,8 @@ def job_train(program, data, steps):
     for dense_x, lS_o, lS_i, y in _batches(data, steps):
         _step(opt, dmodel(dense_x, lS_o, lS_i), y)
     report = dmodel.comm_report()
-    return {"state": dmodel.state_dict(), "report": report, "text": str(report), "summary": report.summary()}
+    return {"state": dmodel.state_dict(), "report": report, "text": str(report), "summary": report.summary(),
+            "dense_numel": sum(p.numel() for p in dmodel.dense_parameters())}
 
 
 def job_budget(program, data, action):
@@ -275,6 +276,9 @@ def test_report_bytes_per_codec(comm_world, name):
             assert row.wait_ms >= 0.0 and row.emulated_ms == 0.0
         ids = report.row("input_dist g0")
         assert ids.precision == "int32" and ids.ratio == 1.0 and ids.fp32_bytes > 0
+        # DDP's own fp32 all-reduce (no hook): every dense gradient once per step
+        ddp = report.row("dense all_reduce (DDP)")
+        assert ddp.precision == "fp32" and ddp.fp32_bytes == ddp.wire_bytes == 4 * r["dense_numel"], ddp
         text = r["text"]
         for label in ("output_dist g0 fwd", "output_dist g0 bwd", "input_dist g0"):
             assert label in text
