@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import torch
 
-from recc.ops import register_impl, use_references
+from recc.ops import SparseBatch, get_op, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward,
-                          linearize_indices, pairwise_dot_backward, pairwise_dot_forward, tbe_backward_update,
-                          tbe_forward)
+                          linearize_indices, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
+                          tbe_backward_update, tbe_forward)
+
+
+@register_impl("pack_sparse", "cpu")
+def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows, pooled):
+    """Pooled tables with 1-D start offsets and no per-sample weights: packed and checked in one C
+    pass. Everything else, and a batch the C checks reject, goes through the reference, which
+    packs it or raises naming the table and the bag or id at fault."""
+    packed = pack_bags(indices, offsets, rows) if pooled and per_sample_weights is None else None
+    if packed is None:
+        return get_op("pack_sparse").reference(indices, offsets, per_sample_weights, tables=tables, rows=rows,
+                                            pooled=pooled)
+    ids, combined = packed
+    return SparseBatch(tuple(tables), ids, combined, None, (combined.numel() - 1) // len(tables), True, None)
 
 
 class TBELookup(torch.autograd.Function):

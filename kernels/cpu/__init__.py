@@ -18,12 +18,14 @@ from .interaction import (dot_interaction_backward, dot_interaction_forward, dot
                           pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
 from .linear import linear_backward, linear_forward
 from .memory import huge_page_empty
+from .sparse import pack_bags
 
 __all__ = [
     "dot_interaction_backward",
     "dot_interaction_forward",
     "dot_interaction_reference",
     "huge_page_empty",
+    "pack_bags",
     "linear_backward",
     "linear_forward",
     "pairwise_dot_backward",

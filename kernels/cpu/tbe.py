@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, sparse
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 POOLINGS = ("sum", "mean")
@@ -128,6 +128,9 @@ def linearize_indices(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cu
     """Local ids -> rows of the concatenated weight: ``indices + hash_size_cumsum[t]``."""
     hsc = _as_cumsum(hash_size_cumsum)
     offsets = offsets.to(torch.int64)
+    lin = sparse.linearize(indices, offsets, hsc, T, B)
+    if lin is not None:
+        return lin
     N = indices.numel()
     base = torch.repeat_interleave(hsc[:-1], _table_counts(offsets, T, B), output_size=N)
     return base.add_(indices)  # int32 ids widen inside the add: one pass

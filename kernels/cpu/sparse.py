@@ -1,0 +1,85 @@
+"""The sparse inputs' bookkeeping in one C pass each (``sparse.c``): packing a group's per-table
+ids and offsets, and turning local ids into rows of the group's concatenated weight.
+
+Both replace a handful of torch ops over every id (concatenation, a per-table min/max, a
+``repeat_interleave`` of each table's row base and an add): on ``small``'s shapes (8 tables x
+1024 bags x 20 ids) packing took 0.51 ms and linearizing 4 tables x 41k ids 0.41 ms as torch
+ops. Callers fall back to the torch reference for anything these do not cover (and, for a
+batch the C checks reject, to let the reference name the table, bag or id at fault).
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from . import native
+
+
+def _declare(lib) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.recc_pack_bags.restype = ctypes.c_int
+    lib.recc_pack_bags.argtypes = [i64, i64, p, p, p, p, p, p, p]
+    lib.recc_linearize.restype = None
+    lib.recc_linearize.argtypes = [p, i32, p, i64, i64, p, p]
+
+
+_KERNELS = native.KernelLibrary(Path(__file__).with_name("sparse.c"), _declare, "sparse input")
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``(ids [N] int64, offsets [T*B+1] int64)`` of per-table CPU ids (int64/int32) and start
+    offsets (int64 ``[B]``, the same B > 0 for every table), checked like the reference: offsets
+    start at 0, never decrease, stay within the table's ids; ids in ``[0, rows[t])``. None when
+    the inputs are outside that case or fail a check (the caller's reference then packs them
+    or raises naming what is wrong)."""
+    t = len(indices)
+    if t == 0 or len(offsets) != t or len(rows) != t:
+        return None
+    lib = _KERNELS.get()
+    if lib is None:
+        return None
+    b = None
+    flat, offs = [], []
+    for ids, off in zip(indices, offsets):
+        if not (isinstance(ids, torch.Tensor) and isinstance(off, torch.Tensor) and ids.dtype in _ID_DTYPES
+                and off.dtype == torch.int64 and off.dim() == 1 and ids.device.type == off.device.type == "cpu"):
+            return None
+        b = off.numel() if b is None else b
+        if off.numel() != b:
+            return None
+        flat.append(ids.reshape(-1).contiguous())
+        offs.append(off.contiguous())
+    if not b:
+        return None
+    counts = [f.numel() for f in flat]
+    ids_out = torch.empty(sum(counts), dtype=torch.int64)
+    off_out = torch.empty(t * b + 1, dtype=torch.int64)
+    ptrs = (ctypes.c_void_p * t)(*[f.data_ptr() for f in flat])
+    is32 = (ctypes.c_int32 * t)(*[int(f.dtype == torch.int32) for f in flat])
+    n_ids = (ctypes.c_int64 * t)(*counts)
+    off_ptrs = (ctypes.c_void_p * t)(*[o.data_ptr() for o in offs])
+    limits = (ctypes.c_int64 * t)(*[int(r) for r in rows])
+    rc = lib.recc_pack_bags(t, b, ptrs, is32, n_ids, off_ptrs, limits, ids_out.data_ptr(), off_out.data_ptr())
+    return (ids_out, off_out) if rc == 0 else None
+
+
+def linearize(ids: torch.Tensor, offsets: torch.Tensor, hsc: torch.Tensor, T: int, B: int) -> Optional[torch.Tensor]:
+    """``ids + hsc[t]`` for each table's ids (feature-major ``offsets[T*B+1]`` ending at
+    ``len(ids)``), as int64; None when the C kernels are unavailable or the tensors are not
+    contiguous CPU int64/int32 (the caller's torch ops then do it)."""
+    lib = _KERNELS.get()
+    if (lib is None or ids.dtype not in _ID_DTYPES or offsets.dtype != torch.int64 or hsc.dtype != torch.int64
+            or not (ids.device.type == offsets.device.type == hsc.device.type == "cpu")
+            or offsets.numel() != T * B + 1 or hsc.numel() < T + 1):
+        return None
+    ids, offsets, hsc = ids.contiguous(), offsets.contiguous(), hsc.contiguous()
+    if int(offsets[-1]) != ids.numel():
+        return None
+    lin = torch.empty(ids.numel(), dtype=torch.int64)
+    lib.recc_linearize(ids.data_ptr(), int(ids.dtype == torch.int32), offsets.data_ptr(), T, B, hsc.data_ptr(),
+                       lin.data_ptr())
+    return lin
