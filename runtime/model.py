@@ -130,9 +130,12 @@ class DistributedModel(nn.Module):
             self._ddp = DDP(self._run, gradient_as_bucket_view=True, **sync)
             precision = gm.meta.get("recc.allreduce_precision", "fp32")
             if precision == "fp32":
-                # DDP's own all-reduce (C++). A Python hook's future callback runs on gloo's
-                # thread and needs the GIL the training loop holds: ~2% more CPU per step on
-                # small. Its bytes are counted per training forward instead (_begin_step).
+                # torch's C++ all-reduce hook (average: one division per bucket; without a hook
+                # DDP divides each gradient on its own). A Python hook's future callback runs on
+                # gloo's thread and needs the GIL the training loop holds: ~2% more CPU per step
+                # on small. Its bytes are counted per training forward instead (_begin_step).
+                import torch.distributed as dist
+                self._ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
                 self._dense_bytes = 4 * sum(p.numel() for p in self.dense_parameters() if p.requires_grad)
             else:
                 self._ddp.register_comm_hook(None, _allreduce_hook(precision, self._stats))
