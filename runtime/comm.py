@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from recc.kernels import codecs
+from recc.kernels.cpu import sparse as sparse_kernels
 from recc.ops import Handle, SparseBatch
 from recc.runtime import comm_stats
 from recc.runtime.comm_stats import Transfer
@@ -55,41 +56,61 @@ def _row_split(comm, k: int, r0: int, r1: int) -> bool:
 
 # ----------------------------------------------------------------------------- input dist
 
+_INPUT_PLANS: dict = {}
+
+
+def _input_plan(comm, world: int):
+    """Per owner rank, its shards ``(table, row0, row1)`` in its local order; whether any shard
+    is a row block (its ids are filtered and rebased); the shard counts; and per owner just
+    the tables (cached per comm)."""
+    key = (comm, world)
+    if key not in _INPUT_PLANS:
+        per_owner = [[(k, r0, r1) for k, owner, r0, r1, _, _ in comm.layout if owner == o] for o in range(world)]
+        row_split = any(_row_split(comm, k, r0, r1) for shards in per_owner for k, r0, r1 in shards)
+        _INPUT_PLANS[key] = (per_owner, row_split, [len(p) for p in per_owner],
+                             [[k for k, _, _ in shards] for shards in per_owner])
+    return _INPUT_PLANS[key]
+
+
 def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     world, me = dist.get_world_size(), dist.get_rank()
     b = sparse.batch_size
-    t = sparse.num_tables
     dev = sparse.indices.device  # helper tensors live with the ids (NCCL needs them on the GPU)
-    lengths = (sparse.offsets[1:] - sparse.offsets[:-1]).view(t, b)
+    per_owner, row_split, shards_of, tables_of = _input_plan(comm, world)
     # Each table's id range, as Python ints in one transfer (slicing with 0-d tensors would
     # convert each bound on its own, a sync per table on a GPU).
-    bounds = sparse.offsets[torch.arange(t + 1, device=dev) * b].tolist() if b else [0] * (t + 1)
-    starts, ends = bounds[:-1], bounds[1:]
+    bounds = sparse.offsets[::b].tolist() if b else [0] * (sparse.num_tables + 1)
     psw = sparse.per_sample_weights
-    send_len, send_ids, send_w, id_counts = [], [], [], []
-    for o in range(world):
-        n_ids = 0
-        for k, owner, r0, r1, c0, c1 in comm.layout:
-            if owner != o:
-                continue
-            ids = sparse.indices[starts[k]:ends[k]]
-            w = psw[starts[k]:ends[k]] if psw is not None else None
-            if _row_split(comm, k, r0, r1):
-                keep = (ids >= r0) & (ids < r1)
-                bag = torch.repeat_interleave(torch.arange(b, device=dev), lengths[k])
-                send_len.append(torch.bincount(bag[keep], minlength=b))
-                ids = ids[keep] - r0
-                w = w[keep] if w is not None else None
-            else:
-                send_len.append(lengths[k])
-            send_ids.append(ids)
-            if w is not None:
-                send_w.append(w)
-            n_ids += ids.numel()
-        id_counts.append(n_ids)
     # Ids travel as int32 when every table's rows fit (they were checked against the rows by
     # pack_sparse; a bag's length is at most its rank's id count): half the bytes of int64.
     wire = id_wire_dtype(comm)
+    # Plain table/column shards of int64 CPU ids, no weights: one C pass builds the payload.
+    packed = (wire == torch.int32 and not row_split and psw is None and dev.type == "cpu"
+              and sparse.indices.dtype == torch.int64 and sparse.offsets.dtype == torch.int64
+              and sparse_kernels.available())
+    send_len, send_ids, send_w, id_counts = [], [], [], []
+    if packed:
+        id_counts = [sum(bounds[k + 1] - bounds[k] for k, _, _ in shards) for shards in per_owner]
+    else:
+        lengths = (sparse.offsets[1:] - sparse.offsets[:-1]).view(sparse.num_tables, b)
+        for shards in per_owner:
+            n_ids = 0
+            for k, r0, r1 in shards:
+                ids = sparse.indices[bounds[k]:bounds[k + 1]]
+                w = psw[bounds[k]:bounds[k + 1]] if psw is not None else None
+                if _row_split(comm, k, r0, r1):
+                    keep = (ids >= r0) & (ids < r1)
+                    bag = torch.repeat_interleave(torch.arange(b, device=dev), lengths[k])
+                    send_len.append(torch.bincount(bag[keep], minlength=b))
+                    ids = ids[keep] - r0
+                    w = w[keep] if w is not None else None
+                else:
+                    send_len.append(lengths[k])
+                send_ids.append(ids)
+                if w is not None:
+                    send_w.append(w)
+                n_ids += ids.numel()
+            id_counts.append(n_ids)
     if wire == torch.int32 and sum(id_counts) >= 2 ** 31:
         raise ValueError(f"input dist: rank {me} sends {sum(id_counts)} ids in one batch; bag lengths are "
                          f"sent as int32, so a batch holds fewer than 2**31 ids per rank")
@@ -99,21 +120,21 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     label = comm.name or "input_dist"
     Transfer(label, [_a2a(recv_counts, counts, [1] * world, [1] * world, async_op=True)],  # phase 1: how many ids
              8 * (world - 1), st, st.cross_node([8] * world, me)).wait()
-    shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
     j_me = shards_of[me]
     rc = recv_counts.tolist()
     # Phase 2, one exchange: for each destination its shards' bag lengths, then their ids.
     per_dst_len = [shards_of[o] * b for o in range(world)]
-    chunks, li, ii = [], 0, 0
-    for o in range(world):
-        n_shards = shards_of[o]
-        chunks.extend(send_len[li:li + n_shards])
-        chunks.extend(send_ids[ii:ii + n_shards])
-        li += n_shards
-        ii += n_shards
     send = torch.empty(sum(per_dst_len) + sum(id_counts), dtype=wire, device=dev)
-    if chunks:
-        torch.cat(chunks, out=send)
+    if packed:
+        sparse_kernels.input_dist_pack(sparse.indices.contiguous(), sparse.offsets.contiguous(), b, tables_of, send)
+    else:
+        chunks, li = [], 0
+        for o in range(world):
+            chunks.extend(send_len[li:li + shards_of[o]])
+            chunks.extend(send_ids[li:li + shards_of[o]])
+            li += shards_of[o]
+        if chunks:
+            torch.cat(chunks, out=send)
     recv = torch.empty(world * j_me * b + sum(rc), dtype=wire, device=dev)
     send_splits = [l + n for l, n in zip(per_dst_len, id_counts)]
     works = [_a2a(recv, send, [j_me * b + n for n in rc], send_splits, async_op=True)]
@@ -146,6 +167,10 @@ def id_wire_dtype(comm) -> torch.dtype:
 def input_dist_wait(handle: Handle) -> SparseBatch:
     handle.work.wait()
     recv, recv_w, rc, j_me, b, world = handle.value
+    names = tuple(f"shard{j}" for j in range(j_me))
+    if recv_w is None and recv.dtype == torch.int32 and recv.device.type == "cpu" and sparse_kernels.available():
+        ids, offsets = sparse_kernels.input_dist_unpack(recv, world, j_me, b, rc)
+        return SparseBatch(names, ids, offsets, None, world * b, True, None)
     # From each source rank s: [J x B] bag lengths, then its ids shard by shard. Reorder to
     # shard-major (feature-major): shard j's bags are rank 0's B bags, then rank 1's, ...
     bases, pos = [], 0
@@ -168,7 +193,6 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
     w = torch.cat(w_pieces) if recv_w is not None and w_pieces else (recv_w[:0] if recv_w is not None else None)
     offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=offsets[1:])
-    names = tuple(f"shard{j}" for j in range(j_me))
     return SparseBatch(names, ids, offsets, w, world * b, True, None)
 
 

@@ -6,6 +6,8 @@
  *    feature-major offsets [T*B+1], checking each table's offsets and ids on the way.
  *  - recc_linearize: local ids (int64 or int32) -> rows of the group's concatenated weight,
  *    id + hash_size_cumsum[t] for the ids of table t.
+ *  - recc_input_dist_pack / recc_input_dist_unpack: the input dist's int32 payload built from
+ *    a packed group, and the received payloads reordered into the owner's batch.
  */
 #include <stdint.h>
 
@@ -65,4 +67,75 @@ void recc_linearize(const void* ids, int ids_is32, const int64_t* offsets, int64
             for (int64_t i = lo; i < hi; ++i) lin[i] = src[i] + base;
         }
     }
+}
+
+/* The input dist's send buffer from a packed group (ids int64, feature-major offsets
+ * [T*B+1]): for each destination in turn, the bag lengths of its tables (B each, in the
+ * listed order), then those tables' ids, all as int32 (the caller checked they fit).
+ * tables[] lists the destinations' tables back to back, tables_per_dst[o] of them for o. */
+void recc_input_dist_pack(const int64_t* ids, const int64_t* offsets, int64_t B, int64_t n_dst,
+                          const int64_t* tables_per_dst, const int64_t* tables, int32_t* out) {
+    int64_t pos = 0, first = 0;
+    for (int64_t o = 0; o < n_dst; ++o) {
+        const int64_t n = tables_per_dst[o];
+        for (int64_t q = first; q < first + n; ++q) {
+            const int64_t* restrict off = offsets + tables[q] * B;
+            for (int64_t b = 0; b < B; ++b) out[pos++] = (int32_t)(off[b + 1] - off[b]);
+        }
+        for (int64_t q = first; q < first + n; ++q) {
+            const int64_t lo = offsets[tables[q] * B], hi = offsets[(tables[q] + 1) * B];
+            const int64_t* restrict src = ids + lo;
+            int32_t* restrict dst = out + pos;
+            for (int64_t i = 0; i < hi - lo; ++i) dst[i] = (int32_t)src[i];
+            pos += hi - lo;
+        }
+        first += n;
+    }
+}
+
+/* The inverse on the receiving side: recv holds, from each source s in turn, J*B bag lengths
+ * (shard-major) then its ids shard by shard (ids_from[s] of them). Writes the feature-major
+ * batch of J shards x (world*B) bags: shard j's bags are source 0's B bags, then source 1's...;
+ * ids_out (int32, in that order) and offsets_out [J*world*B + 1]. counts: J*world scratch.
+ * Returns 0, or 1 + s when source s's lengths are negative or do not add up to its ids (then
+ * nothing is read past its part of recv). */
+int recc_input_dist_unpack(const int32_t* recv, int64_t world, int64_t J, int64_t B,
+                           const int64_t* ids_from, int64_t* counts, int32_t* ids_out,
+                           int64_t* offsets_out) {
+    int64_t base = 0;
+    for (int64_t s = 0; s < world; ++s) {
+        const int32_t* len = recv + base;
+        int64_t total = 0, negative = 0;
+        for (int64_t j = 0; j < J; ++j) {
+            int64_t c = 0;
+            for (int64_t b = 0; b < B; ++b) {
+                c += len[j * B + b];
+                negative |= len[j * B + b] < 0;
+            }
+            counts[s * J + j] = c;
+            total += c;
+        }
+        if (negative || total != ids_from[s]) return (int)(1 + s);
+        base += J * B + ids_from[s];
+    }
+    int64_t acc = 0, out_pos = 0, bag = 0;
+    offsets_out[0] = 0;
+    for (int64_t j = 0; j < J; ++j) {
+        int64_t src_base = 0;
+        for (int64_t s = 0; s < world; ++s) {
+            const int32_t* len = recv + src_base + j * B;
+            for (int64_t b = 0; b < B; ++b) {
+                acc += len[b];
+                offsets_out[++bag] = acc;
+            }
+            int64_t before = 0;
+            for (int64_t q = 0; q < j; ++q) before += counts[s * J + q];
+            const int32_t* restrict src = recv + src_base + J * B + before;
+            const int64_t c = counts[s * J + j];
+            for (int64_t i = 0; i < c; ++i) ids_out[out_pos + i] = src[i];
+            out_pos += c;
+            src_base += J * B + ids_from[s];
+        }
+    }
+    return 0;
 }

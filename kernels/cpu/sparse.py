@@ -24,6 +24,10 @@ def _declare(lib) -> None:
     lib.recc_pack_bags.argtypes = [i64, i64, p, p, p, p, p, p, p]
     lib.recc_linearize.restype = None
     lib.recc_linearize.argtypes = [p, i32, p, i64, i64, p, p]
+    lib.recc_input_dist_pack.restype = None
+    lib.recc_input_dist_pack.argtypes = [p, p, i64, i64, p, p, p]
+    lib.recc_input_dist_unpack.restype = ctypes.c_int
+    lib.recc_input_dist_unpack.argtypes = [p, i64, i64, i64, p, p, p, p]
 
 
 _KERNELS = native.KernelLibrary(Path(__file__).with_name("sparse.c"), _declare, "sparse input")
@@ -83,3 +87,36 @@ def linearize(ids: torch.Tensor, offsets: torch.Tensor, hsc: torch.Tensor, T: in
     lib.recc_linearize(ids.data_ptr(), int(ids.dtype == torch.int32), offsets.data_ptr(), T, B, hsc.data_ptr(),
                        lin.data_ptr())
     return lin
+
+
+def available() -> bool:
+    """Whether the C kernels here will run (built, and ``RECC_CPU_KERNELS`` allows them)."""
+    return _KERNELS.get() is not None
+
+
+def input_dist_pack(ids: torch.Tensor, offsets: torch.Tensor, b: int, tables_of, out: torch.Tensor) -> None:
+    """Fill ``out`` (int32) with the input dist's payload: for each destination o, the bag
+    lengths of its tables ``tables_of[o]`` (B each), then their ids. ``ids``/``offsets``: a packed
+    group (int64, contiguous CPU). Needs ``available()``."""
+    lib = _KERNELS.get()
+    flat = [k for ks in tables_of for k in ks]
+    per = (ctypes.c_int64 * len(tables_of))(*[len(ks) for ks in tables_of])
+    order = (ctypes.c_int64 * max(1, len(flat)))(*flat)
+    lib.recc_input_dist_pack(ids.data_ptr(), offsets.data_ptr(), b, len(tables_of), per, order, out.data_ptr())
+
+
+def input_dist_unpack(recv: torch.Tensor, world: int, j: int, b: int, ids_from) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids int32, offsets int64)`` of the owner's batch from the received int32 payloads (see
+    ``recc_input_dist_unpack``). Needs ``available()``. Raises when a source's lengths are
+    negative or do not add up to the ids it sent."""
+    lib = _KERNELS.get()
+    ids = torch.empty(sum(ids_from), dtype=torch.int32)
+    offsets = torch.empty(j * world * b + 1, dtype=torch.int64)
+    counts = torch.empty(max(1, j * world), dtype=torch.int64)
+    n = (ctypes.c_int64 * world)(*ids_from)
+    rc = lib.recc_input_dist_unpack(recv.data_ptr(), world, j, b, n, counts.data_ptr(), ids.data_ptr(),
+                                    offsets.data_ptr())
+    if rc:
+        raise RuntimeError(f"input dist: rank {rc - 1} sent bag lengths that do not add up to the "
+                           f"{ids_from[rc - 1]} ids it sent (or are negative)")
+    return ids, offsets

@@ -97,3 +97,36 @@ def test_reference_mode_uses_no_c(monkeypatch):
     assert sparse.pack_bags(indices, offsets, ROWS) is None
     packed = reference(indices, offsets)
     assert sparse.linearize(packed.indices, packed.offsets, torch.tensor([0, 50, 57, 1057]), 3, 6) is None
+
+
+def _slow_payload(ids, offsets, b, tables_of):
+    lengths = (offsets[1:] - offsets[:-1]).view(-1, b)
+    chunks = []
+    for ks in tables_of:
+        chunks += [lengths[k] for k in ks] + [ids[offsets[k * b]:offsets[(k + 1) * b]] for k in ks]
+    return torch.cat(chunks).to(torch.int32)
+
+
+@pytest.mark.parametrize("tables_of", [[[0, 2], [1]], [[1], [0, 2]], [[], [2, 0, 1]], [[0], [1], [2]]])
+def test_input_dist_pack_matches_slicing(tables_of):
+    indices, offsets = batch()
+    packed = reference(indices, offsets)
+    want = _slow_payload(packed.indices, packed.offsets, 6, tables_of)
+    out = torch.full((want.numel(),), -7, dtype=torch.int32)
+    sparse.input_dist_pack(packed.indices, packed.offsets, 6, tables_of, out)
+    assert torch.equal(out, want)
+
+
+def test_input_dist_unpack_reorders_to_the_owners_batch():
+    # Two sources, each sending J=2 shards of B=3 bags: lengths then ids, shard by shard.
+    src0 = [1, 0, 2, 1, 1, 0] + [10, 11, 12] + [20, 21]
+    src1 = [0, 1, 1, 2, 0, 1] + [13, 14] + [22, 23, 24]
+    recv = torch.tensor(src0 + src1, dtype=torch.int32)
+    ids, offsets = sparse.input_dist_unpack(recv, 2, 2, 3, [5, 5])
+    # shard 0: source 0's bags [1,0,2], source 1's [0,1,1]; shard 1: [1,1,0], [2,0,1]
+    assert ids.tolist() == [10, 11, 12, 13, 14, 20, 21, 22, 23, 24]
+    assert offsets.tolist() == [0, 1, 1, 3, 3, 4, 5, 6, 7, 7, 9, 9, 10]
+    bad = recv.clone()
+    bad[13] = 5  # source 1 claims more ids than it sent
+    with pytest.raises(RuntimeError, match="rank 1 sent bag lengths"):
+        sparse.input_dist_unpack(bad, 2, 2, 3, [5, 5])
