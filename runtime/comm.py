@@ -8,7 +8,7 @@ local batch of B bags per table:
 - input dist (``all_to_all`` of ids, two phases): rank r sends owner o, for each of o's shards
   (in o's local order), the B bag lengths of the shard's table on r's batch slice, then the ids
   (row-split shards: only the ids in [row0, row1), rebased to the shard). Phase 1 exchanges the
-  id counts, phase 2 the lengths and ids (int32 when every table has fewer than 2**31 rows). Owner o then holds, per local shard, W*B bags: rank
+  id counts, phase 2 the lengths and ids (int32 on CPU when every table has fewer than 2**31 rows). Owner o then holds, per local shard, W*B bags: rank
   0's B bags, then rank 1's, ... — the global batch in order.
 - output dist (``all_to_all`` of pooled rows): owner o's kernel output is [W*B, J_o*width];
   rows [r*B, (r+1)*B) go back to rank r, which reassembles each logical table: column blocks
@@ -83,7 +83,7 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     psw = sparse.per_sample_weights
     # Ids travel as int32 when every table's rows fit (they were checked against the rows by
     # pack_sparse; a bag's length is at most its rank's id count): half the bytes of int64.
-    wire = id_wire_dtype(comm)
+    wire = id_wire_dtype(comm, dev)
     # Plain table/column shards of int64 CPU ids, no weights: one C pass builds the payload.
     packed = (wire == torch.int32 and not row_split and psw is None and dev.type == "cpu"
               and sparse.indices.dtype == torch.int64 and sparse.offsets.dtype == torch.int64
@@ -159,9 +159,10 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st, cross), comm)
 
 
-def id_wire_dtype(comm) -> torch.dtype:
-    """int32 when every table's row ids fit in it, else int64 (the same on every rank)."""
-    return torch.int32 if max(comm.rows, default=0) < 2 ** 31 else torch.int64
+def id_wire_dtype(comm, device: torch.device) -> torch.dtype:
+    """int32 when every table's row ids fit in it, else int64 (the same on every rank). GPU
+    ranks keep int64: the CUDA path has not been measured or checked with int32 payloads."""
+    return torch.int32 if device.type == "cpu" and max(comm.rows, default=0) < 2 ** 31 else torch.int64
 
 
 def input_dist_wait(handle: Handle) -> SparseBatch:
@@ -396,8 +397,7 @@ class _OutputDistPlace(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ex, ctx.ex = ctx.ex, None
-        ex.send_placed_grad(grad)
+        ctx.ex.send_placed_grad(grad)
         return grad.new_empty(0), None
 
 
