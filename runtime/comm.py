@@ -8,11 +8,14 @@ local batch of B bags per table:
 - input dist (``all_to_all`` of ids, two phases): rank r sends owner o, for each of o's shards
   (in o's local order), the B bag lengths of the shard's table on r's batch slice, then the ids
   (row-split shards: only the ids in [row0, row1), rebased to the shard). Phase 1 exchanges the
-  id counts, phase 2 the lengths and ids (int32 on CPU when every table has fewer than 2**31 rows). Owner o then holds, per local shard, W*B bags: rank
-  0's B bags, then rank 1's, ... — the global batch in order.
+  id counts, phase 2 the lengths and ids (int32 on CPU when every table has fewer than 2**31
+  rows). Owner o then holds, per local shard, W*B bags: rank 0's B bags, then rank 1's, ... —
+  the global batch in order.
 - output dist (``all_to_all`` of pooled rows): owner o's kernel output is [W*B, J_o*width];
   rows [r*B, (r+1)*B) go back to rank r, which reassembles each logical table: column blocks
-  side by side, row blocks (partial sums) added. Backward is the same exchange reversed.
+  side by side, row blocks (partial sums) added. Backward is the same exchange reversed. With
+  whole columns per source and fp32/fp16/bf16 codecs, rows are decoded straight into their
+  columns and the gradient encoded straight from them (``_OutputDistPlace``).
   Table-row-wise groups on several nodes (``CommSpec.node_size``) take two hops instead:
   ``recc.runtime.comm_two_level``.
 - data-parallel groups: no forward communication; backward all-gathers every rank's ids and
