@@ -378,24 +378,33 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
               f"(all ranks {max(diffs):.2e})  {flag}")
 
     # World time per round = the slowest rank's (they are within a vote of each other).
-    med = {}
+    med, per_round = {}, {}
     for key, per_rank in rows.items():
         if per_rank[0]["failed_at"] is None and key not in compile_errors and per_rank[0]["times"]:
             rounds = [max(ts) for ts in zip(*(p["times"] for p in per_rank))]
+            per_round[key] = rounds
             med[key] = (statistics.median(rounds), min(rounds), (max(rounds) - min(rounds)) / statistics.median(rounds))
     tr = med.get("torchrec", (None,))[0]
     ea = med.get("eager", (None,))[0]
+
+    def paired(key):
+        """Median over rounds of TorchRec's time / this system's in the same round: the systems of
+        a round run back to back, so a slow spell of the machine mostly cancels out."""
+        if "torchrec" not in per_round or key not in per_round:
+            return None
+        return statistics.median(a / b for a, b in zip(per_round["torchrec"], per_round[key]))
+
     print(f"\n  full training step, world of {W} (median of {args.rounds} rounds; samples/s = global B / step time)")
     print(f"  {'system':<22} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
-          f"{'vs torchrec':>12} {'vs eager+DDP':>13} {'last loss':>10}")
+          f"{'vs torchrec':>12} {'(paired)':>9} {'vs eager+DDP':>13} {'last loss':>10}")
     for key, per_rank in rows.items():
         name = per_rank[0]["name"]
         if key in med:
             m, best, spread = med[key]
             loss = statistics.mean(p["last_loss"] for p in per_rank)  # equal slices: the global mean
             print(f"  {name:<22} {B / m:>11,.0f} {m * 1e3:>9.2f} {best * 1e3:>9.2f} {spread:>6.0%} "
-                  f"{tt.fmt_ratio(tr / m if tr else None):>12} {tt.fmt_ratio(ea / m if ea else None):>13} "
-                  f"{loss:>10.4f}")
+                  f"{tt.fmt_ratio(tr / m if tr else None):>12} {tt.fmt_ratio(paired(key)):>9} "
+                  f"{tt.fmt_ratio(ea / m if ea else None):>13} {loss:>10.4f}")
         elif key in compile_errors:
             print(f"  {name:<22} FAILED in recc.compile (in the parent):")
             print(_indent(compile_errors[key]))
