@@ -15,7 +15,7 @@ local batch of B bags per table:
   rows [r*B, (r+1)*B) go back to rank r, which reassembles each logical table: column blocks
   side by side, row blocks (partial sums) added. Backward is the same exchange reversed. With
   whole columns per source and fp32/fp16/bf16 codecs, rows are decoded straight into their
-  columns and the gradient encoded straight from them (``_OutputDistPlace``).
+  columns and the gradient encoded straight from them (``_Exchange.placed``).
   Table-row-wise groups on several nodes (``CommSpec.node_size``) take two hops instead:
   ``recc.runtime.comm_two_level``.
 - data-parallel groups: no forward communication; backward all-gathers every rank's ids and
@@ -249,8 +249,8 @@ class _Exchange:
     ``send_counts[o]`` elements of this rank's payload go to rank o and ``recv_counts[s]`` come
     from rank s; in backward the gradient retraces the same path reversed, in ``grad_codec``.
     Everything travels as bytes (fp32 too, as a zero-copy view), so byte counts are exact.
-    The autograd halves (``_OutputDistStart``/``_OutputDistWait``) call ``take_received``,
-    ``send_grad`` and ``receive_grad``; ``finish`` turns the arrived rows into the tables.
+    The autograd halves (``_OutputDistStart``/``_OutputDistWait``) call ``hand_over``,
+    ``return_grad`` and ``receive_grad``; ``finish`` turns the arrived rows into the tables.
     """
 
     def __init__(self, comm, shape, b: int, shards_of, codec, grad_codec, st):
@@ -262,6 +262,7 @@ class _Exchange:
         self.recv_counts = [b * n * comm.width for n in self.shards_of]
         self.fwd = self.bwd = None
         self.recv = None
+        self.placed = False  # finish() decodes straight into the tables' columns
 
     def start(self, wire, send_nbytes, label, codec, send_counts, recv_counts, measure_src=None):
         """Send ``send_nbytes[o]`` bytes of ``wire`` to rank o (in rank order); receive every
@@ -277,6 +278,15 @@ class _Exchange:
 
     def wait_arrival(self):
         self.fwd.wait()
+
+    def hand_over(self) -> torch.Tensor:
+        return self.place_received() if self.placed else self.take_received()
+
+    def return_grad(self, grad) -> None:
+        if self.placed:
+            self.send_placed_grad(grad)
+        else:
+            self.send_grad(grad.contiguous())
 
     def take_received(self):
         # Hand the buffer over and drop the reference: ctx -> ex -> output -> this node would
@@ -300,8 +310,11 @@ class _Exchange:
         comm, b, shards_of = self.comm, self.b, self.shards_of
         runs = _placement_runs(comm, shards_of)
         if runs is not None and codecs.is_cast(self.codec) and codecs.is_cast(self.grad_codec):
-            self.runs = runs
-            return _OutputDistPlace.apply(token, self)
+            # Every column has one source and both codecs are casts: decode the rows into their
+            # places and encode the gradient from them, one pass each way instead of decode +
+            # split + cat (+ permutation) and their backward.
+            self.runs, self.placed = runs, True
+            return _OutputDistWait.apply(token, self)
         self.recv = codecs.decode_parts(self.fwd.recv, self.recv_counts, self.codec)
         self.fwd = None
         recv = _OutputDistWait.apply(token, self)
@@ -372,35 +385,18 @@ class _OutputDistStart(torch.autograd.Function):
 
 
 class _OutputDistWait(torch.autograd.Function):
-    """The receiving half: forward hands over the received (decoded) rows; backward encodes
-    their gradient and starts sending it back, without waiting."""
+    """The receiving half: forward hands over the arrived rows (``_Exchange.hand_over``: the
+    decoded rows, or with ``placed`` the tables themselves); backward encodes their gradient
+    and starts sending it back, without waiting (``return_grad``)."""
 
     @staticmethod
     def forward(ctx, token, ex):
         ctx.ex = ex
-        return ex.take_received()
+        return ex.hand_over()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ex.send_grad(grad.contiguous())
-        return grad.new_empty(0), None
-
-
-class _OutputDistPlace(torch.autograd.Function):
-    """The receiving half when every column has one source and both codecs are casts: forward
-    decodes the arrived rows into their places in the tables (``_Exchange.place_received``);
-    backward encodes the tables' gradient from those places into the wire and starts sending
-    it back (``send_placed_grad``). Same values as ``_OutputDistWait`` + split + cat (+ column
-    permutation), in one pass each way instead of three or four."""
-
-    @staticmethod
-    def forward(ctx, token, ex):
-        ctx.ex = ex
-        return ex.place_received()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.ex.send_placed_grad(grad)
+        ctx.ex.return_grad(grad)
         return grad.new_empty(0), None
 
 
