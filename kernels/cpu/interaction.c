@@ -12,8 +12,10 @@
  * scatter-add into a zero-filled F x F gradient.  Here every sample is independent, so the
  * batch is split across threads with no synchronisation.
  *
- * Forward builds each sample's Gram matrix Z = x x^T with a register-blocked micro-kernel:
- * 4 rows of x against 16 columns of a zero-padded transposed copy, accumulators kept in
+ * Forward, for vectors of 32+ floats (a multiple of 16): each requested pair's dot product
+ * directly, 16 lanes of partial sums added in a fixed order. Otherwise (kaggle's D = 16 with
+ * 27 features) it builds each sample's Gram matrix Z = x x^T with a register-blocked
+ * micro-kernel: 4 rows of x against 16 columns of a zero-padded transposed copy, accumulators kept in
  * registers across the whole D loop (a plain dot product of D floats is too short to vectorise:
  * the horizontal sum dominates), for the tiles that hold a requested pair.  The requested pairs
  * are then read out of Z.  Backward builds the symmetric pair gradient G (F x F) and computes
@@ -32,6 +34,34 @@
 #define CB 16 /* columns (of x^T, or of D) per micro-tile: one AVX-512 vector, two AVX2 vectors */
 
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+/* 16 floats as one vector (GNU C; one AVX-512 register, two AVX2 ones), loaded unaligned. */
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+
+static inline v16f load16(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef float v4f __attribute__((vector_size(16), aligned(4)));
+
+/* <a, c> over D floats, D a multiple of 16: 16 lanes of partial sums, then halves added
+ * (16 -> 8 -> 4 -> 2 -> 1 lanes, a fixed order). */
+static inline float dot16(const float *a, const float *c, int64_t D) {
+    v16f acc = load16(a) * load16(c);
+    for (int64_t d = 16; d < D; d += 16) acc += load16(a + d) * load16(c + d);
+    v8f lo8, hi8;
+    memcpy(&lo8, &acc, sizeof lo8);
+    memcpy(&hi8, (const char *)&acc + sizeof lo8, sizeof hi8);
+    const v8f s8 = lo8 + hi8;
+    v4f lo4, hi4;
+    memcpy(&lo4, &s8, sizeof lo4);
+    memcpy(&hi4, (const char *)&s8 + sizeof lo4, sizeof hi4);
+    const v4f s4 = lo4 + hi4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
 
 static inline const float *vec(const float *const *blk, const int64_t *bld, const int64_t *fblk,
                                const int64_t *fcol, int64_t f, int64_t b) {
@@ -58,6 +88,9 @@ int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_
         need[(li[p] / RB) * ntc + lj[p] / CB] = 1;
         zi[p] = (int32_t)(li[p] * Fc + lj[p]);
     }
+    /* Vectors of 32 floats or more, in whole 16-float vectors: one dot product per pair beats
+     * the Gram tiles (small's D = 64, F = 9, B = 1024 on one core: 0.55 -> 0.24 ms). */
+    const int direct = D % 16 == 0 && D >= 32;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -76,6 +109,17 @@ int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
             if (!ok) continue;
+            if (direct) {
+                /* Wide vectors: each pair's dot product straight from the two vectors (the
+                 * Gram tiles would transpose D x F floats and compute the padded tile). */
+                for (int64_t f = 0; f < F; ++f) v[f] = vec(blk, bld, fblk, fcol, f, b);
+                float *ob = out + b * ldo;
+                if (hd)
+                    for (int64_t d = 0; d < D; ++d) ob[d] = v[head][d];
+                for (int64_t p = 0; p < P; ++p) ob[hd + p] = dot16(v[li[p]], v[lj[p]], D);
+                for (int64_t k = 0; k < pad; ++k) ob[hd + P + k] = 0.f;
+                continue;
+            }
             for (int64_t f = 0; f < F; ++f) {
                 const float *x = v[f] = vec(blk, bld, fblk, fcol, f, b);
                 for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = x[d];
