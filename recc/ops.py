@@ -148,7 +148,7 @@ class SparseBatch:
     """The sparse features of one table group, packed the way FBGEMM's TBE takes them.
 
     Pooled groups: ``indices`` holds every table's ids (local to their table) back to back,
-    table-major; ``offsets`` has length T*B+1 and bag b of table t is
+    table-major (int64; int32 as a CPU input dist delivers them, see ``recc.runtime.comm``); ``offsets`` has length T*B+1 and bag b of table t is
     ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``. Gather groups (pooling none): ``offsets`` has
     length T+1 and delimits each table's ids; ``shapes`` keeps each table's index shape.
     """

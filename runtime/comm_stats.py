@@ -217,7 +217,7 @@ class CommStats:
         steps = max(self.steps, 1)
         rows = []
         for label, r in self.rows.items():
-            exact = r.precision in ("fp32", "int64")  # raw floats, or ids
+            exact = r.precision in ("fp32", "int64", "int32")  # raw floats, or ids
             err = max(r.errors) if r.errors else (0.0 if exact else float("nan"))
             rows.append(ReportRow(label, r.precision, r.fp32_bytes / steps, r.wire_bytes / steps, err,
                                   1e3 * r.wait_s / steps, 1e3 * r.emulated_s / steps,

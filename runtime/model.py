@@ -52,7 +52,8 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
             weights[r0:r1].copy_(src.detach())
     group.weights = nn.Parameter(weights)
     for name, shape in optimizer_state_shapes(group.optimizer.name, rows, dim).items():
-        state = huge_page_empty(shape).zero_() if device.type == "cpu" else torch.zeros(shape, device=device)
+        state = (huge_page_empty(shape).zero_() if device.type == "cpu"
+                 else torch.zeros(shape, dtype=torch.float32, device=device))
         group.register_buffer(name, state)
     group.state_names = list(optimizer_state_shapes(group.optimizer.name, rows, dim))
     group.step = 0

@@ -104,7 +104,10 @@ def _weight_grad_transposed(k: int) -> bool:
 def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``g^T x`` ([N, K]) for a [B, N] output gradient and [B, K] input, as the faster product."""
     if native.mode() != "reference" and x.device.type == "cpu" and _weight_grad_transposed(x.shape[1]):
-        return x.t().mm(g).t().contiguous()
+        dw_t = x.t().mm(g)
+        # A fresh row-major [N, K] (``contiguous()`` of a one-row or one-column transpose keeps
+        # its odd strides, which DDP's bucket views would then copy each step).
+        return torch.empty(dw_t.shape[1], dw_t.shape[0], dtype=dw_t.dtype).copy_(dw_t.t())
     return g.t().mm(x)
 
 

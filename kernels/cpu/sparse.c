@@ -54,9 +54,14 @@ int recc_pack_bags(int64_t T, int64_t B, const void* const* ids, const int32_t* 
     return 0;
 }
 
-/* lin[i] = ids[i] + hsc[t] for offsets[t*B] <= i < offsets[(t+1)*B]. */
-void recc_linearize(const void* ids, int ids_is32, const int64_t* offsets, int64_t T, int64_t B,
-                    const int64_t* hsc, int64_t* lin) {
+/* lin[i] = ids[i] + hsc[t] for offsets[t*B] <= i < offsets[(t+1)*B]. Returns 1 (nothing
+ * written) unless 0 = offsets[0] <= offsets[B] <= ... <= offsets[T*B] = n: the only offsets it
+ * reads, so no write can leave lin[0, n). */
+int recc_linearize(const void* ids, int ids_is32, const int64_t* offsets, int64_t T, int64_t B,
+                   const int64_t* hsc, int64_t n, int64_t* lin) {
+    if (offsets[0] != 0 || offsets[T * B] != n) return 1;
+    for (int64_t t = 0; t < T; ++t)
+        if (offsets[t * B] > offsets[(t + 1) * B]) return 1;
     for (int64_t t = 0; t < T; ++t) {
         const int64_t lo = offsets[t * B], hi = offsets[(t + 1) * B], base = hsc[t];
         if (ids_is32) {
@@ -67,6 +72,7 @@ void recc_linearize(const void* ids, int ids_is32, const int64_t* offsets, int64
             for (int64_t i = lo; i < hi; ++i) lin[i] = src[i] + base;
         }
     }
+    return 0;
 }
 
 /* The input dist's send buffer from a packed group (ids int64, feature-major offsets

@@ -22,8 +22,8 @@ def _declare(lib) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.recc_pack_bags.restype = ctypes.c_int
     lib.recc_pack_bags.argtypes = [i64, i64, p, p, p, p, p, p, p]
-    lib.recc_linearize.restype = None
-    lib.recc_linearize.argtypes = [p, i32, p, i64, i64, p, p]
+    lib.recc_linearize.restype = ctypes.c_int
+    lib.recc_linearize.argtypes = [p, i32, p, i64, i64, p, i64, p]
     lib.recc_input_dist_pack.restype = None
     lib.recc_input_dist_pack.argtypes = [p, p, i64, i64, p, p, p]
     lib.recc_input_dist_unpack.restype = ctypes.c_int
@@ -72,21 +72,20 @@ def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tens
 
 
 def linearize(ids: torch.Tensor, offsets: torch.Tensor, hsc: torch.Tensor, T: int, B: int) -> Optional[torch.Tensor]:
-    """``ids + hsc[t]`` for each table's ids (feature-major ``offsets[T*B+1]`` ending at
-    ``len(ids)``), as int64; None when the C kernels are unavailable or the tensors are not
-    contiguous CPU int64/int32 (the caller's torch ops then do it)."""
+    """``ids + hsc[t]`` for each table's ids (feature-major ``offsets[T*B+1]`` from 0 to
+    ``len(ids)``), as int64; None when the C kernels are unavailable, the tensors are not CPU
+    int64/int32, or the table boundaries in ``offsets`` are out of order (the caller's torch ops
+    then do it, or raise)."""
     lib = _KERNELS.get()
     if (lib is None or ids.dtype not in _ID_DTYPES or offsets.dtype != torch.int64 or hsc.dtype != torch.int64
             or not (ids.device.type == offsets.device.type == hsc.device.type == "cpu")
             or offsets.numel() != T * B + 1 or hsc.numel() < T + 1):
         return None
     ids, offsets, hsc = ids.contiguous(), offsets.contiguous(), hsc.contiguous()
-    if int(offsets[-1]) != ids.numel():
-        return None
     lin = torch.empty(ids.numel(), dtype=torch.int64)
-    lib.recc_linearize(ids.data_ptr(), int(ids.dtype == torch.int32), offsets.data_ptr(), T, B, hsc.data_ptr(),
-                       lin.data_ptr())
-    return lin
+    rc = lib.recc_linearize(ids.data_ptr(), int(ids.dtype == torch.int32), offsets.data_ptr(), T, B, hsc.data_ptr(),
+                            ids.numel(), lin.data_ptr())
+    return lin if rc == 0 else None
 
 
 def available() -> bool:

@@ -275,7 +275,7 @@ def test_report_bytes_per_codec(comm_world, name):
                 assert 0.0 < row.rel_error < 0.2, (label, row)
             assert row.wait_ms >= 0.0 and row.emulated_ms == 0.0
         ids = report.row("input_dist g0")
-        assert ids.precision == "int32" and ids.ratio == 1.0 and ids.fp32_bytes > 0
+        assert ids.precision == "int32" and ids.ratio == 1.0 and ids.fp32_bytes > 0 and ids.rel_error == 0.0
         # DDP's own fp32 all-reduce (no hook): every dense gradient once per step
         ddp = report.row("dense all_reduce (DDP)")
         assert ddp.precision == "fp32" and ddp.fp32_bytes == ddp.wire_bytes == 4 * r["dense_numel"], ddp

@@ -110,3 +110,14 @@ def test_weight_grad_equals_gT_x(k):
     assert got.shape == (96, k) and got.is_contiguous()
     torch.testing.assert_close(got, g.t().mm(x), rtol=1e-5, atol=1e-4)
     assert _weight_grad_transposed(k) == (k in (13, 16, 104))
+
+
+@pytest.mark.parametrize("n,k", [(1, 8), (3, 1), (1, 1)])
+def test_weight_grad_has_row_major_strides(n, k):
+    """A one-row or one-column gradient still comes back [N, K] row-major (DDP's bucket views
+    copy a gradient whose strides differ)."""
+    from recc.kernels.cpu.linear import weight_grad
+    g, x = torch.randn(50, n), torch.randn(50, k)
+    got = weight_grad(g, x)
+    assert got.shape == (n, k) and got.stride() == (k, 1)
+    torch.testing.assert_close(got, g.t().mm(x), rtol=1e-5, atol=1e-5)

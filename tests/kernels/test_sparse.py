@@ -89,6 +89,11 @@ def test_linearize_equals_the_torch_ops(dtype):
     assert torch.equal(got, want)
     assert torch.equal(linearize_indices(ids, packed.offsets, hsc, 3, 6), want)
     assert sparse.linearize(ids[:-1], packed.offsets, hsc, 3, 6) is None  # offsets do not end at len(ids)
+    bad = packed.offsets.clone()
+    bad[6] = bad[12] + 1  # table 1 would start after it ends: out of order, nothing written
+    assert sparse.linearize(ids, bad, hsc, 3, 6) is None
+    shifted = packed.offsets + 1  # does not start at 0
+    assert sparse.linearize(ids, shifted, hsc, 3, 6) is None
 
 
 def test_reference_mode_uses_no_c(monkeypatch):
