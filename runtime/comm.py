@@ -59,27 +59,27 @@ def _row_split(comm, k: int, r0: int, r1: int) -> bool:
 
 # ----------------------------------------------------------------------------- input dist
 
-_INPUT_PLANS: dict = {}
+_OWNER_PLANS: dict = {}
 
 
-def _input_plan(comm, world: int):
+def _owner_plan(comm, world: int):
     """Per owner rank, its shards ``(table, row0, row1)`` in its local order; whether any shard
     is a row block (its ids are filtered and rebased); the shard counts; and per owner just
-    the tables (cached per comm)."""
+    the tables (cached per comm; both dists read it)."""
     key = (comm, world)
-    if key not in _INPUT_PLANS:
+    if key not in _OWNER_PLANS:
         per_owner = [[(k, r0, r1) for k, owner, r0, r1, _, _ in comm.layout if owner == o] for o in range(world)]
         row_split = any(_row_split(comm, k, r0, r1) for shards in per_owner for k, r0, r1 in shards)
-        _INPUT_PLANS[key] = (per_owner, row_split, [len(p) for p in per_owner],
+        _OWNER_PLANS[key] = (per_owner, row_split, [len(p) for p in per_owner],
                              [[k for k, _, _ in shards] for shards in per_owner])
-    return _INPUT_PLANS[key]
+    return _OWNER_PLANS[key]
 
 
 def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     world, me = dist.get_world_size(), dist.get_rank()
     b = sparse.batch_size
     dev = sparse.indices.device  # helper tensors live with the ids (NCCL needs them on the GPU)
-    per_owner, row_split, shards_of, tables_of = _input_plan(comm, world)
+    per_owner, row_split, shards_of, tables_of = _owner_plan(comm, world)
     # Each table's id range, as Python ints in one transfer (slicing with 0-d tensors would
     # convert each bound on its own, a sync per table on a GPU).
     bounds = sparse.offsets[::b].tolist() if b else [0] * (sparse.num_tables + 1)
@@ -410,7 +410,7 @@ def output_dist_start(payload, comm) -> Handle:
     pooled = payload.source if encoded else payload
     codec = payload.precision if encoded else "fp32"
     grad_codec = payload.grad_precision if encoded else "fp32"
-    shards_of = [sum(1 for p in comm.layout if p[1] == o) for o in range(world)]
+    shards_of = _owner_plan(comm, world)[2]
     if comm.node_size:
         from recc.runtime.comm_two_level import TwoLevelExchange as exchange
     else:
@@ -433,7 +433,7 @@ class ReceivedRows:
         self.handle = handle
 
 
-_COLUMN_MAPS: dict = {}
+_COLUMN_LAYOUTS: dict = {}
 
 
 def _received_columns(comm, shards_of) -> list[int]:
@@ -451,38 +451,21 @@ def _received_columns(comm, shards_of) -> list[int]:
     return cols
 
 
-def _column_map(comm, shards_of):
-    """How the side-by-side received columns (``_received_columns``) become the output:
+def _column_layout(comm, shards_of):
+    """``(kind, index, runs)`` for the received columns (``_received_columns``), cached per comm:
     ``("identity", None)`` when they already sit in order, ``("permute", source column of each
     output column)`` when every column lands once, ``("add", target column of each received
-    column)`` when row blocks must be summed."""
+    column)`` when row blocks must be summed; and, unless ``add``, per source rank its columns
+    as runs ``(source column, output column, count)`` of consecutive columns that land
+    consecutively (one run per source when its tables are adjacent in the output)."""
     key = (comm, tuple(shards_of))
-    if key not in _COLUMN_MAPS:
+    if key not in _COLUMN_LAYOUTS:
         cols = _received_columns(comm, shards_of)
-        cols_t = torch.tensor(cols, dtype=torch.int64)
         total = sum(comm.dims)
-        if cols == list(range(total)):
-            _COLUMN_MAPS[key] = ("identity", None)
-        elif len(set(cols)) == len(cols) == total:
-            _COLUMN_MAPS[key] = ("permute", torch.argsort(cols_t))
-        else:
-            _COLUMN_MAPS[key] = ("add", cols_t)
-    return _COLUMN_MAPS[key]
-
-
-_PLACEMENTS: dict = {}
-
-
-def _placement_runs(comm, shards_of):
-    """Per source rank, its received columns as runs ``(source column, output column, count)``
-    (consecutive columns that land consecutively), or None when some output column is the sum
-    of several received ones (row blocks). With every table whole on one owner, each source's
-    rows are a single run when its tables are adjacent in the output."""
-    key = (comm, tuple(shards_of))
-    if key not in _PLACEMENTS:
-        cols = _received_columns(comm, shards_of)
         runs = None
-        if len(set(cols)) == len(cols) == sum(comm.dims):
+        if len(set(cols)) == len(cols) == total:
+            kind = "identity" if cols == list(range(total)) else "permute"
+            index = None if kind == "identity" else torch.argsort(torch.tensor(cols, dtype=torch.int64))
             runs, pos = [], 0
             for n in shards_of:
                 mine, src_runs = cols[pos:pos + n * comm.width], []
@@ -493,8 +476,21 @@ def _placement_runs(comm, shards_of):
                         src_runs.append([i, c, 1])
                 runs.append([tuple(r) for r in src_runs])
                 pos += n * comm.width
-        _PLACEMENTS[key] = runs
-    return _PLACEMENTS[key]
+        else:
+            kind, index = "add", torch.tensor(cols, dtype=torch.int64)
+        _COLUMN_LAYOUTS[key] = (kind, index, runs)
+    return _COLUMN_LAYOUTS[key]
+
+
+def _column_map(comm, shards_of):
+    """``(kind, index)`` of ``_column_layout``: how the general path reassembles the tables."""
+    return _column_layout(comm, shards_of)[:2]
+
+
+def _placement_runs(comm, shards_of):
+    """The runs of ``_column_layout`` (None for row blocks that add up): where the placed path
+    decodes each source's columns."""
+    return _column_layout(comm, shards_of)[2]
 
 
 def _reassemble(handle: Handle) -> torch.Tensor:

@@ -24,15 +24,21 @@ from recc.runtime.pipeline import split_sparse_stage
 from recc.tables import TableGroup
 
 
+def _table_memory(shape, device: torch.device) -> torch.Tensor:
+    """Uninitialised fp32 memory for a table or its optimizer state. On CPU it is on huge pages:
+    rows are read and updated at random, and 2 MiB pages spare the TLB misses."""
+    if device.type == "cpu":
+        return huge_page_empty(shape)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
 def materialize(group: TableGroup, rank: int, device: torch.device,
                 generator: Optional[torch.Generator] = None) -> None:
     """Give ``group`` this rank's shards in one concatenated ``weights`` plus zeroed optimizer
     state. Only the rank's own blocks of the source tables are read; nothing else is copied."""
     group.set_rank(rank)
     rows, dim = group.total_rows, group.dim
-    # CPU tables on huge pages: their rows are read and updated at random (fewer TLB misses).
-    weights = (huge_page_empty((rows, dim)) if device.type == "cpu"
-               else torch.empty(rows, dim, dtype=torch.float32, device=device))
+    weights = _table_memory((rows, dim), device)
     for j in range(group.num_tables):
         spec = group.local_table(j)
         r0, r1 = int(group.hash_size_cumsum[j]), int(group.hash_size_cumsum[j + 1])
@@ -52,9 +58,7 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
             weights[r0:r1].copy_(src.detach())
     group.weights = nn.Parameter(weights)
     for name, shape in optimizer_state_shapes(group.optimizer.name, rows, dim).items():
-        state = (huge_page_empty(shape).zero_() if device.type == "cpu"
-                 else torch.zeros(shape, dtype=torch.float32, device=device))
-        group.register_buffer(name, state)
+        group.register_buffer(name, _table_memory(shape, device).zero_())
     group.state_names = list(optimizer_state_shapes(group.optimizer.name, rows, dim))
     group.step = 0
     # Per-rank mean losses: an owner receives W ranks' gradients (or, data-parallel, gathers
