@@ -19,7 +19,7 @@ from recc.config import CompileConfig
 from recc.graph_utils import resolve_attr
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
-from recc.trace import default_example_inputs, model_is_meta, propagate_shapes, trace
+from recc.trace import default_example_inputs, example_batch, model_is_meta, propagate_shapes, to_meta, trace, untouched
 
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_interaction,align_linear,fuse_linear_act,lower"
 
@@ -42,7 +42,14 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
             pipeline: Union[str, Sequence[Any], None] = None, example_inputs: Optional[Sequence[Any]] = None,
             disable: Sequence[str] = (), print_after: Union[str, Sequence[str], None] = None,
             dump_dir: Optional[str] = None) -> Program:
-    """Compile a plain PyTorch model for ``cluster``; see DESIGN.md for the contract."""
+    """Compile a plain PyTorch model for ``cluster``; see DESIGN.md for the contract. Pure: the
+    model's parameters, buffers, ``training`` flags and the global RNG state are as they were."""
+    with untouched(model):
+        return _compile(model, cluster, config=config, pipeline=pipeline, example_inputs=example_inputs,
+                        disable=disable, print_after=print_after, dump_dir=dump_dir)
+
+
+def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print_after, dump_dir) -> Program:
     _ensure_builtin_passes()
     cluster = cluster or Cluster.local(1)
     if config is None:
@@ -72,7 +79,7 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
             eager_out = model(*example_inputs)
 
     t0 = time.perf_counter()
-    gm = trace(model, example_inputs)
+    gm = trace(model, to_meta(example_inputs) if model_is_meta(model) else example_inputs)
     propagate_shapes(gm, example_inputs, abstract)
     trace_ms = (time.perf_counter() - t0) * 1e3
     ir.verify(gm, pass_name="trace", level=config.verify)
@@ -137,7 +144,7 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
             detached_state[key] = value.detach().clone()
     return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
                    pipeline=format_spec([(i.name, shown_options(i, o)) for i, o in passes]), state_keys=state_keys,
-                   signature=InputSignature.of(sig_names, example_inputs, list(tables)), stats=ctx.stats,
+                   signature=InputSignature.of(sig_names, example_inputs, list(tables), example_batch(example_inputs)), stats=ctx.stats,
                    detached_state=detached_state)
 
 

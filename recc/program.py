@@ -60,16 +60,20 @@ class InputSignature:
     table_names: list[str] = field(default_factory=list)
 
     @staticmethod
-    def _kind(v):
+    def _kind(v, batch=None):
         if isinstance(v, torch.Tensor):
-            return ("tensor", v.dtype, tuple(v.shape[1:]))
+            # Sizes equal to the example batch are the batch ("B"): any size is accepted there.
+            dims = tuple("B" if batch is not None and s == batch else s for s in v.shape)
+            if batch is None and dims:
+                dims = ("B",) + dims[1:]
+            return ("tensor", v.dtype, dims)
         if isinstance(v, (list, tuple)):
-            return ("list", len(v), [InputSignature._kind(x) for x in v])
+            return ("list", len(v), [InputSignature._kind(x, batch) for x in v])
         return ("value", type(v).__name__, None)
 
     @classmethod
-    def of(cls, names: Sequence[str], example_inputs: Sequence[Any], table_names=()) -> "InputSignature":
-        return cls(list(names), [cls._kind(v) for v in example_inputs], list(table_names))
+    def of(cls, names: Sequence[str], example_inputs: Sequence[Any], table_names=(), batch=None) -> "InputSignature":
+        return cls(list(names), [cls._kind(v, batch) for v in example_inputs], list(table_names))
 
     def check(self, args: Sequence[Any]) -> None:
         if len(args) != len(self.kinds):
@@ -79,8 +83,9 @@ class InputSignature:
             if kind[0] == "tensor":
                 if not isinstance(v, torch.Tensor):
                     raise TypeError(f"argument {name}: expected a tensor, got {type(v).__name__}")
-                if v.dim() != len(kind[2]) + 1 or tuple(v.shape[1:]) != kind[2]:
-                    want = "[B" + "".join(f", {s}" for s in kind[2]) + "]"
+                dims = kind[2]
+                if v.dim() != len(dims) or any(d != "B" and s != d for s, d in zip(v.shape, dims)):
+                    want = "[" + ", ".join(str(d) for d in dims) + "]"
                     raise ValueError(f"argument {name}: expected shape {want}, got {list(v.shape)}")
                 if v.dtype.is_floating_point != kind[1].is_floating_point:
                     raise TypeError(f"argument {name}: expected dtype {kind[1]}, got {v.dtype}")

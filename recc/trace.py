@@ -1,68 +1,415 @@
-"""Tracing a user's model into the IR, and annotating every node with its value's shape.
+"""Capture: tracing a user's model into the IR, and annotating every node with its value's shape.
+
+recc captures with a ``torch.fx`` tracer whose proxies carry the example inputs' values: every
+node is run on the example as it is recorded. Ordinary Python in ``forward`` then works as it
+does in eager mode — shapes read into ints and used in ``range``, comprehensions, arithmetic and
+``torch.tensor(...)``; ``len(x.shape)``, ``x.dim()``, ``if x.dim() == 2``; unpacking
+``_, ni, nj = Z.shape``; iterating a stacked ``[T, B]`` input; numpy arrays and scalars held by
+modules (recorded as tensor constants). A value turned into a Python value is baked into the
+graph, so each conversion is checked first:
+
+- a number computed from the inputs' or parameters' *values* (``if x.sum() > 0``,
+  ``int(ids.max())``) is data-dependent control flow: refused, naming the file, line and value;
+- a size that is the batch (``for b in range(x.shape[0])``) is refused the same way, since one
+  compiled program serves every batch size. Sizes that stay in tensor calls
+  (``x.view(batch_size, -1, d)``) remain graph nodes, so the batch stays symbolic. A dimension
+  of an input-derived tensor is the batch when it equals the example batch (the leading size of
+  the first tensor argument); the error says so when a fixed size happens to collide with it.
 
 Users' DLRMs take lists of tensors (one offsets and one indices tensor per table) and often
-iterate over them. ``torch.fx`` cannot iterate a Proxy, so list arguments are traced as lists
-of placeholders (``concrete_args`` with ``fx.PH`` leaves): loops over tables unroll, and the
-GraphModule keeps the user's calling convention through its pytree codegen.
+iterate over them: list, tuple and dict arguments are traced as containers of placeholders
+(``concrete_args`` with ``fx.PH`` leaves), so loops over tables unroll and the GraphModule keeps
+the user's calling convention through its pytree codegen. Embedding modules (and TorchRec's
+embedding collections) stay ``call_module`` nodes for ``discover_tables``.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Sequence
+import linecache
+import operator
+import os
+import random
+import traceback
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from recc.ops import Handle, SparseBatch, op_of
 
+# Reads of a tensor's metadata: their results are sizes, dtypes, devices — not its values.
+_META_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse",
+                         "requires_grad", "is_floating_point"})
+_META_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "is_contiguous",
+                           "get_device", "is_floating_point", "element_size", "type"})
+_HERE = os.path.abspath(__file__)
+_MODULE_CALL = nn.Module.__call__   # unpatched: fx patches it while tracing
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
-class _LeafAwareTracer(fx.Tracer):
-    """Keeps embedding modules as ``call_module`` nodes so ``discover_tables`` can find them
-    under any name, and traces every other module through (default fx behaviour)."""
+
+class CaptureError(RuntimeError):
+    """``forward`` does something a compiled graph cannot represent; the message names where."""
+
+
+def is_torchrec_collection(m: nn.Module) -> bool:
+    """TorchRec's ``EmbeddingBagCollection`` / ``EmbeddingCollection``, recognised by structure
+    (class name and the module dict of tables) so recc never imports TorchRec itself."""
+    name = type(m).__name__
+    return (name in ("EmbeddingBagCollection", "EmbeddingCollection")
+            and isinstance(getattr(m, "embedding_bags", None) if name == "EmbeddingBagCollection"
+                           else getattr(m, "embeddings", None), nn.ModuleDict))
+
+
+def _user_site() -> str:
+    """``file:line: source`` of the innermost frame of the user's code (not torch, not here)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path == _HERE or path.startswith(_TORCH_DIR):
+            continue
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        return f"{frame.filename}:{frame.lineno}: {line}"
+    return "(unknown location)"
+
+
+class _ValueProxy(fx.Proxy):
+    """A proxy whose node's example value is known, so Python may look at it (see the module
+    docstring for what is allowed)."""
+
+    def __getattr__(self, k: str):
+        return _ValueAttribute(self, k)
+
+    def __bool__(self) -> bool:
+        return bool(self.tracer.concrete(self, "bool"))
+
+    def __index__(self) -> int:
+        return operator.index(self.tracer.concrete(self, "int"))
+
+    def __int__(self) -> int:
+        return int(self.tracer.concrete(self, "int"))
+
+    def __float__(self) -> float:
+        return float(self.tracer.concrete(self, "float"))
+
+    def __len__(self) -> int:
+        return self.tracer.length(self)
+
+    def __iter__(self):
+        return self.tracer.iter(self)
+
+    def keys(self):
+        return self.tracer.keys(self)
+
+
+class _ValueAttribute(_ValueProxy, fx.proxy.Attribute):
+    pass
+
+
+class _CaptureTracer(fx.Tracer):
+    """fx tracing with every node run on the example as it is recorded (``values``), and per
+    node what its value depends on (``taint``: "input", "param", "batch")."""
+
+    def __init__(self, leaves: list, batch: Optional[int]):
+        super().__init__()
+        self.leaves = leaves
+        self.batch = batch
+        self.values: dict[fx.Node, Any] = {}
+        self.taint: dict[fx.Node, frozenset] = {}
+        self.masks: dict[fx.Node, tuple] = {}   # sizes: which entries are the batch
+        self._placeholders = 0
+        self._evaluating = 0   # > 0 while a node runs on its example values: no recording
+
+    def call_module(self, m, forward, args, kwargs):
+        if self._evaluating:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self._evaluating:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)):
+        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)) or is_torchrec_collection(m):
             return True
         return super().is_leaf_module(m, qualname)
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ValueProxy(node, self)
 
-def _placeholders_like(value):
+    def create_arg(self, a: Any):
+        # numpy values held by modules: arrays become tensor constants, scalars Python numbers.
+        if isinstance(a, np.ndarray):
+            a = torch.from_numpy(np.ascontiguousarray(a).copy())
+        elif isinstance(a, np.generic):
+            a = a.item()
+        return super().create_arg(a)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if not isinstance(p, _ValueProxy):
+            p = _ValueProxy(p.node, self)
+        if kind != "output":
+            self.value(p.node)
+        return p
+
+    # -- values ---------------------------------------------------------------------------
+
+    def value(self, node: fx.Node):
+        if node not in self.values:
+            self.values[node] = self._run(node)
+            self.taint[node] = self._taint_of(node)
+        return self.values[node]
+
+    def _run(self, node: fx.Node):
+        if node.op == "placeholder":
+            k, self._placeholders = self._placeholders, self._placeholders + 1
+            return self.leaves[k] if k < len(self.leaves) else (node.args[0] if node.args else None)
+        if node.op == "get_attr":
+            self._evaluating += 1
+            try:
+                v = self.root
+                for part in node.target.split("."):
+                    v = getattr(v, part)
+                return v
+            finally:
+                self._evaluating -= 1
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.value)
+        self._evaluating += 1
+        try:
+            with torch.no_grad():
+                if node.op == "call_function":
+                    return node.target(*args, **kwargs)
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                return _MODULE_CALL(self.root.get_submodule(node.target), *args, **kwargs)
+        except CaptureError:
+            raise
+        except Exception as e:
+            raise CaptureError(f"{_user_site()}\n  {node.format_node()} raised on the example inputs: "
+                               f"{type(e).__name__}: {e}") from e
+        finally:
+            self._evaluating -= 1
+
+    def _taint_of(self, node: fx.Node) -> frozenset:
+        if node.op == "placeholder":
+            return frozenset({"input"})
+        if node.op == "get_attr":
+            return frozenset({"param"}) if isinstance(self.values[node], nn.Parameter) else frozenset()
+        src = node.args[0] if node.args else None
+        meta_attr = node.op == "call_function" and node.target is getattr and node.args[1] in _META_ATTRS
+        meta_method = node.op == "call_method" and node.target in _META_METHODS
+        if (meta_attr or meta_method) and isinstance(src, fx.Node):
+            mask = self._batch_dims(src)
+            what = node.args[1] if meta_attr else node.target
+            if what in ("shape", "size"):
+                dim = node.args[1] if meta_method and len(node.args) > 1 else node.kwargs.get("dim")
+                if dim is None:
+                    self.masks[node] = mask
+                    return frozenset()
+                return frozenset({"batch"}) if mask and mask[dim] else frozenset()
+            if what in ("numel", "nelement"):
+                return frozenset({"batch"}) if any(mask) else frozenset()
+            return frozenset()
+        if (node.op == "call_function" and node.target is operator.getitem and isinstance(src, fx.Node)
+                and src in self.masks and isinstance(node.args[1], (int, slice))):
+            picked = self.masks[src][node.args[1]]
+            if isinstance(picked, tuple):
+                self.masks[node] = picked
+                return frozenset()
+            return frozenset({"batch"}) if picked else frozenset()
+        out = frozenset()
+        for n in node.all_input_nodes:
+            self.value(n)
+            out |= self.taint[n]
+        return out
+
+    def _batch_dims(self, node: fx.Node) -> tuple:
+        """Per dimension of ``node``'s tensor value: is it the batch?"""
+        v = self.value(node)
+        if not isinstance(v, torch.Tensor) or "input" not in self.taint[node] or self.batch is None:
+            return (False,) * (v.dim() if isinstance(v, torch.Tensor) else 0)
+        return tuple(int(s) == self.batch for s in v.shape)
+
+    # -- Python looking at values ------------------------------------------------------------
+
+    def concrete(self, proxy: fx.Proxy, how: str):
+        """The example value of ``proxy`` for Python to use, if that is the same for every batch."""
+        node = proxy.node
+        v = self.value(node)
+        t = self.taint[node]
+        numeric = isinstance(v, (torch.Tensor, bool, int, float, complex))
+        if numeric and ("input" in t or "param" in t):
+            shown = v if not isinstance(v, torch.Tensor) or v.numel() <= 4 else f"a tensor of shape {list(v.shape)}"
+            source = "the inputs'" if "input" in t else "the parameters'"
+            raise CaptureError(
+                f"{_user_site()}\n  data-dependent control flow: this line turns {node.format_node()} "
+                f"(= {shown}), computed from {source} values, into a Python {how}. recc compiles one graph "
+                f"for every batch, so forward must not branch on or convert tensor values; keep the "
+                f"computation in tensor ops (torch.where, masking) or move it out of forward.")
+        if numeric and "batch" in t:
+            raise CaptureError(
+                f"{_user_site()}\n  this line turns {node.format_node()} (= {v}), which is the batch size, "
+                f"into a Python {how}. recc compiles one graph for every batch size: keep the batch size in "
+                f"tensor calls (x.view(x.size(0), -1)) instead of loops or Python arithmetic. (A dimension "
+                f"of an input-derived tensor counts as the batch when it equals the example batch, "
+                f"{self.batch}; if this is a fixed size that happens to equal it, compile with example "
+                f"inputs of another batch size.)")
+        return v
+
+    def length(self, proxy: fx.Proxy) -> int:
+        node = proxy.node
+        v = self.value(node)
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0:
+                raise CaptureError(f"{_user_site()}\n  len() of a 0-d tensor ({node.format_node()})")
+            if self._batch_dims(node)[:1] == (True,):
+                return self.concrete(proxy.size(0), "len()")
+            return int(v.shape[0])
+        return len(v)
+
+    def iter(self, proxy: fx.Proxy):
+        node = proxy.node
+        v = self.value(node)
+        if node.op == "call_method" and node.target in ("items", "keys", "values") and isinstance(
+                self.value(node.args[0]), dict):
+            d = _ValueProxy(node.args[0], self)
+            keys = list(self.value(node.args[0]).keys())
+            if node.target == "keys":
+                return iter(keys)
+            if node.target == "values":
+                return iter([d[k] for k in keys])
+            return iter([(k, d[k]) for k in keys])
+        if isinstance(v, dict):
+            return iter(list(v.keys()))
+        n = self.length(proxy)
+        items = [proxy[i] for i in range(n)]
+        # Elements that are plain Python structure (feature names) are handed over as they are.
+        if isinstance(v, (list, tuple)) and not any(isinstance(x, (torch.Tensor, int, float, bool)) for x in v):
+            return iter(list(v))
+        return iter(items)
+
+    def keys(self, proxy: fx.Proxy):
+        v = self.value(proxy.node)
+        if hasattr(v, "keys"):
+            return list(v.keys())
+        raise CaptureError(f"{_user_site()}\n  {proxy.node.format_node()} has no keys()")
+
+
+def _containers_of_placeholders(value):
     if isinstance(value, (list, tuple)):
-        return type(value)(_placeholders_like(v) for v in value)
+        return type(value)(_containers_of_placeholders(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _containers_of_placeholders(v) for k, v in value.items()}
     return fx.PH
 
 
-def trace(model: nn.Module, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    """Symbolically trace ``model``; list/tuple arguments become lists of placeholders."""
+def _leaves(value) -> list:
+    """The example values in the order fx creates placeholders for a container argument."""
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _leaves(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    return [value]
+
+
+def example_batch(example_inputs: Sequence[Any]) -> Optional[int]:
+    """The example's batch: the leading size of the first tensor argument (or the first tensor
+    of a dict argument), or the ``stride()`` of a TorchRec ``KeyedJaggedTensor`` argument."""
+    for v in example_inputs:
+        if isinstance(v, dict):
+            v = next((x for x in v.values() if isinstance(x, torch.Tensor)), None)
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return int(v.shape[0])
+        if type(v).__name__ == "KeyedJaggedTensor":
+            return int(v.stride())
+    return None
+
+
+def _prune_dead_reads(graph: fx.Graph) -> None:
+    """Drop what Python-side reads left behind: unused shape reads and arithmetic on sizes."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.users or node.op not in ("call_function", "call_method"):
+                continue
+            read = (node.op == "call_method" and node.target in _META_METHODS) or (
+                node.op == "call_function" and (node.target is getattr or node.target is operator.getitem
+                                                or getattr(node.target, "__module__", None) == "_operator"))
+            if read:
+                graph.erase_node(node)
+                changed = True
+
+
+def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] = None) -> fx.GraphModule:
+    """Capture ``model`` on ``example_inputs`` (one rank's batch); containers of tensors become
+    containers of placeholders. ``batch`` is the example's batch size if known."""
     sig = inspect.signature(model.forward)
     params = [p for p in sig.parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(example_inputs) > len(params):
         raise TypeError(f"{type(model).__name__}.forward takes {len(params)} arguments, "
                         f"got {len(example_inputs)} example inputs")
-    concrete = {p.name: _placeholders_like(v) for p, v in zip(params, example_inputs)
-                if isinstance(v, (list, tuple))}
-    tracer = _LeafAwareTracer()
+    concrete = {p.name: _containers_of_placeholders(v) for p, v in zip(params, example_inputs)
+                if isinstance(v, (list, tuple, dict))}
+    leaves = [x for v in example_inputs for x in _leaves(v)]
+    tracer = _CaptureTracer(leaves, batch if batch is not None else example_batch(example_inputs))
     try:
         graph = tracer.trace(model, concrete_args=concrete or None)
+    except CaptureError as e:
+        raise CaptureError(f"recc could not capture {type(model).__name__}.forward: {e}") from None
     except Exception as e:
-        raise RuntimeError(
-            f"recc could not trace {type(model).__name__} with torch.fx: {e}\n"
-            f"recc needs a forward without data-dependent Python control flow; list arguments "
-            f"are traced element by element") from e
+        raise CaptureError(f"recc could not capture {type(model).__name__}.forward with torch.fx: "
+                           f"{type(e).__name__}: {e}\n  at {_user_site_of(e)}") from e
+    _prune_dead_reads(graph)
     _name_placeholders(graph, [p.name for p in params], example_inputs)
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    return gm
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _user_site_of(e: BaseException) -> str:
+    """The innermost frame of the user's code in ``e``'s traceback."""
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if path != _HERE and not path.startswith(_TORCH_DIR):
+            return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return "(unknown location)"
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module):
+    """Run the block (tracing, shape propagation) and leave ``model`` as it was: its buffers
+    (BatchNorm statistics), ``training`` flags, the parameters of lookups that renormalise rows
+    in place (``max_norm``), and the global RNG states (torch, numpy, random)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    params = [(m.weight, m.weight.detach().clone()) for m in model.modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None]
+    flags = [(m, m.training) for m in model.modules()]
+    rng = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, saved in buffers + params:
+                t.copy_(saved)
+        for m, flag in flags:
+            m.training = flag
+        torch.random.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
 
 
 def _name_placeholders(graph: fx.Graph, names: Sequence[str], example_inputs: Sequence[Any]) -> None:
-    """Name flattened list arguments ``lS_i_0, lS_i_1, ...`` after the user's argument and the
-    element's index (fx would print ``l_s_i_1`` for ``lS_i[0]``)."""
+    """Name flattened container arguments ``lS_i_0, lS_i_1, ...`` after the user's argument and
+    the element's index or key (fx would print ``l_s_i_1`` for ``lS_i[0]``)."""
     wanted = []
     for name, v in zip(names, example_inputs):
         if isinstance(v, (list, tuple)):
             wanted.extend(f"{name}_{k}" for k in range(len(v)))
+        elif isinstance(v, dict):
+            wanted.extend(f"{name}_{k}" for k in v)
         else:
             wanted.append(name)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -70,7 +417,7 @@ def _name_placeholders(graph: fx.Graph, names: Sequence[str], example_inputs: Se
         return
     taken = {n.name for n in graph.nodes}
     for n, name in zip(placeholders, wanted):
-        if n.name != name and name not in taken:
+        if n.name != name and name not in taken and name.isidentifier():
             taken.discard(n.name)
             graph._graph_namespace._used_names.discard(n.name)
             n._rename(name)
