@@ -294,10 +294,12 @@ def _copy_table_weights(module: nn.Module, prefix: str, weights: list[torch.Tens
                 t.copy_(w)
 
 
-def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None):
+def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None, ebc_path="ebc"):
     """Wrap ``module_fn(ebc)`` the TorchRec way; returns (module, dense optimizer or None).
 
-    ``pg``: the process group DMP shards over (default: a one-rank gloo world)."""
+    ``pg``: the process group DMP shards over (default: a one-rank gloo world). ``ebc_path``:
+    where the EBC sits in ``module_fn(ebc)`` (``sparse_arch.embedding_bag_collection`` for
+    TorchRec's own DLRM)."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     tables = _torchrec_tables(model)
@@ -309,8 +311,8 @@ def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None):
         ebc = FusedEmbeddingBagCollection(tables, optimizer_type=opt_cls, optimizer_kwargs=opt_kwargs,
                                           device=torch.device("cpu"))
         module = module_fn(ebc)
-        _copy_table_weights(module, "ebc.", weights)
-        dense = [p for n, p in module.named_parameters() if not n.startswith("ebc.")]
+        _copy_table_weights(module, f"{ebc_path}.", weights)
+        dense = [p for n, p in module.named_parameters() if not n.startswith(f"{ebc_path}.")]
         return module, (torch.optim.SGD(dense, lr=lr) if dense else None)
 
     # DistributedModelParallel on a gloo world (one rank unless ``pg`` says otherwise):
@@ -328,7 +330,7 @@ def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None):
         pg = _one_rank_gloo_world()
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     module = module_fn(ebc)
-    apply_optimizer_in_backward(opt_cls, module.ebc.parameters(), opt_kwargs)
+    apply_optimizer_in_backward(opt_cls, module.get_submodule(ebc_path).parameters(), opt_kwargs)
     sharders = [EmbeddingBagCollectionSharder()]
     constraints = {
         t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
@@ -341,7 +343,7 @@ def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None):
     plan = planner.collective_plan(module, sharders, pg)
     dmp = DistributedModelParallel(module, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"),
                                    plan=plan, sharders=sharders)
-    _copy_table_weights(dmp.module, "ebc.", weights)
+    _copy_table_weights(dmp.module, f"{ebc_path}.", weights)
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
     return dmp, (torch.optim.SGD(dense, lr=lr) if dense else None)
 

@@ -52,13 +52,16 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
             raise ValueError(f"batch_tables: table {t.name} has shards of widths {sorted(widths)}; "
                              f"column blocks of one table must be equally wide")
         two_level = shard.kind == "table_row_wise" and ctx.cluster.nodes > 1
-        key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel", two_level)
+        # Bags per batch: B for pooled tables and one-id gathers of [B] ids, B*L for gathers of
+        # [B, L] ids; one group's tables share it (one offsets layout, one output dist split).
+        bags = int(n.meta["val"].shape[0]) if "val" in n.meta else 0
+        key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
         bucket[-1].append(n)
     index, last = 0, None
-    for (width, pooling, weighted, _, dp, two_level), chunks in groups.items():
+    for (width, pooling, weighted, _, dp, two_level, _), chunks in groups.items():
         node_size = ctx.cluster.devices_per_node if two_level else 0
         for members in chunks:
             members.sort(key=_owner_order)

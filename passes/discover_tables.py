@@ -4,19 +4,30 @@ Contract: requires a traced user model. Ensures every supported lookup —
 ``nn.EmbeddingBag`` and ``nn.Embedding`` modules (whatever they are called), and
 ``F.embedding_bag`` / ``F.embedding`` calls on a parameter — is one ``recc.embedding_bag`` node
 whose weight is a ``get_attr`` and whose ``meta["recc.table"]`` is a ``TableSpec``; records the
-tables in ``ctx.stats["tables"]``. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
+tables in ``ctx.stats["tables"]``. Gathers (``nn.Embedding``: ids of any shape S, rows of shape
+S + [D]) become sum-pooled bags of one id each — ``ids.reshape(-1, 1)`` in, ``recc.rows_like``
+out — so they batch, shard (table-, row-, column-wise: the output dist then carries the looked-up
+rows, TorchRec's sequence sharding) and train like any pooled table. ``include_last_offset``
+offsets lose their last entry. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
 ``padding_idx``, ``scale_grad_by_freq``) are left as they are, trained as dense modules, and
-listed in ``ctx.stats["dense_lookups"]`` with the reason. Must not change what the graph computes.
+listed once in ``ctx.stats["dense_lookups"]`` with the reason; a model with no table at all
+compiles with one warning. Must not change what the graph computes.
 
 Before:
-    emb_l_0 : f32[8,4] = emb_l.0(l_s_i_1, l_s_o_1)
+    emb_l_0 : f32[8,4]   = emb_l.0(l_s_i_1, l_s_o_1)
+    user    : f32[8,1,4] = user(ids)
 After:
     emb_l_0_weight : f32[10,4] = get_attr emb_l.0.weight
     emb_l_0        : f32[8,4]  = recc.embedding_bag(emb_l_0_weight, l_s_i_1, l_s_o_1, None, mode='sum', table='emb_l.0')  # table t0=emb_l.0[10x4,sum]
+    user_weight    : f32[20,4] = get_attr user.weight
+    user_ids       : i64[8,1]  = ids.reshape(-1, 1)
+    user_rows      : f32[8,4]  = recc.embedding_bag(user_weight, user_ids, None, None, mode='sum', table='user')  # table t1=user[20x4,sum]
+    user           : f32[8,1,4] = recc.rows_like(user_rows, ids)
 """
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 
 import torch.fx as fx
@@ -32,7 +43,7 @@ _BAG_SIG = inspect.signature(F.embedding_bag)
 _EMB_SIG = inspect.signature(F.embedding)
 
 
-def _unsupported_bag(mode, max_norm, padding_idx, scale_grad_by_freq, include_last_offset):
+def _unsupported_bag(mode, max_norm, padding_idx, scale_grad_by_freq):
     if mode not in ("sum", "mean"):
         return f"mode={mode!r} (recc's fused kernels pool with sum or mean)"
     if max_norm is not None:
@@ -41,8 +52,6 @@ def _unsupported_bag(mode, max_norm, padding_idx, scale_grad_by_freq, include_la
         return "padding_idx"
     if scale_grad_by_freq:
         return "scale_grad_by_freq"
-    if include_last_offset:
-        return "include_last_offset"
     return None
 
 
@@ -64,13 +73,12 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if isinstance(mod, nn.EmbeddingBag):
                 b = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)
                 a = b.arguments
-                why = _unsupported_bag(mod.mode, mod.max_norm, mod.padding_idx, mod.scale_grad_by_freq,
-                                       mod.include_last_offset)
+                why = _unsupported_bag(mod.mode, mod.max_norm, mod.padding_idx, mod.scale_grad_by_freq)
                 if why:
                     dense_lookups[node.target] = why
                     continue
                 found = (node.target, f"{node.target}.weight", a.get("input"), a.get("offsets"),
-                         a.get("per_sample_weights"), mod.mode)
+                         a.get("per_sample_weights"), mod.mode, mod.include_last_offset)
             elif isinstance(mod, nn.Embedding):
                 why = None
                 if mod.max_norm is not None:
@@ -83,7 +91,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     dense_lookups[node.target] = why
                     continue
                 found = (node.target, f"{node.target}.weight", node.args[0] if node.args else node.kwargs["input"],
-                         None, None, "none")
+                         None, None, "none", False)
         elif node.op == "call_function" and node.target in (F.embedding_bag, F.embedding):
             is_bag = node.target is F.embedding_bag
             a = (_BAG_SIG if is_bag else _EMB_SIG).bind(*node.args, **node.kwargs)
@@ -95,21 +103,21 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 continue
             name = path[:-len(".weight")] if path.endswith(".weight") else path
             if is_bag:
-                why = _unsupported_bag(a["mode"], a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"],
-                                       a["include_last_offset"])
+                why = _unsupported_bag(a["mode"], a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"])
                 if why:
                     dense_lookups[name] = why
                     continue
-                found = (name, path, a["input"], a["offsets"], a["per_sample_weights"], a["mode"])
+                found = (name, path, a["input"], a["offsets"], a["per_sample_weights"], a["mode"],
+                         a["include_last_offset"])
             else:
-                why = _unsupported_bag("sum", a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"], False)
+                why = _unsupported_bag("sum", a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"])
                 if why:
                     dense_lookups[name] = why
                     continue
-                found = (name, path, a["input"], None, None, "none")
+                found = (name, path, a["input"], None, None, "none", False)
         if found is None:
             continue
-        name, wpath, ids, offsets, psw, mode = found
+        name, wpath, ids, offsets, psw, mode, last_offset = found
         if wpath in seen_weights:
             raise ValueError(
                 f"discover_tables: table {name} (weight {wpath}) is looked up at more than one call site "
@@ -122,17 +130,37 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if weight.dim() != 2:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
-                         pooling=mode, weight_key=wpath, weighted=psw is not None)
+                         pooling="sum" if mode == "none" else mode, weight_key=wpath, weighted=psw is not None)
         tables[name] = spec
         old_name = node.name
         with graph.inserting_before(node):
             # A functional lookup already reads its weight through a get_attr: reuse it.
             w = a_weight if (a_weight := _weight_node(node, wpath)) is not None else graph.get_attr(wpath)
-            new = graph.call_function(OPS["embedding_bag"], (w, ids, offsets, psw), {"mode": mode, "table": name})
+            bag_ids = ids
+            if mode == "none":
+                # A gather is a bag of one id per looked-up position.
+                bag_ids = graph.call_method("reshape", (ids, -1, 1))
+                rename(bag_ids, f"{old_name}_ids")
+            elif last_offset and offsets is not None:
+                # include_last_offset: B+1 offsets, the last one the number of ids.
+                offsets = graph.call_function(operator.getitem, (offsets, slice(None, -1)))
+                rename(offsets, f"{old_name}_offsets")
+            new = graph.call_function(OPS["embedding_bag"], (w, bag_ids, offsets, psw),
+                                      {"mode": spec.pooling, "table": name})
+            out = new
+            if mode == "none":
+                out = graph.call_function(OPS["rows_like"], (new, ids))
         new.meta["recc.table"] = spec
-        node.replace_all_uses_with(new)
+        node.replace_all_uses_with(out)
         graph.erase_node(node)
-        rename(new, old_name)
+        if out is new:
+            rename(new, old_name)
+        else:
+            rename(new, f"{old_name}_rows")
+            rename(out, old_name)
+    if not tables:
+        warnings.warn(f"recc: {type(gm).__name__} has no embedding table recc can fuse; it compiles as a "
+                      f"dense model (every parameter data-parallel)", stacklevel=2)
     for name, why in dense_lookups.items():
         warnings.warn(f"recc: embedding {name} stays a dense module (not fused): it uses {why}", stacklevel=2)
     ctx.stats["tables"] = tables

@@ -416,6 +416,20 @@ def tbe_lookup(group, sparse):
     return group.reference_lookup(sparse)
 
 
+def _rows_like_meta(rows, ids):
+    return _meta_like(tuple(ids.shape) + (rows.shape[1],), rows.dtype)
+
+
+@define_op("rows_like", meta=_rows_like_meta)
+def rows_like(rows, ids):
+    """recc.rows_like(rows: f32[N, D], ids: i64[S]) -> f32[S + [D]]
+
+    An ``nn.Embedding`` gather's result: the N = numel(ids) looked-up rows (one-id bags, in ids'
+    order) viewed in the shape of the ids, as ``F.embedding`` returns them.
+    """
+    return rows.reshape(tuple(ids.shape) + (rows.shape[1],))
+
+
 def _split_cols_meta(x, sizes):
     return tuple(_meta_like((x.shape[0], n), x.dtype) for n in sizes)
 

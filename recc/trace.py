@@ -148,6 +148,13 @@ class _CaptureTracer(fx.Tracer):
         return super().create_arg(a)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind == "call_method" and target == "new_tensor" and len(args) > 1 and isinstance(args[1], np.ndarray):
+            # x.new_tensor(numpy array): a copy of the constant in x's dtype and device (a tensor
+            # constant given to new_tensor would warn on every call).
+            x = args[0]
+            kwargs = {"dtype": x.dtype, "device": x.device, "copy": True, **kwargs}
+            const = torch.from_numpy(np.ascontiguousarray(args[1]).copy())
+            kind, target, args = "call_method", "to", (const,) + tuple(args[2:])
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if not isinstance(p, _ValueProxy):
             p = _ValueProxy(p.node, self)
@@ -344,6 +351,34 @@ def _prune_dead_reads(graph: fx.Graph) -> None:
                 changed = True
 
 
+# Tensor factories take sizes, not tensors, so a traced size reaching them (torch.zeros(batch_size, d))
+# is not seen by __torch_function__; while tracing they record a node when given a proxy.
+_FACTORIES = ("zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "eye", "linspace")
+
+
+@contextlib.contextmanager
+def _recording_factories(tracer: "_CaptureTracer"):
+    originals = {name: getattr(torch, name) for name in _FACTORIES}
+
+    def wrap(fn):
+        def factory(*args, **kwargs):
+            flat = list(args) + list(kwargs.values())
+            flat += [x for a in args if isinstance(a, (list, tuple)) for x in a]
+            if any(isinstance(a, fx.Proxy) for a in flat):
+                return tracer.create_proxy("call_function", fn, args, kwargs)
+            return fn(*args, **kwargs)
+        factory.__name__ = fn.__name__
+        return factory
+
+    for name, fn in originals.items():
+        setattr(torch, name, wrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch, name, fn)
+
+
 def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] = None) -> fx.GraphModule:
     """Capture ``model`` on ``example_inputs`` (one rank's batch); containers of tensors become
     containers of placeholders. ``batch`` is the example's batch size if known."""
@@ -358,7 +393,8 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
     leaves = [x for v in example_inputs for x in _leaves(v)]
     tracer = _CaptureTracer(leaves, batch if batch is not None else example_batch(example_inputs))
     try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        with _recording_factories(tracer):
+            graph = tracer.trace(model, concrete_args=concrete or None)
     except CaptureError as e:
         raise CaptureError(f"recc could not capture {type(model).__name__}.forward: {e}") from None
     except Exception as e:
@@ -433,6 +469,8 @@ def to_meta(value):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
     if isinstance(value, (list, tuple)):
         return type(value)(to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_meta(v) for k, v in value.items()}
     return value
 
 
@@ -485,10 +523,24 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], abstract
         # while the graph runs, so a real model compiled for many ranks is annotated like a
         # meta one (its collectives cannot run in one process).
         from torch.nn.utils.stateless import _reparametrize_module
-        stand_ins = {k: to_meta(v) for k, v in list(gm.named_parameters()) + list(gm.named_buffers())
-                     if v.device.type != "meta"}
-        with _reparametrize_module(gm, stand_ins):
+        state = dict(gm.named_parameters())
+        state.update(gm.named_buffers())
+        # Tensor constants of the capture (numpy attributes, torch.tensor(...) in forward).
+        for n in gm.graph.nodes:
+            if n.op == "get_attr" and n.target not in state:
+                v = _attr(gm, n.target)
+                if isinstance(v, torch.Tensor):
+                    state[n.target] = v
+        stand_ins = {k: to_meta(v) for k, v in state.items() if v.device.type != "meta"}
+        # Factories in forward (torch.zeros(batch_size, d)) make meta tensors too.
+        with _reparametrize_module(gm, stand_ins), torch.device("meta"):
             return ShapeProp(gm, abstract).run(*flat)
+
+
+def _attr(root, path: str):
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
 
 
 def fx_flatten_inputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> list:

@@ -1,0 +1,142 @@
+"""Multi-process parity for the zoo models: compile in the parent, train on every rank of one
+launched gloo world per world size, compare with eager PyTorch on the global batch.
+
+As in ``tests/distributed/dist_support.py`` (whose eager optimizer references and assertions
+this reuses), each world is launched once per session and runs every job; a job that raises is
+recorded, so one broken model fails only its own tests. Models with BatchNorm train in eval mode
+on both sides: per-rank batch statistics cannot equal the global batch's.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+import torch.nn as nn
+
+import recc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from dist_support import EPS, LR, RowwiseAdagradReference, assert_same_state, ok  # noqa: E402
+from zoo import ZOO  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GLOBAL_BATCH = 16
+STEPS = 4
+TIMEOUT_S = "60"
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def make(name: str) -> nn.Module:
+    model = ZOO[name].make_model()
+    if has_batchnorm(model):
+        model.eval()
+    return model
+
+
+def compile_zoo(name: str, world: int, optimizer: str = "sgd", sharding: str = "auto") -> recc.Program:
+    entry = ZOO[name]
+    args, _ = entry.batch(0, GLOBAL_BATCH)
+    example = entry.slice(args, 0, world)
+    cfg = recc.CompileConfig(optimizer=optimizer, lr=LR[optimizer], eps=EPS, comm_fwd="fp32", comm_bwd="fp32",
+                             batch_size=GLOBAL_BATCH, sharding=sharding)
+    return recc.compile(make(name), recc.Cluster.local(world), example_inputs=example, config=cfg)
+
+
+def labels_of(y: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    b = y.shape[0] // world
+    return y[rank * b:(rank + 1) * b]
+
+
+def run_job(job: dict) -> dict:
+    entry = ZOO[job["model"]]
+    dmodel = job["program"].instantiate()
+    if job["eval"]:
+        dmodel.eval()
+    rank, world = recc.rank(), recc.world_size()
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=job["lr"])
+    outs = []
+    for step in range(STEPS):
+        args, y = entry.batch(step, GLOBAL_BATCH)
+        out = dmodel(*entry.slice(args, rank, world))
+        outs.append(out.detach().clone())
+        entry.loss(out, labels_of(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"state": dmodel.state_dict(), "outputs": outs, "plan": str(job["program"].plan), "error": None}
+
+
+def run_jobs(jobs: dict) -> dict:
+    results = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = run_job(job)
+        except Exception as e:  # one broken job must not hide the others' results
+            results[name] = {"error": f"rank {recc.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return results
+
+
+def eager_run(name: str, optimizer: str) -> tuple[dict, list]:
+    """One process, the whole global batch, the mean loss; tables as sparse gradients."""
+    entry = ZOO[name]
+    eager = copy.deepcopy(make(name))
+    tables = [m.weight for m in eager.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    for m in eager.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            m.sparse = True
+    ids = {id(t) for t in tables}
+    lr = LR[optimizer]
+    if optimizer == "sgd":
+        opts = [torch.optim.SGD(eager.parameters(), lr=lr)]
+    else:
+        opts = [torch.optim.SGD([p for p in eager.parameters() if id(p) not in ids], lr=lr),
+                RowwiseAdagradReference(tables, lr)]
+    outs = []
+    for step in range(STEPS):
+        args, y = entry.batch(step, GLOBAL_BATCH)
+        out = eager(*args)
+        outs.append(out.detach().clone())
+        entry.loss(out, y).backward()
+        for o in opts:
+            o.step()
+        eager.zero_grad(set_to_none=True)
+    return eager.state_dict(), outs
+
+
+def assert_matches_eager(results: list[dict], eager: tuple) -> None:
+    want, want_outs = eager
+    for step in range(STEPS):
+        got = torch.cat([r["outputs"][step] for r in results])
+        torch.testing.assert_close(got, want_outs[step], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"outputs of step {step}: {m}")
+    for rank, r in enumerate(results):
+        try:
+            assert_same_state(r["state"], want)
+        except AssertionError as e:
+            raise AssertionError(f"rank {rank}'s state_dict after {STEPS} steps: {e}\nplan:\n{r['plan']}") from None
+
+
+class ZooWorld:
+    """One launched world: every job's per-rank results."""
+
+    def __init__(self, world: int, jobs: dict):
+        self.size = world
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
+            self.results = recc.launch(run_jobs, recc.Cluster.local(world), jobs)
+
+    def job(self, name: str) -> list[dict]:
+        return [ok(r[name]) for r in self.results]
+
+
+def job(name: str, world: int, optimizer: str, sharding: str) -> dict:
+    program = compile_zoo(name, world, optimizer, sharding)
+    return {"program": program, "model": name, "lr": LR[optimizer], "eval": has_batchnorm(make(name))}
