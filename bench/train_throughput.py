@@ -52,7 +52,10 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,6 +137,8 @@ def _eager_table_optimizer(params, optimizer: str, lr: float, eps: float):
 
 
 warnings.filterwarnings("ignore", message=r"Sparse invariant checks are implicitly disabled")
+# --model prints how many tables recc fused (0 included) on its own line.
+warnings.filterwarnings("ignore", message=r"recc: .* has no embedding table recc can fuse")
 
 
 class EagerSystem(System):
@@ -454,6 +459,368 @@ class ReccEmbeddingSystem(System):
 
 
 # --------------------------------------------------------------------------------------------
+# (d) --model NAME: a model of the zoo (tests/frontend/zoo.py), with bigger tables
+# --------------------------------------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZOO_BATCH_SIZE = 2048
+
+
+def import_zoo():
+    # The zoo sits with the tests and tests/ is no package: the tests import it as a rootdir-style
+    # helper module (``from zoo import ZOO``). Do the same here, so the bench trains exactly those
+    # classes rather than copies of them.
+    folder = os.path.join(REPO, "tests", "frontend")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import zoo
+
+    return zoo
+
+
+@dataclass
+class ZooCase:
+    """One zoo model at the bench's sizes, with the zoo entry's input format and loss."""
+
+    name: str
+    model: nn.Module
+    batch: Callable  # (step, batch_size) -> (args, labels), the zoo entry's format
+    loss: Callable  # (output, labels) -> mean loss, the zoo entry's
+    sizes: str  # one line: what was scaled
+    # torchrec_dlrm only: (ebc -> the same model around ``ebc``, where the EBC sits, args -> TorchRec's args)
+    torchrec: Optional[tuple] = None
+
+
+def _scaled_vocab(pattern, rows: int, n: int) -> list[int]:
+    """``n`` vocabulary sizes in the zoo's relative sizes ``pattern`` (cycled), the largest ``rows``."""
+    top = max(int(v) for v in pattern)
+    return [max(2, round(rows * int(pattern[i % len(pattern)]) / top)) for i in range(n)]
+
+
+def _zoo_ref_dlrm(z, rows, dim, fields, width):
+    vocab = np.array(_scaled_vocab(z.REF_DLRM_ROWS, rows, fields or z.REF_DLRM_ROWS.size))
+    np.random.seed(0)
+    torch.manual_seed(0)
+    ln_bot = np.array([z.REF_DLRM_DENSE, 16 * width, dim])
+    ln_top = np.array([z._dlrm_top_in("dot", dim, vocab.size, dim), 16 * width, 1])
+    model = z.DLRM_Net(dim, vocab, ln_bot, ln_top, arch_interaction_op="dot", sigmoid_top=ln_top.size - 2)
+
+    def batch(step, B):  # zoo.batch_ref_dlrm: one id per sample and table, [T, B] stacked
+        g = z._gen(1, step)
+        dense_x = torch.log(torch.rand(B, z.REF_DLRM_DENSE, generator=g) * 100 + 1)
+        lS_o = torch.stack([torch.arange(B) for _ in vocab])
+        lS_i = torch.stack([torch.randint(0, int(n), (B,), generator=g) for n in vocab])
+        return (dense_x, lS_o, lS_i), z._labels(g, (B, 1))
+
+    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLPs {ln_bot.tolist()} / {ln_top.tolist()}"
+
+
+def _zoo_ref_dlrm_list(z, rows, dim, fields, width):
+    vocab = np.array(_scaled_vocab(z.REF_LIST_ROWS, rows, fields or z.REF_LIST_ROWS.size))
+    np.random.seed(1)
+    torch.manual_seed(1)
+    ln_bot = np.array([z.REF_LIST_DENSE, 8 * width, dim])
+    ln_top = np.array([z._dlrm_top_in("cat", dim, vocab.size, dim), 8 * width, 1])
+    model = z.DLRM_Net(dim, vocab, ln_bot, ln_top, arch_interaction_op="cat", sigmoid_top=ln_top.size - 2)
+
+    def batch(step, B):  # zoo.batch_ref_dlrm_list: lists of 1-D offsets/ids, bags of 0-3 ids
+        g = z._gen(2, step)
+        dense_x = torch.rand(B, z.REF_LIST_DENSE, generator=g)
+        lS_o, lS_i = [], []
+        for n in vocab:
+            lengths = torch.randint(0, 4, (B,), generator=g)
+            lS_o.append(torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]]))
+            lS_i.append(torch.randint(0, int(n), (int(lengths.sum()),), generator=g))
+        return (dense_x, lS_o, lS_i), z._labels(g, (B, 1))
+
+    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLPs {ln_bot.tolist()} / {ln_top.tolist()}"
+
+
+def _float_ids_ok(vocab):
+    # These models take ids as float32 columns (DeepCTR-Torch style): exact only below 2**24.
+    if max(vocab) > 1 << 24:
+        raise ValueError(f"ids arrive as float32 columns: vocabularies above 2**24 rows are not exact ({max(vocab):,})")
+
+
+def _zoo_deepfm(z, rows, dim, fields, width):
+    vocab = _scaled_vocab(z.DEEPFM_VOCAB, rows, fields or len(z.DEEPFM_VOCAB))
+    _float_ids_ok(vocab)
+    cols = ([z.SparseFeat(f"C{i}", v, dim) for i, v in enumerate(vocab)]
+            + [z.DenseFeat(f"I{i}", 1) for i in range(z.DEEPFM_DENSE)])
+    torch.manual_seed(2)
+    hidden = (16 * width, 8 * width)
+    model = z.DeepFM(cols, cols, dnn_hidden_units=hidden, init_std=0.05)
+
+    def batch(step, B):  # zoo.batch_deepfm: one float X, ids as float columns, then dense columns
+        g = z._gen(3, step)
+        ids = [torch.randint(0, v, (B, 1), generator=g).float() for v in vocab]
+        dense = torch.rand(B, z.DEEPFM_DENSE, generator=g)
+        return (torch.cat(ids + [dense], dim=1),), z._labels(g, (B, 1))
+
+    return model, batch, f"{len(vocab)} fields x dim {dim} (+ dim-1 linear tables), rows {min(vocab):,}-{max(vocab):,}; DNN {hidden}"
+
+
+def _zoo_dcn(z, rows, dim, fields, width):
+    vocab = _scaled_vocab(z.DCN_VOCAB, rows, fields or len(z.DCN_VOCAB))
+    _float_ids_ok(vocab)
+    cols = ([z.DenseFeat(f"I{i}", 1) for i in range(z.DCN_DENSE)]
+            + [z.SparseFeat(f"C{i}", v, dim) for i, v in enumerate(vocab)])
+    torch.manual_seed(3)
+    hidden = (16 * width, 8 * width)
+    model = z.DCN(cols, cross_num=2, dnn_hidden_units=hidden)
+
+    def batch(step, B):  # zoo.batch_dcn: dense columns first, then ids as float columns
+        g = z._gen(4, step)
+        dense = torch.randn(B, z.DCN_DENSE, generator=g)
+        ids = [torch.randint(0, v, (B, 1), generator=g).float() for v in vocab]
+        return (torch.cat([dense] + ids, dim=1),), z._labels(g, (B, 1))
+
+    width_in = z.DCN_DENSE + len(vocab) * dim
+    return model, batch, (f"{len(vocab)} fields x dim {dim}, rows {min(vocab):,}-{max(vocab):,}; "
+                          f"2 cross layers of {width_in}x{width_in}, DNN {hidden}")
+
+
+def _zoo_fm(z, rows, dim, fields, width):
+    field_dims = _scaled_vocab(z.FM_FIELD_DIMS, rows, fields or len(z.FM_FIELD_DIMS))
+    torch.manual_seed(4)
+    hidden = (16 * width, 8 * width)
+    model = z.DeepFactorizationMachineModel(field_dims, embed_dim=dim, mlp_dims=hidden, dropout=0.0)
+
+    def batch(step, B):  # zoo.batch_fm: LongTensor [B, fields] of per-field ids
+        g = z._gen(5, step)
+        x = torch.stack([torch.randint(0, d, (B,), generator=g) for d in field_dims], dim=1)
+        return (x,), z._labels(g, (B,))
+
+    return model, batch, (f"{len(field_dims)} fields of {min(field_dims):,}-{max(field_dims):,} ids in one "
+                          f"{sum(field_dims):,} x {dim} table (+ a dim-1 linear table); MLP {hidden} with BatchNorm")
+
+
+def _zoo_wide_deep(z, rows, dim, fields, width):
+    deep_vocab = _scaled_vocab(z.WD_DEEP_VOCAB, rows, fields or len(z.WD_DEEP_VOCAB))
+    n_wide = max(1, fields // 2) if fields else len(z.WD_WIDE_VOCAB)
+    wide_vocab = _scaled_vocab(z.WD_WIDE_VOCAB, rows, n_wide)
+    widths = [hi - lo for lo, hi in z.WD_WIDE_COLS]  # the zoo's: one id, then a pair of crossed ids
+    wide_cols, lo = [], 0
+    for i in range(n_wide):
+        wide_cols.append((lo, lo + widths[i % len(widths)]))
+        lo = wide_cols[-1][1]
+    torch.manual_seed(5)
+    hidden = (16 * width, 8 * width)
+    model = z.WideDeep(wide_vocab, wide_cols, deep_vocab, deep_dim=dim, n_dense=z.WD_DENSE, hidden=hidden)
+
+    def batch(step, B):  # zoo.batch_wide_deep: a dict of wide ids [B, n], deep ids [B, F], dense
+        g = z._gen(6, step)
+        wide = torch.cat([torch.randint(0, v, (B, hi - lo), generator=g)
+                          for v, (lo, hi) in zip(wide_vocab, wide_cols)], dim=1)
+        deep = torch.stack([torch.randint(0, v, (B,), generator=g) for v in deep_vocab], dim=1)
+        dense = torch.randn(B, z.WD_DENSE, generator=g)
+        return ({"wide_ids": wide, "deep_ids": deep, "dense": dense},), z._labels(g, (B,))
+
+    return model, batch, (f"{len(deep_vocab)} deep tables x dim {dim} + {n_wide} wide dim-1 bags, "
+                          f"rows {min(deep_vocab + wide_vocab):,}-{max(deep_vocab + wide_vocab):,}; MLP {hidden}")
+
+
+def _zoo_xdeepfm_cin(z, rows, dim, fields, width):
+    vocab = _scaled_vocab(z.XDFM_VOCAB, rows, fields or len(z.XDFM_VOCAB))
+    torch.manual_seed(6)
+    cin, hidden = (8 * width, 8 * width), (16 * width, 8 * width)
+    model = z.xDeepFM(vocab, embed_dim=dim, n_dense=z.XDFM_DENSE, cin_layer_size=cin, dnn_hidden=hidden)
+
+    def batch(step, B):  # zoo.batch_xdeepfm_cin: ids [B, F] and dense [B, n]
+        g = z._gen(7, step)
+        X_sparse = torch.stack([torch.randint(0, v, (B,), generator=g) for v in vocab], dim=1)
+        return (X_sparse, torch.rand(B, z.XDFM_DENSE, generator=g)), z._labels(g, (B, 1))
+
+    return model, batch, (f"{len(vocab)} fields x dim {dim} (+ dim-1 linear tables), rows {min(vocab):,}-{max(vocab):,}; "
+                          f"CIN {cin}, DNN {hidden}")
+
+
+def _zoo_torchrec_dlrm(z, rows, dim, fields, width):
+    n = fields or len(z.TR_DLRM_VOCAB)
+    base = z.TR_DLRM_KEYS
+    keys = [base[i % len(base)] + (f"_{i // len(base)}" if i >= len(base) else "") for i in range(n)]
+    vocab = _scaled_vocab(z.TR_DLRM_VOCAB, rows, n)
+    arch = dict(dense_in_features=z.TR_DLRM_DENSE, dense_arch_layer_sizes=[8 * width, dim],
+                over_arch_layer_sizes=[8 * width, 1])
+    torch.manual_seed(7)
+    tables = [z.EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=v, feature_names=[k])
+              for k, v in zip(keys, vocab)]
+    model = z.TorchRecDLRM(embedding_bag_collection=z.EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+                           **arch)
+
+    def batch(step, B):  # zoo.batch_torchrec_dlrm: dense [B, n] and a KJT, 0-3 ids per bag
+        g = z._gen(8, step)
+        dense = torch.rand(B, z.TR_DLRM_DENSE, generator=g)
+        return (dense, z._random_kjt(g, keys, vocab, B, 0, 3)), z._labels(g, (B, 1))
+
+    # TorchRec's own path: the same DLRM class around _build_torchrec's EBC (tables t{k} read
+    # features f{k}), the user's dense weights copied in, the KJT re-keyed f{k}.
+    dense_state = {k: v for k, v in model.state_dict().items() if ".embedding_bags." not in k}
+    feature_of_table = [c.feature_names[0] for c in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
+
+    def around(ebc):
+        m = z.TorchRecDLRM(embedding_bag_collection=ebc, **arch)
+        missing, unexpected = m.load_state_dict(dense_state, strict=False)
+        assert not unexpected and all(".embedding_bags." in k for k in missing), (missing, unexpected)
+        return m
+
+    def to_torchrec(args):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        dense, kjt = args
+        parts = [kjt[f] for f in feature_of_table]
+        return dense, KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{k}" for k in range(len(parts))], values=torch.cat([p.values() for p in parts]),
+            lengths=torch.cat([p.lengths() for p in parts]))
+
+    sizes = f"{n} tables x dim {dim} (EmbeddingBagCollection), rows {min(vocab):,}-{max(vocab):,}; arch {arch}"
+    return model, batch, sizes, (around, "sparse_arch.embedding_bag_collection", to_torchrec)
+
+
+def _zoo_torchrec_seq(z, rows, dim, fields, width):
+    # SeqModel's forward names its two features: the field count stays the zoo's.
+    vocab = _scaled_vocab(z.TR_SEQ_VOCAB, rows, len(z.TR_SEQ_KEYS))
+    torch.manual_seed(8)
+    tables = [z.EmbeddingConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=v, feature_names=[k])
+              for k, v in zip(z.TR_SEQ_KEYS, vocab)]
+    model = z.SeqModel(tables, hidden=8 * width)
+
+    def batch(step, B):  # zoo.batch_torchrec_seq: a KJT of 1-3 ids per sample and feature
+        g = z._gen(9, step)
+        return (z._random_kjt(g, z.TR_SEQ_KEYS, vocab, B, 1, 3),), z._labels(g, (B,))
+
+    return model, batch, f"2 unpooled tables x dim {dim} (EmbeddingCollection), rows {min(vocab):,}-{max(vocab):,}; hidden {8 * width}"
+
+
+ZOO_BUILDERS = {
+    "ref_dlrm": _zoo_ref_dlrm, "ref_dlrm_list": _zoo_ref_dlrm_list, "deepfm": _zoo_deepfm, "dcn": _zoo_dcn,
+    "fm": _zoo_fm, "wide_deep": _zoo_wide_deep, "xdeepfm_cin": _zoo_xdeepfm_cin,
+    "torchrec_dlrm": _zoo_torchrec_dlrm, "torchrec_seq": _zoo_torchrec_seq,
+}
+
+
+def build_zoo_case(z, name: str, args) -> ZooCase:
+    entry = z.ZOO[name]
+    if args.zoo_scale == "zoo" or name not in ZOO_BUILDERS:
+        # The zoo's own (tiny) sizes; also for entries added to the zoo after this bench.
+        note = "" if args.zoo_scale == "zoo" else " (no scaled variant in this bench)"
+        return ZooCase(name, entry.make_model(), entry.batch, entry.loss, f"the zoo's own sizes{note}")
+    built = ZOO_BUILDERS[name](z, args.zoo_rows, args.zoo_dim, args.zoo_fields, args.zoo_width)
+    model, batch, sizes = built[:3]
+    return ZooCase(name, model, batch, entry.loss, sizes, torchrec=built[3] if len(built) > 3 else None)
+
+
+def embedding_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every ``nn.Embedding`` / ``nn.EmbeddingBag`` in module order (also those inside TorchRec's collections)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+
+
+def ids_per_batch(model: nn.Module, args) -> int:
+    """Ids the model's embedding modules look up for ``args`` (one forward in eval mode)."""
+    counts = []
+
+    def count(mod, inp, kwargs):  # TorchRec's collections call their modules with input=...
+        counts.append((inp[0] if inp else kwargs["input"]).numel())
+
+    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for _, m in embedding_modules(model)]
+    was_training = model.training
+    model.eval()  # BatchNorm's running statistics stay as they are
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    return sum(counts)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:240] if msg else ''}"
+
+
+class ZooEagerSystem(System):
+    """The zoo model as written, its embedding modules switched to ``sparse=True``."""
+
+    def __init__(self, case: ZooCase, batches, optimizer, lr, eps):
+        self.model = copy.deepcopy(case.model)
+        tables = [m for _, m in embedding_modules(self.model)]
+        for m in tables:
+            m.sparse = True
+        table_ids = {id(m.weight) for m in tables}
+        dense = [p for p in self.model.parameters() if id(p) not in table_ids]
+        self.dense_opt = torch.optim.SGD(dense, lr=lr) if dense else None
+        self.table_opt, self.name = _eager_table_optimizer([m.weight for m in tables], optimizer, lr, eps)
+        self.batches, self.loss = batches, case.loss
+
+    def step(self, i):
+        args, y = self.batches[i]
+        loss = self.loss(self.model(*args), y)
+        loss.backward()
+        for opt in (self.dense_opt, self.table_opt):
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, i):
+        return self.model(*self.batches[i][0])
+
+
+class ZooReccSystem(System):
+    name = "recc"
+
+    def __init__(self, case: ZooCase, batches, optimizer, lr, eps):
+        import recc
+
+        config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, comm_fwd="fp32", comm_bwd="fp32")
+        program = recc.compile(copy.deepcopy(case.model), example_inputs=batches[0][0], config=config)
+        self.fused = list(program.stats.get("tables", {}))
+        self.dmodel = program.instantiate()
+        self.dense_opt = torch.optim.SGD(list(self.dmodel.dense_parameters()), lr=lr)
+        self.batches, self.loss = batches, case.loss
+
+    def step(self, i):
+        args, y = self.batches[i]
+        loss = self.loss(self.dmodel(*args), y)
+        loss.backward()  # fused tables' rows are updated inside backward
+        self.dense_opt.step()
+        self.dense_opt.zero_grad()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, i):
+        return self.dmodel(*self.batches[i][0])
+
+
+class ZooTorchRecSystem(System):
+    """torchrec_dlrm the TorchRec way: ``_build_torchrec`` (DMP on a one-rank gloo world, fused FBGEMM TBE)."""
+
+    name = "torchrec+fbgemm"
+
+    def __init__(self, case: ZooCase, batches, optimizer, lr, eps, api):
+        around, ebc_path, to_torchrec = case.torchrec
+        self.module, self.dense_opt = _build_torchrec(around, case.model, optimizer, lr, eps, api, ebc_path=ebc_path)
+        self.batches, self.loss = [(to_torchrec(a), y) for a, y in batches], case.loss
+        if api == "fused_ebc":
+            self.name = "torchrec fused_ebc"
+
+    def step(self, i):
+        args, y = self.batches[i]
+        loss = self.loss(self.module(*args), y)
+        loss.backward()  # table rows are updated here, by FBGEMM's fused backward
+        self.dense_opt.step()
+        self.dense_opt.zero_grad()
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, i):
+        return self.module(*self.batches[i][0])
+
+
+# --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
 
@@ -638,6 +1005,114 @@ def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, 
     gc.collect()
 
 
+def run_zoo_model(args, z, name: str, threads: int) -> None:
+    """``--model NAME``: eager vs recc (and TorchRec for torchrec_dlrm) on the zoo model NAME."""
+    try:
+        case = build_zoo_case(z, name, args)
+        B = args.batch_size or ZOO_BATCH_SIZE
+        batches = [case.batch(i, B) for i in range(args.num_batches)]
+        ids = statistics.mean(ids_per_batch(case.model, b[0]) for b in batches[:2])
+    except Exception as e:
+        print(f"\n=== zoo {name}: could not build the model or its batches: {_one_line(e)}")
+        return
+    case.model.train()
+    tables = embedding_modules(case.model)
+    rows = sum(m.num_embeddings for _, m in tables)
+    weight_mb = sum(m.weight.numel() for _, m in tables) * 4 / 1e6
+    print(f"\nzoo {name}: {case.sizes}")
+    print(f"  {len(tables)} embedding modules, {rows:,} rows, {weight_mb:,.0f} MB of tables, {ids:,.0f} ids/batch, "
+          f"loss {case.loss.__name__}")
+
+    optimizers = OPTIMIZERS if args.optimizer == "both" else (args.optimizer,)
+    which = [s for s in SYSTEM_ORDER if s in args.systems]
+    for optimizer in optimizers:
+        eps = 1e-8
+        print(f"\n=== zoo {name} | optimizer={optimizer} | B={B} | threads={threads} | "
+              f"warmup={args.warmup} steps={args.steps} rounds={args.rounds} ===")
+        systems = []
+        for sys_name in which:
+            try:
+                if sys_name == "eager":
+                    s = ZooEagerSystem(case, batches, optimizer, args.lr, eps)
+                elif sys_name == "recc":
+                    if not args.recc_ok:
+                        continue
+                    s = ZooReccSystem(case, batches, optimizer, args.lr, eps)
+                    note = "" if s.fused else " (it trains every table as a dense parameter)"
+                    print(f"  recc fused {len(s.fused)} of {len(tables)} embedding tables{note}")
+                elif sys_name == "torchrec":
+                    if case.torchrec is None or not args.torchrec_ok:
+                        if name == "torchrec_dlrm" and args.zoo_scale == "zoo":
+                            print("  note: the TorchRec row needs the bench's own build (--zoo-scale big)")
+                        continue
+                    s = ZooTorchRecSystem(case, batches, optimizer, args.lr, eps, args.torchrec_api)
+                else:
+                    raise ValueError(sys_name)
+            except Exception as e:
+                what = "failed to compile" if sys_name == "recc" else "could not be built"
+                print(f"  !! {sys_name}: {name} {what}: {_one_line(e)}")
+                continue
+            systems.append(s)
+
+        # Parity on batch 0 before any step (same start), then the warm-up steps; a system that
+        # cannot run them is reported in one line and left out.
+        args0, _ = batches[0]
+        with torch.no_grad():
+            want = case.model(*args0)
+        ok = []
+        for s in systems:
+            try:
+                diff = (s.predict(0).reshape(want.shape) - want).abs().max().item()
+                flag = "ok" if diff < 1e-4 else "MISMATCH: not the same initial weights/model"
+                print(f"  parity: {s.name:<20} max |p - p_user| on batch 0 = {diff:.2e}  {flag}")
+                for i in range(args.warmup):
+                    s.step(i % len(batches))
+            except Exception as e:
+                print(f"  !! {s.name}: {name} failed to run: {_one_line(e)}")
+                continue
+            ok.append(s)
+        if not ok:
+            continue
+        timed = interleaved(ok, len(batches), warmup=0, steps=args.steps, rounds=args.rounds)
+        base = {("eager" if isinstance(t.system, ZooEagerSystem) else
+                 "torchrec" if isinstance(t.system, ZooTorchRecSystem) else "recc"): t for t in timed}
+        ea, tr = base.get("eager"), base.get("torchrec")
+        print(f"\n  full training step (median of {args.rounds} rounds of {args.steps} steps)")
+        print(f"  {'system':<20} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
+              f"{'vs eager':>9} {'(paired)':>9}{' vs torchrec' if tr else ''} {'last loss':>10}")
+        for t in timed:
+            m = t.median
+            vs_e = ea.median / m if ea else None
+            paired = statistics.median(a / b for a, b in zip(ea.step_times, t.step_times)) if ea else None
+            vs_t = f" {fmt_ratio(tr.median / m):>11}" if tr else ""
+            print(f"  {t.system.name:<20} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
+                  f"{fmt_ratio(vs_e):>9} {fmt_ratio(paired):>9}{vs_t} {t.last_loss:>10.4f}")
+        rc = base.get("recc")
+        if ea and rc:
+            paired = statistics.median(a / b for a, b in zip(ea.step_times, rc.step_times))
+            print(f"  -> {name} {optimizer}: eager/recc = {ea.median / rc.median:.2f}x (paired {paired:.2f}x), "
+                  f"recc {rc.median * 1e3:.1f} ms vs eager {ea.median * 1e3:.1f} ms per step, "
+                  f"{len(rc.system.fused)} tables fused")
+        del systems, ok, timed, base, ea, tr, rc
+        gc.collect()
+
+
+def run_zoo(args, threads: int) -> None:
+    z = import_zoo()
+    names = list(z.ZOO) if args.model == "all" else [n.strip() for n in args.model.split(",") if n.strip()]
+    print(f"recc train_throughput | zoo models {', '.join(names)} | torch {torch.__version__}, {threads} threads")
+    print("note: no 'x limit' column for zoo models: this script's floor (embedding_bytes at copy bandwidth) "
+          "covers the DLRM presets' embedding-only step, and it has no dense-FLOP side for arbitrary models")
+    t0 = time.perf_counter()
+    for name in names:
+        if name not in z.ZOO:
+            print(f"\n=== zoo {name}: not in tests/frontend/zoo.py (have: {', '.join(z.ZOO)})")
+            continue
+        run_zoo_model(args, z, name, threads)
+        gc.collect()
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -659,6 +1134,22 @@ def main(argv=None) -> None:
     p.add_argument("--world-size", type=int, default=1,
                    help="N >= 2: eager+DDP vs TorchRec DMP vs recc in a local gloo world of N processes "
                         "(bench/train_throughput_dist.py); 1: the one-process comparison")
+    zoo = p.add_argument_group(
+        "zoo models (--model)",
+        "Train models of tests/frontend/zoo.py, written the way public code bases write them, instead of a "
+        "preset: eager PyTorch (embedding modules sparse=True) vs recc, plus TorchRec's DMP for torchrec_dlrm. "
+        "The zoo's tables are tiny; by default the bench builds the same classes with bigger vocabularies "
+        "(the zoo's relative sizes, the largest --zoo-rows), --zoo-dim wide, and MLPs --zoo-width times the zoo's.")
+    zoo.add_argument("--model", default=None, metavar="NAME",
+                     help=f"zoo model(s), comma-separated, or 'all': {', '.join(ZOO_BUILDERS)}; "
+                          f"--config/--world-size do not apply; batch size default {ZOO_BATCH_SIZE}")
+    zoo.add_argument("--zoo-scale", default="big", choices=["big", "zoo"],
+                     help="big: the sizes below (default); zoo: the zoo's own make_model/batch, unchanged")
+    zoo.add_argument("--zoo-rows", type=int, default=1_000_000, help="rows of the largest table (default 1M)")
+    zoo.add_argument("--zoo-dim", type=int, default=16, help="embedding dim of every (non-linear) table")
+    zoo.add_argument("--zoo-fields", type=int, default=8,
+                     help="sparse features per model (the zoo's vocabularies cycled); 0: the zoo's count")
+    zoo.add_argument("--zoo-width", type=int, default=8, help="MLP/CIN widths: the zoo's times this")
     args = p.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.num_batches < 1:
         p.error("--steps, --rounds and --num-batches must be >= 1, --warmup >= 0")
@@ -668,6 +1159,11 @@ def main(argv=None) -> None:
     unknown = set(args.systems) - set(SYSTEM_ORDER)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEM_ORDER}")
+    if args.model is not None:
+        if args.world_size != 1:
+            p.error("--model runs in one process; --world-size does not apply")
+        if min(args.zoo_rows, args.zoo_dim, args.zoo_width) < 1 or args.zoo_fields < 0:
+            p.error("--zoo-rows, --zoo-dim and --zoo-width must be >= 1, --zoo-fields >= 0")
     if args.world_size >= 2:
         if args.torchrec_api != "dmp":
             p.error("--world-size >= 2 runs TorchRec's DistributedModelParallel; --torchrec-api fused_ebc is one-process")
@@ -691,6 +1187,20 @@ def main(argv=None) -> None:
         print(f"warning: 1-minute load average is {load:.1f} on {cores} cores before starting: other "
               f"processes compete for the CPUs, so timings will be noisy (see the spread column)")
     torch.manual_seed(args.seed)
+
+    if args.model is not None:
+        args.torchrec_ok = False
+        if "torchrec" in args.systems:
+            why = torchrec_available()
+            args.torchrec_ok = why is None
+            if why and "torchrec" in args.model:
+                print(f"note: TorchRec skipped, not importable ({why}); run `bash bench/setup_torchrec.sh`")
+        why = recc_available() if "recc" in args.systems else "not requested"
+        args.recc_ok = why is None
+        if why and "recc" in args.systems:
+            print(f"note: recc skipped: recc.compile/Cluster/CompileConfig not importable yet ({why})")
+        run_zoo(args, threads)
+        return
 
     cfg = load_preset(args.config)
     if args.batch_size:

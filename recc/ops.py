@@ -425,9 +425,10 @@ def rows_like(rows, ids):
     """recc.rows_like(rows: f32[N, D], ids: i64[S]) -> f32[S + [D]]
 
     An ``nn.Embedding`` gather's result: the N = numel(ids) looked-up rows (one-id bags, in ids'
-    order) viewed in the shape of the ids, as ``F.embedding`` returns them.
+    order) in the shape of the ids and contiguous, as ``F.embedding`` returns them (user code
+    calls ``.view`` on them; a table's rows are a column block of its group's output).
     """
-    return rows.reshape(tuple(ids.shape) + (rows.shape[1],))
+    return rows.reshape(tuple(ids.shape) + (rows.shape[1],)).contiguous()
 
 
 def _split_cols_meta(x, sizes):
