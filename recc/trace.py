@@ -19,8 +19,12 @@ graph, so each conversion is checked first:
 Users' DLRMs take lists of tensors (one offsets and one indices tensor per table) and often
 iterate over them: list, tuple and dict arguments are traced as containers of placeholders
 (``concrete_args`` with ``fx.PH`` leaves), so loops over tables unroll and the GraphModule keeps
-the user's calling convention through its pytree codegen. Embedding modules (and TorchRec's
-embedding collections) stay ``call_module`` nodes for ``discover_tables``.
+the user's calling convention through its pytree codegen. Embedding modules stay ``call_module``
+nodes for ``discover_tables``. TorchRec's ``EmbeddingBagCollection`` / ``EmbeddingCollection``
+are traced through like any module: their ``KeyedJaggedTensor`` input is one placeholder, its
+``to_dict()``/``values()``/``offsets()`` calls are nodes, and their ``nn.EmbeddingBag`` /
+``nn.Embedding`` tables are found like the user's own (recc never imports TorchRec: the graph
+calls the user's objects' methods).
 """
 from __future__ import annotations
 
@@ -52,15 +56,6 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 class CaptureError(RuntimeError):
     """``forward`` does something a compiled graph cannot represent; the message names where."""
-
-
-def is_torchrec_collection(m: nn.Module) -> bool:
-    """TorchRec's ``EmbeddingBagCollection`` / ``EmbeddingCollection``, recognised by structure
-    (class name and the module dict of tables) so recc never imports TorchRec itself."""
-    name = type(m).__name__
-    return (name in ("EmbeddingBagCollection", "EmbeddingCollection")
-            and isinstance(getattr(m, "embedding_bags", None) if name == "EmbeddingBagCollection"
-                           else getattr(m, "embeddings", None), nn.ModuleDict))
 
 
 def _user_site() -> str:
@@ -132,7 +127,7 @@ class _CaptureTracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)) or is_torchrec_collection(m):
+        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)):
             return True
         return super().is_leaf_module(m, qualname)
 
