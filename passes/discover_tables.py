@@ -38,6 +38,7 @@ from recc.graph_utils import rename
 from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.specs import TableSpec
+from recc.trace import example_batch
 
 _BAG_SIG = inspect.signature(F.embedding_bag)
 _EMB_SIG = inspect.signature(F.embedding)
@@ -129,6 +130,8 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"discover_tables: table {name}: {wpath} is not a parameter")
         if weight.dim() != 2:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
+        if mode == "none" and ctx.cluster.world_size > 1:
+            _check_fixed_length(name, ids, example_batch(ctx.example_inputs))
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
                          pooling="sum" if mode == "none" else mode, weight_key=wpath, weighted=psw is not None)
         tables[name] = spec
@@ -167,6 +170,21 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.stats["dense_lookups"] = dense_lookups
     gm.delete_all_unused_submodules()
     return gm
+
+
+def _check_fixed_length(name: str, ids, batch) -> None:
+    """Gathers shard as one-id bags with the same number per sample on every rank; a jagged
+    sequence (``EmbeddingCollection`` over variable-length features: N ids for B samples) has a
+    different id count on each rank, which the input and output dists cannot pair up."""
+    val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
+    if val is None or batch is None or val.dim() == 0:
+        return
+    if int(val.shape[0]) != batch:
+        raise ValueError(
+            f"discover_tables: table {name} gathers {int(val.shape[0])} ids for a batch of {batch} samples: a "
+            f"jagged sequence (as TorchRec's EmbeddingCollection over variable-length features). recc shards "
+            f"gathers with a fixed number of ids per sample ([B] or [B, L] ids); on several ranks jagged "
+            f"sequences are not supported — compile for one rank, or pad the sequences to [B, L]")
 
 
 def _weight_node(node: fx.Node, wpath: str):

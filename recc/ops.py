@@ -298,6 +298,14 @@ def check_pack_arguments(indices, offsets, per_sample_weights, tables) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"table {name}: indices must be an int64/int32 tensor, got "
                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if offsets[k] is not None and ids.dim() != 1:
+            raise ValueError(f"table {name}: indices of shape {list(ids.shape)} come with offsets; like "
+                             f"nn.EmbeddingBag, offsets go with 1-D indices (2-D indices [B, L] take offsets=None)")
+        if per_sample_weights is not None and getattr(per_sample_weights[k], "requires_grad", False) \
+                and torch.is_grad_enabled():
+            raise ValueError(f"table {name}: per_sample_weights require grad; recc's fused lookup gives no "
+                             f"gradient to per-sample weights — pass them detached (or compute the weighting "
+                             f"outside the lookup)")
 
 
 def flatten_bags(indices, offsets, per_sample_weights, tables):

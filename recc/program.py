@@ -62,10 +62,9 @@ class InputSignature:
     @staticmethod
     def _kind(v, batch=None):
         if isinstance(v, torch.Tensor):
-            # Sizes equal to the example batch are the batch ("B"): any size is accepted there.
-            dims = tuple("B" if batch is not None and s == batch else s for s in v.shape)
-            if batch is None and dims:
-                dims = ("B",) + dims[1:]
+            # The leading size varies with the batch (bags, ids, offsets of B+1, a stacked [T, B]'s
+            # tables go unchecked there) and so does any other size equal to the example batch.
+            dims = tuple("B" if k == 0 or (batch is not None and s == batch) else s for k, s in enumerate(v.shape))
             return ("tensor", v.dtype, dims)
         if isinstance(v, (list, tuple)):
             return ("list", len(v), [InputSignature._kind(x, batch) for x in v])

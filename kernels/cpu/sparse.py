@@ -50,7 +50,8 @@ def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tens
     flat, offs = [], []
     for ids, off in zip(indices, offsets):
         if not (isinstance(ids, torch.Tensor) and isinstance(off, torch.Tensor) and ids.dtype in _ID_DTYPES
-                and off.dtype == torch.int64 and off.dim() == 1 and ids.device.type == off.device.type == "cpu"):
+                and off.dtype == torch.int64 and off.dim() == 1 and ids.dim() == 1
+                and ids.device.type == off.device.type == "cpu"):
             return None
         b = off.numel() if b is None else b
         if off.numel() != b:

@@ -114,10 +114,10 @@ def test_finds_tables_whatever_they_are_called():
     assert got == {
         "features.user": (11, 3, "sum", "features.user.weight"),
         "features.item": (7, 3, "mean", "features.item.weight"),
-        "tok": (5, 3, "none", "tok.weight"),
+        "tok": (5, 3, "sum", "tok.weight"),
         "raw.0": (9, 3, "sum", "raw.0"),
         "w": (6, 3, "mean", "w"),
-        "v": (8, 3, "none", "v"),
+        "v": (8, 3, "sum", "v"),
     }
     gm = program.stages["discover_tables"].graph
     lookups = [n for n in gm.graph.nodes if n.meta.get("recc.table") is not None]
@@ -141,7 +141,7 @@ def test_found_tables_compile_and_match_eager():
     for seed in (0, 1):
         inputs = _feature_inputs(seed)
         torch.testing.assert_close(dmodel(*inputs), model(*inputs))
-    assert program.stats["groups"] == 3  # (3, sum), (3, mean), (3, none)
+    assert program.stats["groups"] == 4  # (3, sum, B bags), (3, mean, B), gathers of 2B and of B*3 ids
 
 
 def test_compile_leaves_the_user_model_alone():

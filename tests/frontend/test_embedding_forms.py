@@ -1,0 +1,160 @@
+"""The embedding forms people write, as discover_tables normalises them, and their bad inputs."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recc
+from zoo import ZOO
+from zoo_worlds import compile_zoo
+
+
+class Gathers(nn.Module):
+    """A CTR tower: one nn.Embedding per field, ids as [B] and [B, 1] and a fixed-length [B, L]
+    history, plus an EmbeddingBag fed TorchRec-style offsets (include_last_offset)."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = nn.Embedding(20, 4)
+        self.item = nn.Embedding(30, 4)
+        self.hist = nn.Embedding(30, 4)
+        self.tags = nn.EmbeddingBag(12, 4, mode="sum", include_last_offset=True)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, user, item, hist, tags, tag_offsets):
+        u = self.user(user)                   # [B] -> [B, 4]
+        i = self.item(item).squeeze(1)        # [B, 1] -> [B, 1, 4] -> [B, 4]
+        h = self.hist(hist).mean(dim=1)       # [B, L] -> [B, L, 4]
+        t = self.tags(tags, tag_offsets)      # offsets [B + 1]
+        return self.out(torch.cat([u, i, h, t], dim=1))
+
+
+def _gather_inputs(b: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (b,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return (torch.randint(0, 20, (b,), generator=g), torch.randint(0, 30, (b, 1), generator=g),
+            torch.randint(0, 30, (b, 3), generator=g), torch.randint(0, 12, (int(lengths.sum()),), generator=g),
+            offsets)
+
+
+def test_gathers_and_last_offsets_in_the_ir():
+    """Each form's normalisation, as text: gathers become one-id bags shaped back by rows_like;
+    include_last_offset drops the last offset; all four tables fuse into one group (the [B, L]
+    history is a group of its own: B*L bags)."""
+    torch.manual_seed(0)
+    program = recc.compile(Gathers(), example_inputs=_gather_inputs(4))
+    text = program.stages["discover_tables"].text
+    for line in (
+            "user_1_ids : i64[4,1]     = user.reshape(-1, 1)  # @discover_tables",
+            "user_1_rows : f32[4,4]     = recc.embedding_bag(user_weight, user_1_ids, None, None, mode='sum', "
+            "table='user')  # table t0=user[20x4,sum]; @discover_tables",
+            "user_1     : f32[4,4]     = recc.rows_like(user_1_rows, user)  # @discover_tables",
+            "item_1     : f32[4,1,4]   = recc.rows_like(item_1_rows, item)  # @discover_tables",
+            "hist_1_ids : i64[12,1]    = hist.reshape(-1, 1)  # @discover_tables",
+            "hist_1     : f32[4,3,4]   = recc.rows_like(hist_1_rows, hist)  # @discover_tables",
+            "tags_1_offsets : i64[4]       = getitem(tag_offsets, slice(None, -1, None))  # @discover_tables",
+            "tags_1     : f32[4,4]     = recc.embedding_bag(tags_weight, tags, tags_1_offsets, None, mode='sum', "
+            "table='tags')  # table t3=tags[12x4,sum]; @discover_tables"):
+        assert line in text.splitlines(), line
+    assert program.stats["groups"] == 2
+    groups = [n for n in program.stages["batch_tables"].text.splitlines() if "= get_attr tbe_g" in n]
+    assert "[t0,t1,t3]" in groups[0] and "[t2]" in groups[1]
+
+
+@pytest.mark.parametrize("b", [4, 3, 1])
+def test_gathers_train_like_eager_at_any_batch(b):
+    torch.manual_seed(0)
+    model = Gathers()
+    program = recc.compile(model, example_inputs=_gather_inputs(4),
+                           config=recc.CompileConfig(optimizer="sgd", lr=0.1))
+    dmodel = program.instantiate()
+    eager = Gathers()
+    eager.load_state_dict(model.state_dict())
+    for m in eager.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            m.sparse = True
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    dopt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
+    for step in range(3):
+        args = _gather_inputs(b, seed=step + 1)
+        want, got = eager(*args), dmodel(*args)
+        torch.testing.assert_close(got, want)
+        want.square().mean().backward()
+        got.square().mean().backward()
+        opt.step(), dopt.step()
+        opt.zero_grad(), dopt.zero_grad()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(dmodel.state_dict()[k], v, msg=k)
+
+
+def test_jagged_sequences_on_several_ranks_are_refused():
+    """An EmbeddingCollection over variable-length features has a different id count per rank:
+    refused at compile time, naming the table, rather than failing (or hanging) in the dists."""
+    if "torchrec_seq" not in ZOO:
+        pytest.skip("torchrec is not installed")
+    with pytest.raises(ValueError, match=r"table .*hist_item.* gathers \d+ ids for a batch of 14 samples: a "
+                                         r"jagged sequence"):
+        compile_zoo("torchrec_seq", 2)
+    compile_zoo("torchrec_seq", 1)
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, mode="sum")
+        self.scale = nn.Linear(1, 1)
+
+    def forward(self, ids, offsets, weights):   # lists of one tensor, as DLRM code passes them
+        return self.bag(ids[0], offsets[0], per_sample_weights=weights[0]).sum(1)
+
+
+def test_2d_ids_with_offsets_are_refused():
+    """eager refuses 2-D ids with offsets; recc used to flatten them and train."""
+    ids, off, w = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]), torch.ones(4)
+    dmodel = recc.compile(Bag(), example_inputs=([ids], [off], [w])).instantiate()
+    with pytest.raises(ValueError, match=r"table bag: indices of shape \[2, 2\] come with offsets"):
+        dmodel([ids.view(2, 2)], [off], [w.view(2, 2)])
+
+
+def test_per_sample_weights_that_require_grad_are_refused():
+    """The fused kernels give per-sample weights no gradient: refused, not silently dropped."""
+    ids, off, w = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2]), torch.ones(4)
+    dmodel = recc.compile(Bag(), example_inputs=([ids], [off], [w])).instantiate()
+    dmodel([ids], [off], [w])                            # detached weights are fine
+    with pytest.raises(ValueError, match=r"table bag: per_sample_weights require grad"):
+        dmodel([ids], [off], [w.clone().requires_grad_()])
+
+
+def test_a_model_without_tables_compiles_with_one_warning():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = recc.compile(model, example_inputs=(torch.randn(6, 3),))
+    ours = [str(w.message) for w in caught if "recc" in str(w.message)]
+    assert len(ours) == 1 and "no embedding table" in ours[0]
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(program.instantiate()(x), model(x))
+
+
+def test_unfusable_lookups_are_listed_once_with_the_reason():
+    class MaxPool(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.EmbeddingBag(10, 4, mode="max")
+            self.b = nn.EmbeddingBag(10, 4, mode="sum")
+
+        def forward(self, ids, offsets):
+            return self.a(ids, offsets) + self.b(ids, offsets)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = recc.compile(MaxPool(), example_inputs=(torch.tensor([1, 2, 3]), torch.tensor([0, 1])))
+    ours = [str(w.message) for w in caught if "stays a dense module" in str(w.message)]
+    assert ours == ["recc: embedding a stays a dense module (not fused): it uses mode='max' (recc's fused "
+                    "kernels pool with sum or mean)"]
+    assert list(program.stats["tables"]) == ["b"]
