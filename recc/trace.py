@@ -48,7 +48,7 @@ from recc.ops import Handle, SparseBatch, op_of
 _META_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "layout", "is_cuda", "is_sparse",
                          "requires_grad", "is_floating_point"})
 _META_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "is_contiguous",
-                           "get_device", "is_floating_point", "element_size", "type"})
+                           "get_device", "is_floating_point", "element_size"})
 _HERE = os.path.abspath(__file__)
 _MODULE_CALL = nn.Module.__call__   # unpatched: fx patches it while tracing
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -74,6 +74,10 @@ class _ValueProxy(fx.Proxy):
     docstring for what is allowed)."""
 
     def __getattr__(self, k: str):
+        if k.startswith("__array"):
+            # numpy probing for its array protocols: a proxy is not an array (np.float32(2) * x
+            # then falls back to the proxy's own __rmul__).
+            raise AttributeError(k)
         return _ValueAttribute(self, k)
 
     def __bool__(self) -> bool:
@@ -108,6 +112,9 @@ class _CaptureTracer(fx.Tracer):
 
     def __init__(self, leaves: list, batch: Optional[int]):
         super().__init__()
+        # Registered buffers are read through get_attr nodes (not baked as constants), so a
+        # branch on one is seen for what it is: state that changes while training.
+        self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.batch = batch
         self.values: dict[fx.Node, Any] = {}
@@ -199,7 +206,10 @@ class _CaptureTracer(fx.Tracer):
         if node.op == "placeholder":
             return frozenset({"input"})
         if node.op == "get_attr":
-            return frozenset({"param"}) if isinstance(self.values[node], nn.Parameter) else frozenset()
+            # Parameters and registered buffers change while training; tensor constants do not.
+            v = self.values[node]
+            state = isinstance(v, nn.Parameter) or any(v is b for b in self.root.buffers())
+            return frozenset({"param"}) if state else frozenset()
         src = node.args[0] if node.args else None
         meta_attr = node.op == "call_function" and node.target is getattr and node.args[1] in _META_ATTRS
         meta_method = node.op == "call_method" and node.target in _META_METHODS
@@ -226,12 +236,14 @@ class _CaptureTracer(fx.Tracer):
         for n in node.all_input_nodes:
             self.value(n)
             out |= self.taint[n]
+        if node.op == "call_module" and any(True for _ in self.root.get_submodule(node.target).parameters()):
+            out |= {"param"}
         return out
 
     def _batch_dims(self, node: fx.Node) -> tuple:
         """Per dimension of ``node``'s tensor value: is it the batch?"""
         v = self.value(node)
-        if not isinstance(v, torch.Tensor) or "input" not in self.taint[node] or self.batch is None:
+        if not isinstance(v, torch.Tensor) or not self.taint[node] & {"input", "batch"} or self.batch is None:
             return (False,) * (v.dim() if isinstance(v, torch.Tensor) else 0)
         return tuple(int(s) == self.batch for s in v.shape)
 
@@ -245,7 +257,7 @@ class _CaptureTracer(fx.Tracer):
         numeric = isinstance(v, (torch.Tensor, bool, int, float, complex))
         if numeric and ("input" in t or "param" in t):
             shown = v if not isinstance(v, torch.Tensor) or v.numel() <= 4 else f"a tensor of shape {list(v.shape)}"
-            source = "the inputs'" if "input" in t else "the parameters'"
+            source = "the inputs'" if "input" in t else "the parameters' or buffers'"
             raise CaptureError(
                 f"{_user_site()}\n  data-dependent control flow: this line turns {node.format_node()} "
                 f"(= {shown}), computed from {source} values, into a Python {how}. recc compiles one graph "
@@ -270,6 +282,21 @@ class _CaptureTracer(fx.Tracer):
             if self._batch_dims(node)[:1] == (True,):
                 return self.concrete(proxy.size(0), "len()")
             return int(v.shape[0])
+        t = self.taint[node]
+        if isinstance(v, (list, tuple)) and t & {"input", "param"} and not all(isinstance(x, torch.Tensor) for x in v):
+            # x.tolist(): the values themselves.
+            raise CaptureError(
+                f"{_user_site()}\n  data-dependent control flow: this line iterates over {node.format_node()}, "
+                f"Python values computed from the inputs' or parameters' values. recc compiles one graph for "
+                f"every batch, so forward must not loop over tensor values; keep the computation in tensor ops.")
+        if isinstance(v, (list, tuple)) and t & {"input", "batch"} and len(v) == self.batch and v and all(
+                isinstance(x, torch.Tensor) for x in v):
+            # x.unbind(0), torch.split(x, 1): one piece per sample.
+            raise CaptureError(
+                f"{_user_site()}\n  this line iterates over {node.format_node()}: {len(v)} pieces, one per "
+                f"sample, which is the batch size. recc compiles one graph for every batch size: write the per-sample "
+                f"computation as batched tensor ops. (If the count only happens to equal the example batch, "
+                f"{self.batch}, compile with example inputs of another batch size.)")
         return len(v)
 
     def iter(self, proxy: fx.Proxy):
@@ -321,8 +348,8 @@ def example_batch(example_inputs: Sequence[Any]) -> Optional[int]:
     """The example's batch: the leading size of the first tensor argument (or the first tensor
     of a dict argument), or the ``stride()`` of a TorchRec ``KeyedJaggedTensor`` argument."""
     for v in example_inputs:
-        if isinstance(v, dict):
-            v = next((x for x in v.values() if isinstance(x, torch.Tensor)), None)
+        if isinstance(v, (dict, list, tuple)):
+            v = next((x for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, torch.Tensor)), None)
         if isinstance(v, torch.Tensor) and v.dim() >= 1:
             return int(v.shape[0])
         if type(v).__name__ == "KeyedJaggedTensor":
