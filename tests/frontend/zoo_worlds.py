@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import traceback
 from pathlib import Path
 
 import cloudpickle
@@ -21,7 +20,7 @@ import torch.nn as nn
 import recc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from dist_support import EPS, LR, RowwiseAdagradReference, assert_same_state, ok  # noqa: E402
+from dist_support import EPS, LR, RowwiseAdagradReference, assert_same_state, ok, run_jobs  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -74,16 +73,6 @@ def run_job(job: dict) -> dict:
     return {"state": dmodel.state_dict(), "outputs": outs, "plan": str(job["program"].plan), "error": None}
 
 
-def run_jobs(jobs: dict) -> dict:
-    results = {}
-    for name, job in jobs.items():
-        try:
-            results[name] = run_job(job)
-        except Exception as e:  # one broken job must not hide the others' results
-            results[name] = {"error": f"rank {recc.rank()}: {type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    return results
-
-
 def eager_run(name: str, optimizer: str) -> tuple[dict, list]:
     """One process, the whole global batch, the mean loss; tables as sparse gradients."""
     entry = ZOO[name]
@@ -131,7 +120,7 @@ class ZooWorld:
         self.size = world
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
-            self.results = recc.launch(run_jobs, recc.Cluster.local(world), jobs)
+            self.results = recc.launch(run_jobs, recc.Cluster.local(world), jobs, run_job)
 
     def job(self, name: str) -> list[dict]:
         return [ok(r[name]) for r in self.results]
