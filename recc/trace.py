@@ -283,7 +283,8 @@ class _CaptureTracer(fx.Tracer):
                 return self.concrete(proxy.size(0), "len()")
             return int(v.shape[0])
         t = self.taint[node]
-        if isinstance(v, (list, tuple)) and t & {"input", "param"} and not all(isinstance(x, torch.Tensor) for x in v):
+        if isinstance(v, (list, tuple)) and t & {"input", "param"} and any(
+                isinstance(x, (int, float, bool, list)) for x in v):
             # x.tolist(): the values themselves.
             raise CaptureError(
                 f"{_user_site()}\n  data-dependent control flow: this line iterates over {node.format_node()}, "

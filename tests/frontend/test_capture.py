@@ -757,11 +757,6 @@ class RecurrentAndAttention(nn.Module):
         return self.out(att.mean(1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recc regression (from the tolist() fix): _CaptureTracer.length() refuses as data-dependent any "
-    "input- or parameter-tainted list/tuple whose elements are not all tensors, which is meant for "
-    "x.tolist() but also hits nn.LSTM's (out, (h, c)) and nn.MultiheadAttention's (out, None) with "
-    "need_weights=False; unpacking them is structure, not values"))
 @pytest.mark.parametrize("how", ["lstm", "attention"])
 def test_unpacking_leaf_module_tuples_compiles(how):
     """Guards: tuple outputs of nn.LSTM / nn.MultiheadAttention mistaken for Python values."""
