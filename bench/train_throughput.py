@@ -1102,7 +1102,11 @@ def run_zoo_model(args, z, name: str, threads: int) -> None:
         rc = base.get("recc")
         if ea and rc:
             paired = statistics.median(a / b for a, b in zip(ea.step_times, rc.step_times))
-            print(f"  -> {name} {optimizer}: eager/recc = {ea.median / rc.median:.2f}x (paired {paired:.2f}x), "
+            vs_tr = ""
+            if tr:
+                p_tr = statistics.median(a / b for a, b in zip(tr.step_times, rc.step_times))
+                vs_tr = f", torchrec/recc = {tr.median / rc.median:.2f}x (paired {p_tr:.2f}x)"
+            print(f"  -> {name} {optimizer}: eager/recc = {ea.median / rc.median:.2f}x (paired {paired:.2f}x){vs_tr}, "
                   f"recc {rc.median * 1e3:.1f} ms vs eager {ea.median * 1e3:.1f} ms per step, "
                   f"{len(rc.system.fused)} tables fused")
         del systems, ok, timed, base, ea, tr, rc
