@@ -55,6 +55,8 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         # Bags per batch: B for pooled tables and one-id gathers of [B] ids, B*L for gathers of
         # [B, L] ids; one group's tables share it (one offsets layout, one output dist split).
         bags = int(n.meta["val"].shape[0]) if "val" in n.meta else 0
+        if t.jagged:
+            bags = t.name   # its own group: its id count varies from batch to batch
         key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:

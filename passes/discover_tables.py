@@ -7,7 +7,9 @@ whose weight is a ``get_attr`` and whose ``meta["recc.table"]`` is a ``TableSpec
 tables in ``ctx.stats["tables"]``. Gathers (``nn.Embedding``: ids of any shape S, rows of shape
 S + [D]) become sum-pooled bags of one id each — ``ids.reshape(-1, 1)`` in, ``recc.rows_like``
 out — so they batch, shard (table-, row-, column-wise: the output dist then carries the looked-up
-rows, TorchRec's sequence sharding) and train like any pooled table. ``include_last_offset``
+rows, TorchRec's sequence sharding) and train like any pooled table. A gather whose ids are not
+one row of ``[B, ...]`` per sample (a jagged sequence: 1-D ids of N != B) is marked
+``TableSpec.jagged``: its id count differs per rank, so ``shard_tables`` keeps it data-parallel. ``include_last_offset``
 offsets lose their last entry. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
 ``padding_idx``, ``scale_grad_by_freq``) are left as they are, trained as dense modules, and
 listed once in ``ctx.stats["dense_lookups"]`` with the reason; a model with no table at all
@@ -130,10 +132,9 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"discover_tables: table {name}: {wpath} is not a parameter")
         if weight.dim() != 2:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
-        if mode == "none" and ctx.cluster.world_size > 1:
-            _check_fixed_length(name, ids, example_batch(ctx.example_inputs))
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
-                         pooling="sum" if mode == "none" else mode, weight_key=wpath, weighted=psw is not None)
+                         pooling="sum" if mode == "none" else mode, weight_key=wpath, weighted=psw is not None,
+                         jagged=mode == "none" and _is_jagged(ids, example_batch(ctx.example_inputs)))
         tables[name] = spec
         old_name = node.name
         with graph.inserting_before(node):
@@ -172,19 +173,14 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _check_fixed_length(name: str, ids, batch) -> None:
-    """Gathers shard as one-id bags with the same number per sample on every rank; a jagged
-    sequence (``EmbeddingCollection`` over variable-length features: N ids for B samples) has a
-    different id count on each rank, which the input and output dists cannot pair up."""
+def _is_jagged(ids, batch) -> bool:
+    """A gather whose ids' leading size N is not the batch B (``[B]``, ``[B, L]`` ids are fixed
+    length): a variable-length sequence (``EmbeddingCollection`` over jagged features), whose id
+    count differs from rank to rank. ``shard_tables`` keeps such tables data-parallel."""
     val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
     if val is None or batch is None or val.dim() == 0:
-        return
-    if int(val.shape[0]) != batch:
-        raise ValueError(
-            f"discover_tables: table {name} gathers {int(val.shape[0])} ids for a batch of {batch} samples: a "
-            f"jagged sequence (as TorchRec's EmbeddingCollection over variable-length features). recc shards "
-            f"gathers with a fixed number of ids per sample ([B] or [B, L] ids); on several ranks jagged "
-            f"sequences are not supported — compile for one rank, or pad the sequences to [B, L]")
+        return False
+    return int(val.shape[0]) != batch
 
 
 def _weight_node(node: fx.Node, wpath: str):

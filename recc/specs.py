@@ -33,6 +33,9 @@ class TableSpec:
     weight_key: str
     weighted: bool = False  # called with per_sample_weights
     dtype: str = "f32"
+    # A gather whose id count is not a fixed multiple of the batch (TorchRec's EmbeddingCollection
+    # over variable-length features): each rank looks up a different number of rows.
+    jagged: bool = False
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:
@@ -40,7 +43,8 @@ class TableSpec:
 
     def describe(self) -> str:
         w = ",weighted" if self.weighted else ""
-        return f"{self.short}={self.name}[{self.rows}x{self.dim},{self.pooling}{w}]"
+        j = ",jagged" if self.jagged else ""
+        return f"{self.short}={self.name}[{self.rows}x{self.dim},{self.pooling}{w}{j}]"
 
 
 @dataclass(frozen=True)

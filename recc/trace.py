@@ -500,9 +500,12 @@ def to_meta(value):
 class ShapeProp(fx.Interpreter):
     """Runs the graph once on example inputs and stores each node's value in ``meta['val']``.
 
-    recc ops run their CPU reference (real values) or, for graphs whose state lives on the
-    ``meta`` device, their shape rule. Tensors are stored as ``meta`` tensors (shape and dtype
-    only) so the annotation holds no data.
+    recc ops run their CPU reference (real values) or, for graphs annotated abstractly (state
+    on the ``meta`` device, or a graph for several ranks), their shape rule. Abstractly, other
+    nodes run on the real example values until a meta value reaches them (a parameter, a
+    collective's result), and on meta values from there: ops whose output size depends on the
+    data (``torch.repeat_interleave(arange(B), lengths)`` on a jagged input) keep working.
+    Tensors are stored as ``meta`` tensors (shape and dtype only): the annotation holds no data.
     """
 
     def __init__(self, gm: fx.GraphModule, abstract: bool):
@@ -516,6 +519,11 @@ class ShapeProp(fx.Interpreter):
         elif n.op == "call_function" and op_of(n.target) is not None:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             result = op_of(n.target).reference(*args, **kwargs)
+        elif self.abstract and n.op in ("call_function", "call_method", "call_module"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if n.op == "call_module" or (_is_tensor_op(n, args) and _has_meta((args, kwargs))):
+                args, kwargs = to_meta(args), to_meta(kwargs)
+            result = getattr(self, n.op)(n.target, args, kwargs)
         else:
             result = super().run_node(n)
         n.meta["val"] = abstract_value(result)
@@ -537,8 +545,7 @@ def abstract_value(v):
 
 def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], abstract: bool):
     """Annotate every node of ``gm``; returns the graph's output on the example inputs."""
-    inputs = to_meta(list(example_inputs)) if abstract else list(example_inputs)
-    flat = fx_flatten_inputs(gm, inputs)
+    flat = fx_flatten_inputs(gm, list(example_inputs))
     with torch.no_grad():
         if not abstract:
             return ShapeProp(gm, abstract).run(*flat)
@@ -546,24 +553,32 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], abstract
         # while the graph runs, so a real model compiled for many ranks is annotated like a
         # meta one (its collectives cannot run in one process).
         from torch.nn.utils.stateless import _reparametrize_module
+        # Tensor constants of the capture (numpy attributes, torch.tensor(...) in forward) stay
+        # real: they are small, and run with the real inputs until a meta value meets them.
         state = dict(gm.named_parameters())
-        state.update(gm.named_buffers())
-        # Tensor constants of the capture (numpy attributes, torch.tensor(...) in forward).
-        for n in gm.graph.nodes:
-            if n.op == "get_attr" and n.target not in state:
-                v = _attr(gm, n.target)
-                if isinstance(v, torch.Tensor):
-                    state[n.target] = v
+        state.update((k, v) for k, v in gm.named_buffers() if not k.startswith("_tensor_constant"))
         stand_ins = {k: to_meta(v) for k, v in state.items() if v.device.type != "meta"}
-        # Factories in forward (torch.zeros(batch_size, d)) make meta tensors too.
-        with _reparametrize_module(gm, stand_ins), torch.device("meta"):
+        with _reparametrize_module(gm, stand_ins):
             return ShapeProp(gm, abstract).run(*flat)
 
 
-def _attr(root, path: str):
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
+def _is_tensor_op(n: fx.Node, args) -> bool:
+    """A torch op (whose tensor arguments must share a device), not a user's or a library's own
+    function or class (TorchRec's ``JaggedTensor(values=, lengths=)`` keeps its real lengths)."""
+    if n.op == "call_method":
+        return bool(args) and isinstance(args[0], torch.Tensor)
+    module = getattr(n.target, "__module__", None) or ""
+    return module.split(".")[0] in ("torch", "_operator", "operator") or module == "builtins"
+
+
+def _has_meta(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.device.type == "meta"
+    if isinstance(value, (list, tuple)):
+        return any(_has_meta(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_meta(v) for v in value.values())
+    return False
 
 
 def fx_flatten_inputs(gm: fx.GraphModule, inputs: Sequence[Any]) -> list:

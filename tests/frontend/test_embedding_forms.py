@@ -9,8 +9,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recc
-from zoo import ZOO
-from zoo_worlds import compile_zoo
 
 
 class Gathers(nn.Module):
@@ -92,15 +90,47 @@ def test_gathers_train_like_eager_at_any_batch(b):
         torch.testing.assert_close(dmodel.state_dict()[k], v, msg=k)
 
 
-def test_jagged_sequences_on_several_ranks_are_refused():
-    """An EmbeddingCollection over variable-length features has a different id count per rank:
-    refused at compile time, naming the table, rather than failing (or hanging) in the dists."""
-    if "torchrec_seq" not in ZOO:
-        pytest.skip("torchrec is not installed")
-    with pytest.raises(ValueError, match=r"table .*hist_item.* gathers \d+ ids for a batch of 14 samples: a "
-                                         r"jagged sequence"):
-        compile_zoo("torchrec_seq", 2)
-    compile_zoo("torchrec_seq", 1)
+class History(nn.Module):
+    """A user id ([B]) and a jagged click history (1-D ids with per-sample lengths), pooled in
+    plain torch as user code does it after an EmbeddingCollection."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = nn.Embedding(20, 4)
+        self.item = nn.Embedding(30, 4)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, user, hist, lengths):
+        rows = self.item(hist)                                  # [N, 4], N varies per batch
+        seg = torch.repeat_interleave(torch.arange(user.shape[0]), lengths)
+        pooled = torch.zeros(user.shape[0], 4).index_add_(0, seg, rows)
+        return self.out(torch.cat([self.user(user), pooled], dim=1))
+
+
+def _history_inputs(b: int):
+    lengths = torch.arange(b) % 3 + 1
+    return torch.arange(b) % 20, torch.arange(int(lengths.sum())) % 30, lengths
+
+
+@pytest.mark.parametrize("kind", ["auto", "row_wise", "table_wise"])
+def test_jagged_gathers_stay_data_parallel_on_several_ranks(kind):
+    """A jagged gather has a different id count on each rank, which the all-to-alls cannot pair:
+    on several ranks it is planned data_parallel (its gradient exchange gathers any count),
+    while a forced kind still applies to every other table."""
+    program = recc.compile(History(), recc.Cluster.local(2), example_inputs=_history_inputs(4),
+                           config=recc.CompileConfig(sharding=kind))
+    assert program.stats["tables"]["item"].jagged and not program.stats["tables"]["user"].jagged
+    assert program.plan.shards["item"].kind == "data_parallel"
+    if kind != "auto":
+        assert program.plan.shards["user"].kind == kind
+    one = recc.compile(History(), example_inputs=_history_inputs(4))
+    assert one.plan.shards["item"].kind == "table_wise"      # one rank: nothing to pair
+
+
+def test_a_jagged_gather_pinned_to_another_kind_is_an_error():
+    cfg = recc.CompileConfig(pass_options={"shard_tables": {"constraints": '{"plan": {"item": "row_wise"}}'}})
+    with pytest.raises(ValueError, match=r"table item is a jagged sequence .* trains data_parallel, not row_wise"):
+        recc.compile(History(), recc.Cluster.local(2), example_inputs=_history_inputs(4), config=cfg)
 
 
 class Bag(nn.Module):

@@ -12,9 +12,7 @@ from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, com
 
 MODELS = [n for n in ("ref_dlrm", "ref_dlrm_list", "deepfm", "dcn", "fm", "wide_deep", "xdeepfm_cin",
                       "torchrec_dlrm", "torchrec_seq") if n in ZOO]
-# Jagged sequences (EmbeddingCollection over variable-length features) train on one rank only:
-# see test_jagged_sequences_on_several_ranks_are_refused.
-DIST_MODELS = [n for n in MODELS if n != "torchrec_seq"]
+DIST_MODELS = MODELS
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 # Forced kinds at world size 2 (column-wise with row-wise Adagrad is refused: one accumulator per row).
 KINDS_W2 = ("table_wise", "row_wise", "column_wise", "data_parallel")
