@@ -7,7 +7,7 @@ discovery order except that a table held whole by one rank sorts by that rank (s
 dist needs no column permutation); a group holds every shard of its tables on every rank (the graph is SPMD) —
 and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pack_sparse`` and
 one ``recc.tbe_lookup``; the batched output is split per table by one ``recc.split_cols`` and
-each original lookup becomes a ``getitem`` of it (``recc.unpack_rows`` for gathers) keeping its name, table and shard annotations. The
+each original lookup becomes a ``getitem`` of it keeping its name, table and shard annotations. The
 user's embedding modules leave the graph. Must not change what the graph computes.
 
 Before:
@@ -15,7 +15,7 @@ Before:
     emb_l_1 : f32[8,4] = recc.embedding_bag(emb_l_1_weight, l_s_i_2, l_s_o_2, None, mode='sum', table='emb_l.1')
 After:
     tbe_g0    : module      = get_attr tbe_g0  # tbe_g0=[t0,t1] dim=4 sum sgd(lr=0.01)
-    sparse_g0 : kjt[t=2,b=8] = recc.pack_sparse([l_s_i_1, l_s_i_2], [l_s_o_1, l_s_o_2], None, tables=(...), rows=(10, 20), pooled=True)
+    sparse_g0 : kjt[t=2,b=8] = recc.pack_sparse([l_s_i_1, l_s_i_2], [l_s_o_1, l_s_o_2], None, tables=(...), rows=(10, 20))
     pooled_g0 : f32[8,8]    = recc.tbe_lookup(tbe_g0, sparse_g0)
     tables_g0 : tuple[2x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4))
     emb_l_0   : f32[8,4]    = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; ...
@@ -57,7 +57,9 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         bags = int(n.meta["val"].shape[0]) if "val" in n.meta else 0
         if t.jagged:
             bags = t.name   # its own group: its id count varies from batch to batch
-        key = (widths.pop(), t.pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags)
+        # Gathers (pooling "none") run as sum-pooled bags of one id.
+        pooling = "sum" if t.pooling == "none" else t.pooling
+        key = (widths.pop(), pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
@@ -115,24 +117,18 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_
     with graph.inserting_after(g):
         sparse = graph.call_function(OPS["pack_sparse"], (ids, offsets, psw),
                                      {"tables": tuple(t.name for t in specs),
-                                      "rows": tuple(t.rows for t in specs),
-                                      "pooled": pooling != "none"})
+                                      "rows": tuple(t.rows for t in specs)})
     with graph.inserting_after(sparse):
         out = graph.call_function(OPS["tbe_lookup"], (g, sparse))
     rename(sparse, f"sparse_{name[4:]}")
-    rename(out, f"{'pooled' if pooling != 'none' else 'rows'}_{name[4:]}")
-    prev = out
-    if pooling != "none":
-        with graph.inserting_after(out):
-            split = graph.call_function(OPS["split_cols"], (out, tuple(t.dim for t in specs)))
-        rename(split, f"tables_{name[4:]}")
-        prev = split
+    rename(out, f"pooled_{name[4:]}")
+    with graph.inserting_after(out):
+        split = graph.call_function(OPS["split_cols"], (out, tuple(t.dim for t in specs)))
+    rename(split, f"tables_{name[4:]}")
+    prev = split
     for k, (n, t) in enumerate(zip(members, specs)):
         with graph.inserting_after(prev):
-            if pooling == "none":
-                piece = graph.call_function(OPS["unpack_rows"], (out, sparse, k))
-            else:
-                piece = graph.call_function(operator.getitem, (split, k))
+            piece = graph.call_function(operator.getitem, (split, k))
         piece.meta["recc.table"] = t
         piece.meta["recc.shard"] = n.meta["recc.shard"]
         old = n.name

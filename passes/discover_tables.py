@@ -133,7 +133,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if weight.dim() != 2:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
-                         pooling="sum" if mode == "none" else mode, weight_key=wpath, weighted=psw is not None,
+                         pooling=mode, weight_key=wpath, weighted=psw is not None,
                          jagged=mode == "none" and _is_jagged(ids, example_batch(ctx.example_inputs)))
         tables[name] = spec
         old_name = node.name
@@ -150,7 +150,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 offsets = graph.call_function(operator.getitem, (offsets, slice(None, -1)))
                 rename(offsets, f"{old_name}_offsets")
             new = graph.call_function(OPS["embedding_bag"], (w, bag_ids, offsets, psw),
-                                      {"mode": spec.pooling, "table": name})
+                                      {"mode": "sum" if mode == "none" else mode, "table": name})
             out = new
             if mode == "none":
                 out = graph.call_function(OPS["rows_like"], (new, ids))

@@ -60,9 +60,6 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True)
             group.dp_comm = CommSpec("dp_grad_allgather", everyone, name=f"dp_grad_allgather {suffix}")
             lookup.meta["recc.comm"] = group.dp_comm
             continue
-        if group.pooling == "none":
-            raise ValueError(f"insert_comm: {', '.join(group.logical_names)} are nn.Embedding gathers; recc "
-                             f"shards pooled tables across ranks — make them data_parallel")
         for k, rank, r0, r1, c0, c1 in group.placements:
             t = group.tables[k]
             if group.optimizer.name == "rowwise_adagrad" and (c0, c1) != (0, t.dim):

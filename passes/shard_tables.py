@@ -30,11 +30,13 @@ import yaml
 from recc.passmanager import PassContext, register_pass
 from recc.planner import dense_flops_per_sample, plan_tables
 from recc.specs import SHARDING_KINDS
+from recc.trace import example_batch as example_batch_of
 
 
-def _batch_and_bags(gm: fx.GraphModule) -> tuple[Optional[int], dict[str, float]]:
-    """The example batch and each table's ids per bag, read off the lookups' example shapes."""
-    batches, bags = {}, {}
+def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Optional[int], dict[str, float]]:
+    """The example batch (``batch``, the example inputs', else the first bag table's bag count)
+    and each table's ids per bag — for a gather, ids per sample: it sends one row per id."""
+    bags = {}
     for node in gm.graph.nodes:
         t = node.meta.get("recc.table")
         out = node.meta.get("val")
@@ -44,12 +46,12 @@ def _batch_and_bags(gm: fx.GraphModule) -> tuple[Optional[int], dict[str, float]
         ids_val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
         if ids_val is None or not hasattr(ids_val, "numel"):
             continue
-        # bags: the output's rows; gathers: ids [B, L] (or [N], one id per sample)
-        b = int(out.shape[0]) if t.pooling != "none" else (int(ids_val.shape[0]) if ids_val.dim() else 1)
-        if b:
-            bags[t.name] = ids_val.numel() / b
-            batches.setdefault(t.pooling != "none", b)
-    return batches.get(True, batches.get(False)), bags
+        if t.pooling != "none" and batch is None:
+            batch = int(out.shape[0]) or None
+        per = int(out.shape[0]) if t.pooling != "none" else batch
+        if per:
+            bags[t.name] = ids_val.numel() / per
+    return batch, bags
 
 
 def _jagged_stay_replicated(tables, constraints, strategy: str, world: int):
@@ -99,7 +101,7 @@ def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto"
                          f"got {type(constraints).__name__}")
     tables = ctx.stats.get("tables", {})
     constraints, strategy = _jagged_stay_replicated(tables, constraints, strategy, ctx.cluster.world_size)
-    example_batch, bags = _batch_and_bags(gm)
+    example_batch, bags = _batch_and_bags(gm, example_batch_of(ctx.example_inputs))
     # Example inputs are one rank's slice of the global batch (what each rank will be fed).
     batch = ctx.config.batch_size or (example_batch or 1) * ctx.cluster.world_size
     try:

@@ -36,7 +36,7 @@ def type_of(v: Any) -> str:
         dt = _DTYPE_SHORT.get(v.dtype, str(v.dtype).replace("torch.", ""))
         return f"{dt}[{','.join(str(s) for s in v.shape)}]"
     if isinstance(v, SparseBatch):
-        return f"kjt[t={v.num_tables},b={v.batch_size}]" if v.pooled else f"kjt[t={v.num_tables},gather]"
+        return f"kjt[t={v.num_tables},b={v.batch_size}]"
     if isinstance(v, Handle):
         return "handle"
     if isinstance(v, torch.nn.Module):

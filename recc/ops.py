@@ -147,10 +147,10 @@ def use_references(device: str) -> None:
 class SparseBatch:
     """The sparse features of one table group, packed the way FBGEMM's TBE takes them.
 
-    Pooled groups: ``indices`` holds every table's ids (local to their table) back to back,
-    table-major (int64; int32 as a CPU input dist delivers them, see ``recc.runtime.comm``); ``offsets`` has length T*B+1 and bag b of table t is
-    ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``. Gather groups (pooling none): ``offsets`` has
-    length T+1 and delimits each table's ids; ``shapes`` keeps each table's index shape.
+    ``indices`` holds every table's ids (local to their table) back to back, table-major
+    (int64; int32 as a CPU input dist delivers them, see ``recc.runtime.comm``); ``offsets`` has
+    length T*B+1 and bag b of table t is ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``. Gathers
+    (``nn.Embedding``) arrive here as bags of one id each (see ``discover_tables``).
     """
 
     tables: tuple[str, ...]
@@ -158,8 +158,6 @@ class SparseBatch:
     offsets: torch.Tensor
     per_sample_weights: Optional[torch.Tensor]
     batch_size: int
-    pooled: bool = True
-    shapes: Optional[tuple[tuple[int, ...], ...]] = None
 
     @property
     def num_tables(self) -> int:
@@ -233,8 +231,6 @@ def bag_offsets(indices: torch.Tensor, offsets: Optional[torch.Tensor]):
 # ----------------------------------------------------------------------------- lookups
 
 def _embedding_bag_meta(weight, indices, offsets, per_sample_weights=None, *, mode, table):
-    if mode == "none":
-        return _meta_like(tuple(indices.shape) + (weight.shape[1],), weight.dtype)
     b = indices.shape[0] if offsets is None else offsets.shape[0]
     return _meta_like((b, weight.shape[1]), weight.dtype)
 
@@ -244,23 +240,19 @@ def embedding_bag(weight, indices, offsets, per_sample_weights=None, *, mode: st
     """recc.embedding_bag(weight, indices, offsets, per_sample_weights, mode=, table=) -> f32[B, D]
 
     One logical table's lookup, as ``discover_tables`` normalises every form it finds
-    (``nn.EmbeddingBag`` modules, ``F.embedding_bag`` calls, ``nn.Embedding`` gathers with
-    ``mode='none'``, returning ``indices.shape + [D]``). ``table`` is the table's module path.
+    (``nn.EmbeddingBag`` modules, ``F.embedding_bag`` calls, and ``nn.Embedding`` gathers as
+    one-id bags: ``indices`` ``[N, 1]``, then ``recc.rows_like``). ``table`` is the table's module path.
     """
     check_bags(table, indices, offsets, weight.shape[0], per_sample_weights)
-    if mode == "none":
-        return F.embedding(indices, weight)
     return F.embedding_bag(indices, weight, offsets, mode=mode, per_sample_weights=per_sample_weights)
 
 
-def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows, pooled):
-    b = _batch_of(indices[0], offsets[0]) if pooled else 0
+def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows):
+    b = _batch_of(indices[0], offsets[0])
     n = sum(i.numel() for i in indices)
-    t = len(tables)
-    off = _meta_like((t * b + 1,) if pooled else (t + 1,), torch.int64)
     psw = None if per_sample_weights is None else _meta_like((n,))
-    shapes = None if pooled else tuple(tuple(i.shape) for i in indices)
-    return SparseBatch(tuple(tables), _meta_like((n,), torch.int64), off, psw, b, pooled, shapes)
+    return SparseBatch(tuple(tables), _meta_like((n,), torch.int64), _meta_like((len(tables) * b + 1,), torch.int64),
+                       psw, b)
 
 
 def _batch_of(indices, offsets) -> int:
@@ -268,8 +260,8 @@ def _batch_of(indices, offsets) -> int:
 
 
 @define_op("pack_sparse", meta=_pack_sparse_meta)
-def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
-    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=, pooled=) -> kjt
+def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows):
+    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=) -> kjt
 
     Packs the per-table inputs of one table group into a ``SparseBatch`` (FBGEMM layout: ids
     table-major, offsets of length T*B+1). Validates every table's ids and offsets first, so a
@@ -278,9 +270,6 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pooled):
     one-id tables must not pay 26 times the per-op overhead.
     """
     tables = tuple(tables)
-    if not pooled:
-        check_pack_arguments(indices, offsets, per_sample_weights, tables)
-        return _pack_gather(indices, per_sample_weights, tables, rows)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
     _check_packed(tables, rows, ids, off, counts)
     return packed_batch(tables, ids, off, counts, psw, batch)
@@ -352,7 +341,7 @@ def packed_batch(tables, ids, off, counts, psw, batch) -> SparseBatch:
     starts = counts.cumsum(0) - counts
     combined = torch.cat([(off + starts[:, None]).reshape(-1),
                           torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)])
-    return SparseBatch(tables, ids, combined, psw, batch, True, None)
+    return SparseBatch(tables, ids, combined, psw, batch)
 
 
 def _check_packed(tables, rows, ids, off, counts) -> None:
@@ -390,20 +379,7 @@ def _check_packed(tables, rows, ids, off, counts) -> None:
                              f"table's rows [0, {rows[k]})")
 
 
-def _pack_gather(indices, per_sample_weights, tables, rows):
-    ids, shapes = [], []
-    for k, name in enumerate(tables):
-        check_bags(name, indices[k], None, rows[k])
-        ids.append(indices[k].reshape(-1).to(torch.int64))
-        shapes.append(tuple(indices[k].shape))
-    counts = [i.numel() for i in ids]
-    offsets_all = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
-    return SparseBatch(tables, torch.cat(ids), offsets_all, None, 0, False, tuple(shapes))
-
-
 def _tbe_lookup_meta(group, sparse):
-    if not sparse.pooled:
-        return _meta_like((sparse.indices.shape[0], group.dim))
     if tuple(sparse.tables) == group.logical_names:
         # Before the input dist (or on one rank): the logical tables, in group order.
         return _meta_like((sparse.batch_size, group.logical_width))
@@ -413,7 +389,7 @@ def _tbe_lookup_meta(group, sparse):
 
 @define_op("tbe_lookup", meta=_tbe_lookup_meta)
 def tbe_lookup(group, sparse):
-    """recc.tbe_lookup(group, kjt) -> f32[B, T*D] (pooled) | f32[N, D] (gather)
+    """recc.tbe_lookup(group, kjt) -> f32[B, T*D]
 
     One table-batched lookup for every table of ``group`` (a ``TableGroup`` submodule): the
     output row b is the pooled rows of sample b for table 0, then table 1, ... (FBGEMM's
@@ -451,17 +427,6 @@ def split_cols(x, sizes):
     concatenation instead of zero-filling a full-width gradient for every table.
     """
     return torch.split(x, list(sizes), dim=1)
-
-
-def _unpack_rows_meta(rows, sparse, t):
-    return _meta_like(tuple(sparse.shapes[t]) + (rows.shape[1],), rows.dtype)
-
-
-@define_op("unpack_rows", meta=_unpack_rows_meta)
-def unpack_rows(rows, sparse, t: int):
-    """recc.unpack_rows(rows, kjt, t) -> table t's gathered rows, shaped like its indices + [D]."""
-    start, end = sparse.offsets[t].item(), sparse.offsets[t + 1].item()
-    return rows[start:end].reshape(tuple(sparse.shapes[t]) + (rows.shape[1],))
 
 
 # ----------------------------------------------------------------------------- dense
@@ -530,7 +495,7 @@ def _dist_meta(x, comm):
         return SparseBatch(tuple(f"shard{j}" for j in range(j0)), _meta_like((x.indices.shape[0],), torch.int64),
                            _meta_like((j0 * world * x.batch_size + 1,), torch.int64),
                            None if x.per_sample_weights is None else _meta_like((x.indices.shape[0],)),
-                           world * x.batch_size, True, None)
+                           world * x.batch_size)
     if comm.op == "output_dist":
         return _meta_like((x.shape[0] // world, sum(comm.dims)), x.dtype)
     return x

@@ -22,7 +22,8 @@ class TableSpec:
 
     ``name`` is the module path of the table's weight owner (``emb_l.0``), the key users see in
     ``state_dict`` (``weight_key``). ``short`` is the compact id (``t0``) the IR printer uses.
-    ``pooling`` is ``sum``/``mean`` for bags and ``none`` for ``nn.Embedding``-style gathers.
+    ``pooling`` is ``sum``/``mean`` for bags and ``none`` for ``nn.Embedding``-style gathers (run
+    as sum-pooled bags of one id; the planner costs their output as one row per id).
     """
 
     name: str

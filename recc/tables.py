@@ -108,20 +108,16 @@ class TableGroup(nn.Module):
         outs = []
         for j in range(self.num_tables):
             w = self.table_weight(j)
-            if sparse.pooled:
-                b = sparse.batch_size
-                lo, hi = sparse.offsets[j * b], sparse.offsets[(j + 1) * b]
-                ids = sparse.indices[lo:hi]
-                offs = sparse.offsets[j * b:(j + 1) * b] - lo
-                psw = None if sparse.per_sample_weights is None else sparse.per_sample_weights[lo:hi]
-                if ids.device.type == "meta" or w.device.type == "meta":
-                    outs.append(torch.empty(b, self.dim, device="meta"))
-                    continue
-                outs.append(F.embedding_bag(ids, w, offs, mode=self.pooling, per_sample_weights=psw))
-            else:
-                lo, hi = sparse.offsets[j], sparse.offsets[j + 1]
-                outs.append(F.embedding(sparse.indices[lo:hi], w))
-        return torch.cat(outs, dim=1 if sparse.pooled else 0)
+            b = sparse.batch_size
+            lo, hi = sparse.offsets[j * b], sparse.offsets[(j + 1) * b]
+            ids = sparse.indices[lo:hi]
+            offs = sparse.offsets[j * b:(j + 1) * b] - lo
+            psw = None if sparse.per_sample_weights is None else sparse.per_sample_weights[lo:hi]
+            if ids.device.type == "meta" or w.device.type == "meta":
+                outs.append(torch.empty(b, self.dim, device="meta"))
+                continue
+            outs.append(F.embedding_bag(ids, w, offs, mode=self.pooling, per_sample_weights=psw))
+        return torch.cat(outs, dim=1)
 
     def table_weight(self, j: int) -> torch.Tensor:
         """Local shard j's rows (materialised weights, or the source block at compile time)."""

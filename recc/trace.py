@@ -537,7 +537,7 @@ def abstract_value(v):
         return type(v)(abstract_value(x) for x in v)
     if isinstance(v, SparseBatch):
         return SparseBatch(v.tables, abstract_value(v.indices), abstract_value(v.offsets),
-                           abstract_value(v.per_sample_weights), v.batch_size, v.pooled, v.shapes)
+                           abstract_value(v.per_sample_weights), v.batch_size)
     if isinstance(v, Handle):
         return Handle(abstract_value(v.value))
     return v

@@ -174,7 +174,7 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
     names = tuple(f"shard{j}" for j in range(j_me))
     if recv_w is None and recv.dtype == torch.int32 and recv.device.type == "cpu" and sparse_kernels.available():
         ids, offsets = sparse_kernels.input_dist_unpack(recv, world, j_me, b, rc)
-        return SparseBatch(names, ids, offsets, None, world * b, True, None)
+        return SparseBatch(names, ids, offsets, None, world * b)
     # From each source rank s: [J x B] bag lengths, then its ids shard by shard. Reorder to
     # shard-major (feature-major): shard j's bags are rank 0's B bags, then rank 1's, ...
     bases, pos = [], 0
@@ -197,7 +197,7 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
     w = torch.cat(w_pieces) if recv_w is not None and w_pieces else (recv_w[:0] if recv_w is not None else None)
     offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=lens.device)
     torch.cumsum(lens, 0, out=offsets[1:])
-    return SparseBatch(names, ids, offsets, w, world * b, True, None)
+    return SparseBatch(names, ids, offsets, w, world * b)
 
 
 # ----------------------------------------------------------------------------- output dist

@@ -17,16 +17,15 @@ from recc.kernels import (dot_interaction_backward, dot_interaction_forward, lin
 
 
 @register_impl("pack_sparse", "cpu")
-def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows, pooled):
-    """Pooled tables with 1-D start offsets and no per-sample weights: packed and checked in one C
-    pass. Everything else, and a batch the C checks reject, goes through the reference, which
-    packs it or raises naming the table and the bag or id at fault."""
-    packed = pack_bags(indices, offsets, rows) if pooled and per_sample_weights is None else None
+def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows):
+    """1-D ids with start offsets and no per-sample weights: packed and checked in one C pass.
+    Everything else, and a batch the C checks reject, goes through the reference, which packs it
+    or raises naming the table and the bag or id at fault."""
+    packed = pack_bags(indices, offsets, rows) if per_sample_weights is None else None
     if packed is None:
-        return get_op("pack_sparse").reference(indices, offsets, per_sample_weights, tables=tables, rows=rows,
-                                            pooled=pooled)
+        return get_op("pack_sparse").reference(indices, offsets, per_sample_weights, tables=tables, rows=rows)
     ids, combined = packed
-    return SparseBatch(tuple(tables), ids, combined, None, (combined.numel() - 1) // len(tables), True, None)
+    return SparseBatch(tuple(tables), ids, combined, None, (combined.numel() - 1) // len(tables))
 
 
 class TBELookup(torch.autograd.Function):
@@ -34,22 +33,15 @@ class TBELookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weights, group, sparse):
-        pooling = group.pooling if sparse.pooled else "sum"
+        pooling = group.pooling
         ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
-        if sparse.pooled:
-            t, b = sparse.num_tables, sparse.batch_size
-            if t == 0 or b == 0:
-                # A rank may own no shard of a group; it still takes part in the collectives.
-                ctx.lin, ctx.offsets, ctx.t, ctx.b = None, sparse.offsets, t, b
-                return weights.new_zeros(b, t * group.dim)
-            lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
-            offsets = sparse.offsets
-        else:
-            # A gather is a sum-pooled bag of one id per row, over one virtual table.
-            counts = sparse.offsets[1:] - sparse.offsets[:-1]
-            lin = sparse.indices + torch.repeat_interleave(group.hash_size_cumsum[:-1], counts)
-            t, b = 1, lin.numel()
-            offsets = torch.arange(b + 1, dtype=torch.int64)
+        t, b = sparse.num_tables, sparse.batch_size
+        if t == 0 or b == 0:
+            # A rank may own no shard of a group; it still takes part in the collectives.
+            ctx.lin, ctx.offsets, ctx.t, ctx.b = None, sparse.offsets, t, b
+            return weights.new_zeros(b, t * group.dim)
+        lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
+        offsets = sparse.offsets
         ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
         return tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
                            per_sample_weights=sparse.per_sample_weights)

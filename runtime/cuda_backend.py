@@ -17,42 +17,23 @@ from recc.ops import OPS, flatten_bags, packed_batch, register_impl, use_referen
 from recc.runtime.comm import gather_global_batch
 
 
-def _gather_layout(group, sparse):
-    """A gather group as one sum-pooled 'table' of one-id bags over the whole weight."""
-    dev = group.weights.device
-    n = sparse.indices.numel()
-    offsets = sparse.offsets.to(dev)
-    counts = offsets[1:] - offsets[:-1]
-    lin = sparse.indices.to(dev) + torch.repeat_interleave(group.hash_size_cumsum[:-1].to(dev), counts,
-                                                           output_size=n)
-    rows = group.weights.shape[0]
-    hsc = torch.tensor([0, rows], dtype=torch.int64, device=dev)
-    bags = torch.arange(n + 1, dtype=torch.int64, device=dev)
-    return lin, bags, hsc, 1, n, (f"{group.group_name}[{', '.join(sparse.tables)}]",)
-
-
 class TBELookupCUDA(torch.autograd.Function):
     """Forward: pooled rows for every table of a group. Backward: fused optimizer update."""
 
     @staticmethod
     def forward(ctx, weights, group, sparse):
-        pooling = group.pooling if sparse.pooled else "sum"
+        pooling = group.pooling
         ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
-        if sparse.pooled:
-            t, b = sparse.num_tables, sparse.batch_size
-            ctx.t, ctx.b = t, b
-            if t == 0 or b == 0:
-                # A rank may own no shard of a group; it still takes part in the collectives.
-                ctx.ids = ctx.offsets = ctx.hsc = None
-                return torch.zeros(b, t * group.dim, dtype=torch.float32, device=weights.device)
-            ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
-        else:
-            ids, offsets, hsc, t, b, names = _gather_layout(group, sparse)
-            ctx.t, ctx.b = t, b
+        t, b = sparse.num_tables, sparse.batch_size
+        ctx.t, ctx.b = t, b
+        if t == 0 or b == 0:
+            # A rank may own no shard of a group; it still takes part in the collectives.
+            ctx.ids = ctx.offsets = ctx.hsc = None
+            return torch.zeros(b, t * group.dim, dtype=torch.float32, device=weights.device)
+        ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
         ctx.ids, ctx.offsets, ctx.hsc, ctx.names = ids, offsets, hsc, names
         return cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
-                                        per_sample_weights=sparse.per_sample_weights if sparse.pooled else None,
-                                        table_names=names)
+                                        per_sample_weights=sparse.per_sample_weights, table_names=names)
 
     @staticmethod
     def backward(ctx, grad):
@@ -87,15 +68,12 @@ def tbe_lookup_cuda(group, sparse):
 
 
 @register_impl("pack_sparse", "cuda")
-def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pooled):
+def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows):
     """``recc.pack_sparse`` on the device: the reference's packing, validated with one sync.
 
     A bad batch is re-validated by the CPU reference on host copies, which raises the same
     error (table and position) the CPU backend would."""
     tables = tuple(tables)
-    if not pooled:
-        return OPS["pack_sparse"].reference(indices, offsets, per_sample_weights, tables=tables, rows=rows,
-                                            pooled=pooled)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
     dev, n = ids.device, ids.numel()
     bad = torch.zeros((), dtype=torch.bool, device=dev)
@@ -110,7 +88,7 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pool
     if bool(bad):  # the one host sync
         OPS["pack_sparse"].reference([i.cpu() for i in indices], [None if o is None else o.cpu() for o in offsets],
                                      None if per_sample_weights is None else [w.cpu() for w in per_sample_weights],
-                                     tables=tables, rows=rows, pooled=True)
+                                     tables=tables, rows=rows)
         raise RuntimeError("pack_sparse: the device validation flagged this batch but the CPU reference "
                            "accepts it; please report this")
     return packed_batch(tables, ids, off, counts, psw, batch)

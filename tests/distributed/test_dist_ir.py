@@ -50,7 +50,7 @@ return [top_l_3]
 # its 8 rows back; the wait returns this rank's 8 samples with all 3 tables side by side.
 TABLE_WISE = """\
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t2,t1] dim=4 sum sgd(lr=0.01) | r0:t0[0:10,0:4]+t2[0:30,0:4] r1:t1[0:20,0:4]; @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_2, lS_i_1], [lS_o_0, lS_o_2, lS_o_1], None, tables=('emb_l.0', 'emb_l.2', 'emb_l.1'), rows=(10, 30, 20), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_2, lS_i_1], [lS_o_0, lS_o_2, lS_o_1], None, tables=('emb_l.0', 'emb_l.2', 'emb_l.1'), rows=(10, 30, 20))  # @batch_tables
 ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0->r0 t2->r0 t1->r1; @insert_comm
 ids_g0     : kjt[t=2,b=16] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
 pooled_g0  : f32[16,8]    = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
@@ -67,7 +67,7 @@ emb_l_1    : f32[8,4]     = getitem(tables_g0, 2)  # table t1=emb_l.1[20x4,sum];
 # partial sums for the global batch, and the output dist adds the two ranks' partial sums.
 ROW_WISE = """\
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01) | r0:t0[0:5,0:4]+t1[0:10,0:4]+t2[0:15,0:4] r1:t0[5:10,0:4]+t1[10:20,0:4]+t2[15:30,0:4]; @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0[0:5]->r0 t1[0:10]->r0 t2[0:15]->r0 t0[5:10]->r1 t1[10:20]->r1 t2[15:30]->r1; @insert_comm
 ids_g0     : kjt[t=3,b=16] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
 pooled_g0  : f32[16,12]   = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
@@ -83,7 +83,7 @@ emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum];
 # kernel is 2 wide, every owner gets all ids, and the output dist puts the column blocks side by side.
 COLUMN_WISE = """\
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=2 sum sgd(lr=0.01) | r0:t0[0:10,0:2]+t1[0:20,0:2]+t2[0:30,0:2] r1:t0[0:10,2:4]+t1[0:20,2:4]+t2[0:30,2:4]; @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0[:,0:2]->r0 t1[:,0:2]->r0 t2[:,0:2]->r0 t0[:,2:4]->r1 t1[:,2:4]->r1 t2[:,2:4]->r1; @insert_comm
 ids_g0     : kjt[t=3,b=16] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
 pooled_g0  : f32[16,6]    = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
@@ -98,7 +98,7 @@ emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum];
 # TWRW on one node is row-wise over the node's ranks: the same layout and collectives as RW.
 TABLE_ROW_WISE = """\
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01) | r0:t0[0:5,0:4]+t1[0:10,0:4]+t2[0:15,0:4] r1:t0[5:10,0:4]+t1[10:20,0:4]+t2[15:30,0:4]; @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0[0:5]->r0 t1[0:10]->r0 t2[0:15]->r0 t0[5:10]->r1 t1[10:20]->r1 t2[15:30]->r1; @insert_comm
 ids_g0     : kjt[t=3,b=16] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
 pooled_g0  : f32[16,12]   = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
@@ -114,7 +114,7 @@ emb_l_2    : f32[8,4]     = getitem(tables_g0, 2)  # table t2=emb_l.2[30x4,sum];
 # gradient all-gather (every replica applies the global batch's update).
 DATA_PARALLEL = """\
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01) data_parallel; @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 pooled_g0  : f32[8,12]    = recc.tbe_lookup(tbe_g0, sparse_g0)  # comm dp_grad_allgather over [0, 1]; @batch_tables
 tables_g0  : tuple[3x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4, 4))  # @batch_tables
 emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=dp@r0[0:10,0:4]+r1[0:10,0:4]; @batch_tables

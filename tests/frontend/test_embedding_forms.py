@@ -50,7 +50,7 @@ def test_gathers_and_last_offsets_in_the_ir():
     for line in (
             "user_1_ids : i64[4,1]     = user.reshape(-1, 1)  # @discover_tables",
             "user_1_rows : f32[4,4]     = recc.embedding_bag(user_weight, user_1_ids, None, None, mode='sum', "
-            "table='user')  # table t0=user[20x4,sum]; @discover_tables",
+            "table='user')  # table t0=user[20x4,none]; @discover_tables",
             "user_1     : f32[4,4]     = recc.rows_like(user_1_rows, user)  # @discover_tables",
             "item_1     : f32[4,1,4]   = recc.rows_like(item_1_rows, item)  # @discover_tables",
             "hist_1_ids : i64[12,1]    = hist.reshape(-1, 1)  # @discover_tables",
@@ -188,3 +188,24 @@ def test_unfusable_lookups_are_listed_once_with_the_reason():
     assert ours == ["recc: embedding a stays a dense module (not fused): it uses mode='max' (recc's fused "
                     "kernels pool with sum or mean)"]
     assert list(program.stats["tables"]) == ["b"]
+
+
+def test_the_planner_costs_a_gather_by_its_rows_per_sample():
+    """A [B, L] gather runs as B*L one-id bags but is one table of B samples sending L rows each:
+    the planner's batch is the samples' (not B*L, even when the gather is found first), and the
+    table's ids per sample is L (its output bytes scale with it)."""
+    from recc.passes.shard_tables import _batch_and_bags
+
+    class HistoryFirst(Gathers):
+        def forward(self, user, item, hist, tags, tag_offsets):
+            h = self.hist(hist).mean(dim=1)
+            return self.out(torch.cat([self.user(user), self.item(item).squeeze(1), h,
+                                       self.tags(tags, tag_offsets)], dim=1))
+
+    args = _gather_inputs(4)
+    program = recc.compile(HistoryFirst(), recc.Cluster.local(2), example_inputs=args)
+    batch, bags = _batch_and_bags(program.stages["shard_tables"].graph, 4)
+    assert batch == 4
+    assert bags == {"hist": 3.0, "user": 1.0, "item": 1.0, "tags": args[3].numel() / 4}
+    assert program.stats["tables"]["hist"].pooling == "none"
+    assert "global batch 8" in str(program.plan)

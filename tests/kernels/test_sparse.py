@@ -24,7 +24,7 @@ def batch(dtypes=(torch.int64, torch.int32, torch.int64), b=6, seed=0):
 
 
 def reference(indices, offsets):
-    return get_op("pack_sparse").reference(indices, offsets, None, tables=TABLES, rows=ROWS, pooled=True)
+    return get_op("pack_sparse").reference(indices, offsets, None, tables=TABLES, rows=ROWS)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -35,8 +35,8 @@ def test_pack_equals_the_reference(seed):
     assert got is not None
     assert torch.equal(got[0], want.indices) and got[0].dtype == torch.int64
     assert torch.equal(got[1], want.offsets)
-    sb = pack_sparse_cpu(indices, offsets, None, tables=TABLES, rows=ROWS, pooled=True)
-    assert (sb.tables, sb.batch_size, sb.pooled) == (TABLES, 6, True)
+    sb = pack_sparse_cpu(indices, offsets, None, tables=TABLES, rows=ROWS)
+    assert (sb.tables, sb.batch_size) == (TABLES, 6)
 
 
 def _corrupt(kind):
@@ -60,7 +60,7 @@ def test_a_bad_batch_is_refused_and_the_reference_names_it(kind):
     indices, offsets = _corrupt(kind)
     assert sparse.pack_bags(indices, offsets, ROWS) is None
     with pytest.raises((ValueError, IndexError)) as c_err:
-        pack_sparse_cpu(indices, offsets, None, tables=TABLES, rows=ROWS, pooled=True)
+        pack_sparse_cpu(indices, offsets, None, tables=TABLES, rows=ROWS)
     with pytest.raises((ValueError, IndexError)) as ref_err:
         reference(indices, offsets)
     assert str(c_err.value) == str(ref_err.value) and "table " in str(c_err.value)
@@ -73,7 +73,7 @@ def test_cases_outside_the_fast_path_fall_back():
     assert sparse.pack_bags(indices, [o[:0] for o in offsets], ROWS) is None  # no bags
     assert sparse.pack_bags([i.float() for i in indices], offsets, ROWS) is None
     # and the backend still packs what the reference packs (here: int32 offsets)
-    sb = pack_sparse_cpu(indices, [o.to(torch.int32) for o in offsets], None, tables=TABLES, rows=ROWS, pooled=True)
+    sb = pack_sparse_cpu(indices, [o.to(torch.int32) for o in offsets], None, tables=TABLES, rows=ROWS)
     assert torch.equal(sb.indices, reference(indices, offsets).indices)
 
 

@@ -20,7 +20,7 @@ lS_i_0     : i64[16]      = input
 lS_i_1     : i64[16]      = input
 lS_i_2     : i64[16]      = input
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01); @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 pooled_g0  : f32[8,12]    = recc.tbe_lookup(tbe_g0, sparse_g0)  # @batch_tables
 tables_g0  : tuple[3x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4, 4))  # @batch_tables
 emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]; @batch_tables
@@ -129,7 +129,7 @@ def test_groups_by_dim():
     text = program.stages["batch_tables"].text
     assert "tables_g2  : tuple[2x f32[4,4]] = recc.split_cols(pooled_g2, (4, 4))  # @batch_tables" in text
     assert ("sparse_g2  : kjt[t=2,b=4] = recc.pack_sparse([ids_2, ids_3], [offs_2, offs_3], None, "
-            "tables=('tables.2', 'tables.3'), rows=(12, 13), pooled=True)") in text
+            "tables=('tables.2', 'tables.3'), rows=(12, 13))") in text
     assert "tables_3   : f32[4,4]     = getitem(tables_g2, 1)  # table t3=tables.3[13x4,sum]" in text
 
 

@@ -114,10 +114,10 @@ def test_finds_tables_whatever_they_are_called():
     assert got == {
         "features.user": (11, 3, "sum", "features.user.weight"),
         "features.item": (7, 3, "mean", "features.item.weight"),
-        "tok": (5, 3, "sum", "tok.weight"),
+        "tok": (5, 3, "none", "tok.weight"),
         "raw.0": (9, 3, "sum", "raw.0"),
         "w": (6, 3, "mean", "w"),
-        "v": (8, 3, "sum", "v"),
+        "v": (8, 3, "none", "v"),
     }
     gm = program.stages["discover_tables"].graph
     lookups = [n for n in gm.graph.nodes if n.meta.get("recc.table") is not None]

@@ -16,7 +16,7 @@ lS_i_0     : i64[16]      = input
 lS_i_1     : i64[16]      = input
 lS_i_2     : i64[16]      = input
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01); @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse[cpu]([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse[cpu]([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 pooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables
 tables_g0  : tuple[3x f32[8,4]] = recc.split_cols[cpu](pooled_g0, (4, 4, 4))  # @batch_tables
 emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; shard=tw@r0[0:10,0:4]; @batch_tables
@@ -52,7 +52,7 @@ lS_i_0     : i64[16]      = input
 lS_i_1     : i64[16]      = input
 lS_i_2     : i64[16]      = input
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.01); @batch_tables
-sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse[cpu]([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30), pooled=True)  # @batch_tables
+sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse[cpu]([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 pooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables
 bot_l_0_weight : f32[8,13]    = get_attr bot_l.0.weight  # @fuse_linear_act
 bot_l_0_bias : f32[8]       = get_attr bot_l.0.bias  # @fuse_linear_act
