@@ -10,8 +10,8 @@ out — so they batch, shard (table-, row-, column-wise: the output dist then ca
 rows, TorchRec's sequence sharding) and train like any pooled table. A gather whose ids are not
 one row of ``[B, ...]`` per sample (a jagged sequence: 1-D ids of N != B) is marked
 ``TableSpec.jagged``: its id count differs per rank, so ``shard_tables`` keeps it data-parallel. ``include_last_offset``
-offsets lose their last entry. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
-``padding_idx``, ``scale_grad_by_freq``) are left as they are, trained as dense modules, and
+offsets lose their last entry; a bag's ``padding_idx`` ids are dropped by ``recc.drop_padding``. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
+``padding_idx`` on a gather, ``scale_grad_by_freq``) are left as they are, trained as dense modules, and
 listed once in ``ctx.stats["dense_lookups"]`` with the reason; a model with no table at all
 compiles with one warning. Must not change what the graph computes.
 
@@ -46,13 +46,11 @@ _BAG_SIG = inspect.signature(F.embedding_bag)
 _EMB_SIG = inspect.signature(F.embedding)
 
 
-def _unsupported_bag(mode, max_norm, padding_idx, scale_grad_by_freq):
+def _unsupported_bag(mode, max_norm, scale_grad_by_freq):
     if mode not in ("sum", "mean"):
         return f"mode={mode!r} (recc's fused kernels pool with sum or mean)"
     if max_norm is not None:
         return "max_norm (renormalising rows on lookup)"
-    if padding_idx is not None:
-        return "padding_idx"
     if scale_grad_by_freq:
         return "scale_grad_by_freq"
     return None
@@ -76,25 +74,26 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if isinstance(mod, nn.EmbeddingBag):
                 b = inspect.signature(mod.forward).bind(*node.args, **node.kwargs)
                 a = b.arguments
-                why = _unsupported_bag(mod.mode, mod.max_norm, mod.padding_idx, mod.scale_grad_by_freq)
+                why = _unsupported_bag(mod.mode, mod.max_norm, mod.scale_grad_by_freq)
                 if why:
                     dense_lookups[node.target] = why
                     continue
                 found = (node.target, f"{node.target}.weight", a.get("input"), a.get("offsets"),
-                         a.get("per_sample_weights"), mod.mode, mod.include_last_offset)
+                         a.get("per_sample_weights"), mod.mode, mod.include_last_offset, mod.padding_idx)
             elif isinstance(mod, nn.Embedding):
                 why = None
                 if mod.max_norm is not None:
                     why = "max_norm (renormalising rows on lookup)"
                 elif mod.padding_idx is not None:
-                    why = "padding_idx"
+                    why = ("padding_idx (a gather returns the padding row and never updates it; as "
+                           "one-id bags the padding ids would pool to zeros)")
                 elif mod.scale_grad_by_freq:
                     why = "scale_grad_by_freq"
                 if why:
                     dense_lookups[node.target] = why
                     continue
                 found = (node.target, f"{node.target}.weight", node.args[0] if node.args else node.kwargs["input"],
-                         None, None, "none", False)
+                         None, None, "none", False, None)
         elif node.op == "call_function" and node.target in (F.embedding_bag, F.embedding):
             is_bag = node.target is F.embedding_bag
             a = (_BAG_SIG if is_bag else _EMB_SIG).bind(*node.args, **node.kwargs)
@@ -106,21 +105,24 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 continue
             name = path[:-len(".weight")] if path.endswith(".weight") else path
             if is_bag:
-                why = _unsupported_bag(a["mode"], a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"])
+                why = _unsupported_bag(a["mode"], a["max_norm"], a["scale_grad_by_freq"])
                 if why:
                     dense_lookups[name] = why
                     continue
                 found = (name, path, a["input"], a["offsets"], a["per_sample_weights"], a["mode"],
-                         a["include_last_offset"])
+                         a["include_last_offset"], a["padding_idx"])
             else:
-                why = _unsupported_bag("sum", a["max_norm"], a["padding_idx"], a["scale_grad_by_freq"])
+                why = _unsupported_bag("sum", a["max_norm"], a["scale_grad_by_freq"])
+                if why is None and a["padding_idx"] is not None:
+                    why = ("padding_idx (a gather returns the padding row and never updates it; as "
+                           "one-id bags the padding ids would pool to zeros)")
                 if why:
                     dense_lookups[name] = why
                     continue
-                found = (name, path, a["input"], None, None, "none", False)
+                found = (name, path, a["input"], None, None, "none", False, None)
         if found is None:
             continue
-        name, wpath, ids, offsets, psw, mode, last_offset = found
+        name, wpath, ids, offsets, psw, mode, last_offset, padding_idx = found
         if wpath in seen_weights:
             raise ValueError(
                 f"discover_tables: table {name} (weight {wpath}) is looked up at more than one call site "
@@ -149,6 +151,17 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 # include_last_offset: B+1 offsets, the last one the number of ids.
                 offsets = graph.call_function(operator.getitem, (offsets, slice(None, -1)))
                 rename(offsets, f"{old_name}_offsets")
+            if padding_idx is not None:
+                # Padding ids are left out of their bags (and of a mean's count), as nn.EmbeddingBag does.
+                if padding_idx < 0:
+                    padding_idx += int(weight.shape[0])
+                kept = graph.call_function(OPS["drop_padding"], (bag_ids, offsets, psw), {"padding_idx": padding_idx, "table": name, "rows": int(weight.shape[0])})
+                rename(kept, f"{old_name}_kept")
+                parts = [graph.call_function(operator.getitem, (kept, k)) for k in range(3 if psw is not None else 2)]
+                for part, what in zip(parts, ("ids", "offsets", "weights")):
+                    rename(part, f"{old_name}_{what}")
+                bag_ids, offsets = parts[0], parts[1]
+                psw = parts[2] if psw is not None else None
             new = graph.call_function(OPS["embedding_bag"], (w, bag_ids, offsets, psw),
                                       {"mode": "sum" if mode == "none" else mode, "table": name})
             out = new

@@ -400,6 +400,41 @@ def tbe_lookup(group, sparse):
     return group.reference_lookup(sparse)
 
 
+def _drop_padding_meta(indices, offsets, per_sample_weights=None, *, padding_idx, table, rows):
+    # The kept ids' count depends on the data: the shape rule gives the upper bound.
+    b = indices.shape[0] if offsets is None else offsets.shape[0]
+    n = indices.numel()
+    psw = None if per_sample_weights is None else _meta_like((n,), per_sample_weights.dtype)
+    return _meta_like((n,), indices.dtype), _meta_like((b,), torch.int64), psw
+
+
+@define_op("drop_padding", meta=_drop_padding_meta)
+def drop_padding(indices, offsets, per_sample_weights=None, *, padding_idx: int, table: str, rows: int):
+    """recc.drop_padding(ids, offsets | None, psw | None, padding_idx=, table=, rows=) -> (ids [N'], offsets [B], psw | None)
+
+    One table's bags without their ``padding_idx`` ids: ``nn.EmbeddingBag(padding_idx=)`` leaves
+    them out of the reduction (a mean divides by the ids that remain; an all-padding bag pools to
+    zeros) and gives them no gradient. Takes either calling convention (``[B, L]`` ids without
+    offsets, or 1-D ids with start offsets) and returns 1-D ids with start offsets. Checks the
+    bags first (errors name ``table``).
+    """
+    check_bags(table, indices, offsets, rows, per_sample_weights)
+    if offsets is not None and indices.dim() != 1:
+        raise ValueError(f"table {table}: indices of shape {list(indices.shape)} come with offsets; like "
+                         f"nn.EmbeddingBag, offsets go with 1-D indices (2-D indices [B, L] take offsets=None)")
+    flat, ends = bag_offsets(indices, offsets)
+    b = ends.numel() - 1
+    lengths = ends[1:] - ends[:-1]
+    keep = flat != padding_idx
+    bag = torch.repeat_interleave(torch.arange(b, device=flat.device), lengths, output_size=flat.numel())
+    kept = torch.bincount(bag[keep], minlength=b)
+    starts = torch.zeros(b, dtype=torch.int64, device=flat.device)
+    if b > 1:
+        torch.cumsum(kept[:-1], 0, out=starts[1:])
+    psw = None if per_sample_weights is None else per_sample_weights.reshape(-1)[keep]
+    return flat[keep], starts, psw
+
+
 def _rows_like_meta(rows, ids):
     return _meta_like(tuple(ids.shape) + (rows.shape[1],), rows.dtype)
 

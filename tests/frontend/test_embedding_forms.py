@@ -209,3 +209,56 @@ def test_the_planner_costs_a_gather_by_its_rows_per_sample():
     assert bags == {"hist": 3.0, "user": 1.0, "item": 1.0, "tags": args[3].numel() / 4}
     assert program.stats["tables"]["hist"].pooling == "none"
     assert "global batch 8" in str(program.plan)
+
+
+class Padded(nn.Module):
+    """Multi-hot bags padded to a fixed length with id 0, as fixed-shape data loaders write them."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.tags = nn.EmbeddingBag(12, 4, mode=mode, padding_idx=0)
+        self.words = nn.EmbeddingBag(15, 4, mode="sum", padding_idx=-1)   # the last row pads
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, tags, words, word_offsets):
+        return self.out(torch.cat([self.tags(tags), self.words(words, word_offsets)], dim=1))
+
+
+def _padded_inputs(b: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tags = torch.randint(0, 12, (b, 4), generator=g)
+    tags[0] = 0                                      # a bag of nothing but padding
+    words = torch.randint(10, 15, (3 * b,), generator=g)
+    return tags, words, torch.arange(0, 3 * b, 3)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_padding_ids_are_left_out_of_their_bags(mode):
+    """padding_idx bags are fused (ids dropped before the pack) and train like eager: the padding
+    rows keep their values, a mean divides by the ids that remain, an all-padding bag is zero."""
+    torch.manual_seed(0)
+    model = Padded(mode)
+    with torch.no_grad():                            # make the padding rows visible if misused
+        model.tags.weight[0] = 1.0
+        model.words.weight[-1] = 1.0
+    program = recc.compile(model, example_inputs=_padded_inputs(4, 0), config=recc.CompileConfig(lr=0.1))
+    assert list(program.stats["tables"]) == ["tags", "words"] and not program.stats["dense_lookups"]
+    assert "recc.drop_padding(tags, None, None, padding_idx=0, table='tags', rows=12)" in program.stages[
+        "discover_tables"].text
+    assert "padding_idx=14, table='words'" in program.stages["discover_tables"].text
+    dmodel = program.instantiate()
+    eager = Padded(mode)
+    eager.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    dopt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
+    for step in range(3):
+        args = _padded_inputs(5 - step, step + 1)
+        want, got = eager(*args), dmodel(*args)
+        torch.testing.assert_close(got, want)
+        want.sum().backward(), got.sum().backward()
+        opt.step(), dopt.step()
+        opt.zero_grad(), dopt.zero_grad()
+    state = dmodel.state_dict()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(state[k], v, msg=k)
+    assert torch.equal(state["tags.weight"][0], torch.ones(4))

@@ -11,11 +11,12 @@ from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, com
                         job, labels_of, make)
 
 MODELS = [n for n in ("ref_dlrm", "ref_dlrm_list", "deepfm", "dcn", "fm", "wide_deep", "xdeepfm_cin",
-                      "torchrec_dlrm", "torchrec_seq") if n in ZOO]
+                      "padded_multihot", "torchrec_dlrm", "torchrec_seq") if n in ZOO]
 DIST_MODELS = MODELS
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 # Forced kinds at world size 2 (column-wise with row-wise Adagrad is refused: one accumulator per row).
 KINDS_W2 = ("table_wise", "row_wise", "column_wise", "data_parallel")
+KINDS_W4 = ("row_wise", "column_wise")   # the kinds whose shards change with the world size
 
 
 def _jobs(world: int) -> dict:
@@ -23,9 +24,9 @@ def _jobs(world: int) -> dict:
     for name in DIST_MODELS:
         for optimizer in OPTIMIZERS:
             jobs[f"{name}/auto/{optimizer}"] = job(name, world, optimizer, "auto")
+        for kind in KINDS_W2 if world == 2 else KINDS_W4:
+            jobs[f"{name}/{kind}/sgd"] = job(name, world, "sgd", kind)
         if world == 2:
-            for kind in KINDS_W2:
-                jobs[f"{name}/{kind}/sgd"] = job(name, world, "sgd", kind)
             jobs[f"{name}/row_wise/rowwise_adagrad"] = job(name, world, "rowwise_adagrad", "row_wise")
     return jobs
 
@@ -86,7 +87,7 @@ def test_world2_matches_eager(zoo_world2, name, kind):
     assert_matches_eager(zoo_world2.job(f"{name}/{kind}"), eager(name, kind.split("/")[1]))
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("kind", ("auto/sgd", "auto/rowwise_adagrad") + tuple(f"{k}/sgd" for k in KINDS_W4))
 @pytest.mark.parametrize("name", DIST_MODELS)
-def test_world4_matches_eager(zoo_world4, name, optimizer):
-    assert_matches_eager(zoo_world4.job(f"{name}/auto/{optimizer}"), eager(name, optimizer))
+def test_world4_matches_eager(zoo_world4, name, kind):
+    assert_matches_eager(zoo_world4.job(f"{name}/{kind}"), eager(name, kind.split("/")[1]))

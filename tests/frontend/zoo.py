@@ -891,6 +891,49 @@ def slice_kjt(kjt, rank: int, world: int):
         keys=list(kjt.keys()), values=torch.cat(values), lengths=torch.cat(lengths))
 
 
+# ----------------------------------------------------------------------------- padded multi-hot
+# Variable-length features padded to a fixed length with id 0 by the data loader, pooled by
+# nn.EmbeddingBag(padding_idx=0) on the 2-D [B, L] form (the common plain-PyTorch recipe for
+# multi-hot genres/tags); a second feature pads with the table's last row (padding_idx=-1).
+
+PADDED_VOCAB = (16, 24)
+PADDED_LEN = 5
+
+
+class PaddedMultiHot(nn.Module):
+    def __init__(self, dim: int = 6, hidden: int = 8):
+        super().__init__()
+        self.genres = nn.EmbeddingBag(PADDED_VOCAB[0], dim, mode="sum", padding_idx=0)
+        self.tags = nn.EmbeddingBag(PADDED_VOCAB[1], dim, mode="sum", padding_idx=-1)
+        self.mlp = nn.Sequential(nn.Linear(2 * dim + 2, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, dense, genres, tags):
+        pooled = [self.genres(genres), self.tags(tags)]
+        return self.mlp(torch.cat([dense] + pooled, dim=1)).squeeze(1)
+
+
+def make_padded() -> nn.Module:
+    torch.manual_seed(7)
+    return PaddedMultiHot()
+
+
+def _padded_ids(g, batch_size, vocab, pad):
+    ids = torch.randint(0, vocab, (batch_size, PADDED_LEN), generator=g)
+    length = torch.randint(0, PADDED_LEN + 1, (batch_size, 1), generator=g)
+    return torch.where(torch.arange(PADDED_LEN)[None, :] < length, ids, torch.full_like(ids, pad))
+
+
+def batch_padded(step: int, batch_size: int):
+    g = _gen(9, step)
+    dense = torch.randn(batch_size, 2, generator=g)
+    genres = _padded_ids(g, batch_size, PADDED_VOCAB[0], 0)
+    tags = _padded_ids(g, batch_size, PADDED_VOCAB[1], PADDED_VOCAB[1] - 1)
+    return (dense, genres, tags), _labels(g, (batch_size,))
+
+
+_register(ZooEntry("padded_multihot", make_padded, batch_padded, slice_x, n_tables=2, loss=bce_logits))
+
+
 if torchrec is not None:
     TR_DLRM_VOCAB = [10, 25, 40]
     TR_DLRM_KEYS = ["f_user", "f_item", "f_ctx"]
