@@ -40,7 +40,6 @@ from recc.graph_utils import rename
 from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.specs import TableSpec
-from recc.trace import example_batch
 
 _BAG_SIG = inspect.signature(F.embedding_bag)
 _EMB_SIG = inspect.signature(F.embedding)
@@ -136,7 +135,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
                          pooling=mode, weight_key=wpath, weighted=psw is not None,
-                         jagged=mode == "none" and _is_jagged(ids, example_batch(ctx.example_inputs)))
+                         jagged=mode == "none" and _is_jagged(ids, ctx.batch))
         tables[name] = spec
         old_name = node.name
         with graph.inserting_before(node):

@@ -30,7 +30,6 @@ import yaml
 from recc.passmanager import PassContext, register_pass
 from recc.planner import dense_flops_per_sample, plan_tables
 from recc.specs import SHARDING_KINDS
-from recc.trace import example_batch as example_batch_of
 
 
 def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Optional[int], dict[str, float]]:
@@ -101,7 +100,7 @@ def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto"
                          f"got {type(constraints).__name__}")
     tables = ctx.stats.get("tables", {})
     constraints, strategy = _jagged_stay_replicated(tables, constraints, strategy, ctx.cluster.world_size)
-    example_batch, bags = _batch_and_bags(gm, example_batch_of(ctx.example_inputs))
+    example_batch, bags = _batch_and_bags(gm, ctx.batch)
     # Example inputs are one rank's slice of the global batch (what each rank will be fed).
     batch = ctx.config.batch_size or (example_batch or 1) * ctx.cluster.world_size
     try:

@@ -79,7 +79,8 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
             eager_out = model(*example_inputs)
 
     t0 = time.perf_counter()
-    gm = trace(model, to_meta(example_inputs) if model_is_meta(model) else example_inputs)
+    batch = _example_batch(example_inputs, config, cluster)
+    gm = trace(model, to_meta(example_inputs) if model_is_meta(model) else example_inputs, batch)
     propagate_shapes(gm, example_inputs, abstract)
     trace_ms = (time.perf_counter() - t0) * 1e3
     ir.verify(gm, pass_name="trace", level=config.verify)
@@ -87,7 +88,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
 
     passes = resolve_pipeline(pipeline if pipeline is not None else DEFAULT_PIPELINE, config, disable)
     total = len(passes)
-    ctx = PassContext(cluster=cluster, config=config, example_inputs=example_inputs, abstract=abstract)
+    ctx = PassContext(cluster=cluster, config=config, example_inputs=example_inputs, abstract=abstract, batch=batch)
     show = _print_after_set(print_after, [i.name for i, _ in passes])
 
     stages: "OrderedDict[str, Stage]" = OrderedDict()
@@ -144,9 +145,27 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
             detached_state[key] = value.detach().clone()
     return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
                    pipeline=format_spec([(i.name, shown_options(i, o)) for i, o in passes]), state_keys=state_keys,
-                   signature=InputSignature.of(sig_names, example_inputs, list(tables), example_batch(example_inputs)), stats=ctx.stats,
+                   signature=InputSignature.of(sig_names, example_inputs, list(tables), batch), stats=ctx.stats,
                    detached_state=detached_state)
 
+
+
+def _example_batch(example_inputs, config: CompileConfig, cluster: Cluster):
+    """One rank's batch in the example: ``CompileConfig.batch_size`` / world size when that is a
+    size of an example tensor (it names the batch when the first argument's leading size is not
+    it, e.g. stacked ``[T, B]`` ids), else the leading size of the first tensor argument."""
+    if config.batch_size and config.batch_size % cluster.world_size == 0:
+        per_rank = config.batch_size // cluster.world_size
+        stack = list(example_inputs)
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, torch.Tensor) and per_rank in v.shape:
+                return per_rank
+    return example_batch(example_inputs)
 
 
 def _maybe_print(stage: Stage, show: set[str]):

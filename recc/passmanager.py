@@ -31,6 +31,7 @@ class PassContext:
     plan: Any = None
     passes_run: list[str] = field(default_factory=list)
     abstract: bool = False  # the model's state lives on the meta device
+    batch: Optional[int] = None  # the example's batch (one rank's), as capture identified it
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ graph, so each conversion is checked first:
 - a size that is the batch (``for b in range(x.shape[0])``) is refused the same way, since one
   compiled program serves every batch size. Sizes that stay in tensor calls
   (``x.view(batch_size, -1, d)``) remain graph nodes, so the batch stays symbolic. A dimension
-  of an input-derived tensor is the batch when it equals the example batch (the leading size of
-  the first tensor argument); the error says so when a fixed size happens to collide with it.
+  of an input-derived tensor is the batch when it equals the example batch (one rank's share of
+  ``CompileConfig.batch_size`` when set, else the leading size of the first tensor argument);
+  the error says so when a fixed size happens to collide with it.
 
 Users' DLRMs take lists of tensors (one offsets and one indices tensor per table) and often
 iterate over them: list, tuple and dict arguments are traced as containers of placeholders
@@ -270,7 +271,8 @@ class _CaptureTracer(fx.Tracer):
                 f"tensor calls (x.view(x.size(0), -1)) instead of loops or Python arithmetic. (A dimension "
                 f"of an input-derived tensor counts as the batch when it equals the example batch, "
                 f"{self.batch}; if this is a fixed size that happens to equal it, compile with example "
-                f"inputs of another batch size.)")
+                f"inputs of another batch size; if the batch is another size, name it with "
+                f"CompileConfig(batch_size=<global batch>).)")
         return v
 
     def length(self, proxy: fx.Proxy) -> int:

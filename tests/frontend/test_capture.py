@@ -700,17 +700,20 @@ class StackedIdsOnly(nn.Module):
         return self.head(torch.cat([self.tables[k](ids) for k, ids in enumerate(lS_i)], dim=1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recc bug (limitation of the documented batch rule): trace.example_batch() takes the leading size "
-    "of the first tensor argument as the batch; for a stacked [T, B] ids tensor that is T (here 2), "
-    "so enumerate(lS_i) is refused as 'the batch size' (and the input signature would fix B instead "
-    "of T); the hint to change the example batch cannot help"))
-def test_stacked_ids_as_first_argument_compile_and_match_eager():
-    """Guards: the batch misidentified when the first argument is laid out [T, B]."""
-    def args(b):
-        g = torch.Generator().manual_seed(b)
-        return [torch.stack([torch.randint(0, n, (b,), generator=g) for n in (7, 11)])]
-    _check_parity(StackedIdsOnly(), args, batches=(3, 1))
+def _stacked_ids(b):
+    g = torch.Generator().manual_seed(b)
+    return [torch.stack([torch.randint(0, n, (b,), generator=g) for n in (7, 11)])]
+
+
+def test_stacked_ids_as_first_argument_need_the_batch_named():
+    """Guards: the batch misidentified when the first argument is laid out [T, B]. Capture takes
+    the leading size of the first tensor as the batch, so without help enumerate(lS_i) reads as
+    a loop over the batch; the error says how to name it, and CompileConfig(batch_size=) does."""
+    with pytest.raises(CaptureError, match=r"name it with CompileConfig\(batch_size=<global batch>\)"):
+        recc.compile(StackedIdsOnly(), example_inputs=_stacked_ids(EXAMPLE_B))
+    program = _check_parity(StackedIdsOnly(), _stacked_ids, batches=(3, 1),
+                            config=recc.CompileConfig(batch_size=EXAMPLE_B))
+    assert program.signature.kinds[0][2] == ("B", "B")   # T is the leading size: unchecked, B free
 
 
 class BufferArithmetic(nn.Module):
