@@ -752,25 +752,15 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0][:240] if msg else ''}"
 
 
-class ZooEagerSystem(System):
-    """The zoo model as written, its embedding modules switched to ``sparse=True``."""
-
-    def __init__(self, case: ZooCase, batches, optimizer, lr, eps):
-        self.model = copy.deepcopy(case.model)
-        tables = [m for _, m in embedding_modules(self.model)]
-        for m in tables:
-            m.sparse = True
-        table_ids = {id(m.weight) for m in tables}
-        dense = [p for p in self.model.parameters() if id(p) not in table_ids]
-        self.dense_opt = torch.optim.SGD(dense, lr=lr) if dense else None
-        self.table_opt, self.name = _eager_table_optimizer([m.weight for m in tables], optimizer, lr, eps)
-        self.batches, self.loss = batches, case.loss
+class _ZooSystem(System):
+    """A zoo model trained on the prepared batches: ``self.model`` and the optimizers that step
+    after each backward (``self.optimizers``, None entries skipped)."""
 
     def step(self, i):
         args, y = self.batches[i]
         loss = self.loss(self.model(*args), y)
-        loss.backward()
-        for opt in (self.dense_opt, self.table_opt):
+        loss.backward()  # recc: fused tables' rows are updated inside backward
+        for opt in self.optimizers:
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
@@ -781,7 +771,22 @@ class ZooEagerSystem(System):
         return self.model(*self.batches[i][0])
 
 
-class ZooReccSystem(System):
+class ZooEagerSystem(_ZooSystem):
+    """The zoo model as written, its embedding modules switched to ``sparse=True``."""
+
+    def __init__(self, case: ZooCase, batches, optimizer, lr, eps):
+        self.model = copy.deepcopy(case.model)
+        tables = [m for _, m in embedding_modules(self.model)]
+        for m in tables:
+            m.sparse = True
+        table_ids = {id(m.weight) for m in tables}
+        dense = [p for p in self.model.parameters() if id(p) not in table_ids]
+        table_opt, self.name = _eager_table_optimizer([m.weight for m in tables], optimizer, lr, eps)
+        self.optimizers = (torch.optim.SGD(dense, lr=lr) if dense else None, table_opt)
+        self.batches, self.loss = batches, case.loss
+
+
+class ZooReccSystem(_ZooSystem):
     name = "recc"
 
     def __init__(self, case: ZooCase, batches, optimizer, lr, eps):
@@ -790,21 +795,9 @@ class ZooReccSystem(System):
         config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, comm_fwd="fp32", comm_bwd="fp32")
         program = recc.compile(copy.deepcopy(case.model), example_inputs=batches[0][0], config=config)
         self.fused = list(program.stats.get("tables", {}))
-        self.dmodel = program.instantiate()
-        self.dense_opt = torch.optim.SGD(list(self.dmodel.dense_parameters()), lr=lr)
+        self.model = program.instantiate()
+        self.optimizers = (torch.optim.SGD(list(self.model.dense_parameters()), lr=lr),)
         self.batches, self.loss = batches, case.loss
-
-    def step(self, i):
-        args, y = self.batches[i]
-        loss = self.loss(self.dmodel(*args), y)
-        loss.backward()  # fused tables' rows are updated inside backward
-        self.dense_opt.step()
-        self.dense_opt.zero_grad()
-        return loss.detach()
-
-    @torch.no_grad()
-    def predict(self, i):
-        return self.dmodel(*self.batches[i][0])
 
 
 class ZooTorchRecSystem(System):
