@@ -511,41 +511,22 @@ def _scaled_vocab(pattern, rows: int, n: int) -> list[int]:
 
 def _zoo_ref_dlrm(z, rows, dim, fields, width):
     vocab = np.array(_scaled_vocab(z.REF_DLRM_ROWS, rows, fields or z.REF_DLRM_ROWS.size))
-    np.random.seed(0)
-    torch.manual_seed(0)
-    ln_bot = np.array([z.REF_DLRM_DENSE, 16 * width, dim])
-    ln_top = np.array([z._dlrm_top_in("dot", dim, vocab.size, dim), 16 * width, 1])
-    model = z.DLRM_Net(dim, vocab, ln_bot, ln_top, arch_interaction_op="dot", sigmoid_top=ln_top.size - 2)
+    model = z.build_ref_dlrm(0, vocab, dim, z.REF_DLRM_DENSE, 16 * width, "dot")
 
-    def batch(step, B):  # zoo.batch_ref_dlrm: one id per sample and table, [T, B] stacked
-        g = z._gen(1, step)
-        dense_x = torch.log(torch.rand(B, z.REF_DLRM_DENSE, generator=g) * 100 + 1)
-        lS_o = torch.stack([torch.arange(B) for _ in vocab])
-        lS_i = torch.stack([torch.randint(0, int(n), (B,), generator=g) for n in vocab])
-        return (dense_x, lS_o, lS_i), z._labels(g, (B, 1))
+    def batch(step, B):  # one id per sample and table, [T, B] stacked
+        return z.stacked_batch(step, B, vocab, z.REF_DLRM_DENSE)
 
-    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLPs {ln_bot.tolist()} / {ln_top.tolist()}"
+    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLP width {16 * width}"
 
 
 def _zoo_ref_dlrm_list(z, rows, dim, fields, width):
     vocab = np.array(_scaled_vocab(z.REF_LIST_ROWS, rows, fields or z.REF_LIST_ROWS.size))
-    np.random.seed(1)
-    torch.manual_seed(1)
-    ln_bot = np.array([z.REF_LIST_DENSE, 8 * width, dim])
-    ln_top = np.array([z._dlrm_top_in("cat", dim, vocab.size, dim), 8 * width, 1])
-    model = z.DLRM_Net(dim, vocab, ln_bot, ln_top, arch_interaction_op="cat", sigmoid_top=ln_top.size - 2)
+    model = z.build_ref_dlrm(1, vocab, dim, z.REF_LIST_DENSE, 8 * width, "cat")
 
-    def batch(step, B):  # zoo.batch_ref_dlrm_list: lists of 1-D offsets/ids, bags of 0-3 ids
-        g = z._gen(2, step)
-        dense_x = torch.rand(B, z.REF_LIST_DENSE, generator=g)
-        lS_o, lS_i = [], []
-        for n in vocab:
-            lengths = torch.randint(0, 4, (B,), generator=g)
-            lS_o.append(torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]]))
-            lS_i.append(torch.randint(0, int(n), (int(lengths.sum()),), generator=g))
-        return (dense_x, lS_o, lS_i), z._labels(g, (B, 1))
+    def batch(step, B):  # lists of 1-D offsets/ids, bags of 0-3 ids
+        return z.list_batch(step, B, vocab, z.REF_LIST_DENSE)
 
-    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLPs {ln_bot.tolist()} / {ln_top.tolist()}"
+    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLP width {8 * width}"
 
 
 def _float_ids_ok(vocab):

@@ -268,12 +268,15 @@ class _CaptureTracer(fx.Tracer):
             raise CaptureError(
                 f"{_user_site()}\n  this line turns {node.format_node()} (= {v}), which is the batch size, "
                 f"into a Python {how}. recc compiles one graph for every batch size: keep the batch size in "
-                f"tensor calls (x.view(x.size(0), -1)) instead of loops or Python arithmetic. (A dimension "
-                f"of an input-derived tensor counts as the batch when it equals the example batch, "
-                f"{self.batch}; if this is a fixed size that happens to equal it, compile with example "
-                f"inputs of another batch size; if the batch is another size, name it with "
-                f"CompileConfig(batch_size=<global batch>).)")
+                f"tensor calls (x.view(x.size(0), -1)) instead of loops or Python arithmetic. "
+                f"{self._collision_hint()}")
         return v
+
+    def _collision_hint(self) -> str:
+        return (f"(A size of an input-derived tensor counts as the batch when it equals the example batch, "
+                f"{self.batch}; if this is a fixed size that happens to equal it, compile with example inputs "
+                f"of another batch size; if the batch is another size, name it with "
+                f"CompileConfig(batch_size=<global batch>).)")
 
     def length(self, proxy: fx.Proxy) -> int:
         node = proxy.node
@@ -298,8 +301,7 @@ class _CaptureTracer(fx.Tracer):
             raise CaptureError(
                 f"{_user_site()}\n  this line iterates over {node.format_node()}: {len(v)} pieces, one per "
                 f"sample, which is the batch size. recc compiles one graph for every batch size: write the per-sample "
-                f"computation as batched tensor ops. (If the count only happens to equal the example batch, "
-                f"{self.batch}, compile with example inputs of another batch size.)")
+                f"computation as batched tensor ops. {self._collision_hint()}")
         return len(v)
 
     def iter(self, proxy: fx.Proxy):
@@ -317,11 +319,10 @@ class _CaptureTracer(fx.Tracer):
         if isinstance(v, dict):
             return iter(list(v.keys()))
         n = self.length(proxy)
-        items = [proxy[i] for i in range(n)]
         # Elements that are plain Python structure (feature names) are handed over as they are.
         if isinstance(v, (list, tuple)) and not any(isinstance(x, (torch.Tensor, int, float, bool)) for x in v):
             return iter(list(v))
-        return iter(items)
+        return iter([proxy[i] for i in range(n)])
 
     def keys(self, proxy: fx.Proxy):
         v = self.value(proxy.node)

@@ -207,24 +207,32 @@ REF_DLRM_DIM = 8
 REF_DLRM_DENSE = 4
 
 
+def build_ref_dlrm(seed: int, rows, dim: int, dense: int, hidden: int, op: str) -> nn.Module:
+    """A DLRM_Net over tables of ``rows`` (numpy array), the bottom MLP ``dense -> hidden -> dim``
+    and the top MLP ``-> hidden -> 1`` (the bench builds bigger ones the same way)."""
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    ln_bot = np.array([dense, hidden, dim])
+    ln_top = np.array([_dlrm_top_in(op, dim, rows.size, ln_bot[-1]), hidden, 1])
+    return DLRM_Net(dim, rows, ln_bot, ln_top, arch_interaction_op=op, sigmoid_top=ln_top.size - 2)
+
+
 def make_ref_dlrm() -> nn.Module:
-    np.random.seed(0)
-    torch.manual_seed(0)
-    ln_bot = np.array([REF_DLRM_DENSE, 16, REF_DLRM_DIM])
-    top_in = _dlrm_top_in("dot", REF_DLRM_DIM, REF_DLRM_ROWS.size, ln_bot[-1])
-    ln_top = np.array([top_in, 16, 1])
-    return DLRM_Net(REF_DLRM_DIM, REF_DLRM_ROWS, ln_bot, ln_top, arch_interaction_op="dot",
-                    sigmoid_top=ln_top.size - 2)
+    return build_ref_dlrm(0, REF_DLRM_ROWS, REF_DLRM_DIM, REF_DLRM_DENSE, 16, "dot")
+
+
+def stacked_batch(step: int, batch_size: int, rows, dense: int):
+    """The reference's Criteo collate: one id per sample per table, offsets/ids stacked [T, B]."""
+    g = _gen(1, step)
+    B = batch_size
+    dense_x = torch.log(torch.rand(B, dense, generator=g) * 100 + 1)
+    lS_o = torch.stack([torch.arange(B) for _ in range(len(rows))])
+    lS_i = torch.stack([torch.randint(0, int(n), (B,), generator=g) for n in rows])
+    return (dense_x, lS_o, lS_i), _labels(g, (B, 1))
 
 
 def batch_ref_dlrm(step: int, batch_size: int):
-    # The reference's Criteo collate: one id per sample per table, offsets/ids stacked [T, B].
-    g = _gen(1, step)
-    B = batch_size
-    dense_x = torch.log(torch.rand(B, REF_DLRM_DENSE, generator=g) * 100 + 1)
-    lS_o = torch.stack([torch.arange(B) for _ in range(REF_DLRM_ROWS.size)])
-    lS_i = torch.stack([torch.randint(0, int(n), (B,), generator=g) for n in REF_DLRM_ROWS])
-    return (dense_x, lS_o, lS_i), _labels(g, (B, 1))
+    return stacked_batch(step, batch_size, REF_DLRM_ROWS, REF_DLRM_DENSE)
 
 
 def slice_ref_dlrm(args, rank, world):
@@ -239,27 +247,25 @@ REF_LIST_DENSE = 3
 
 
 def make_ref_dlrm_list() -> nn.Module:
-    np.random.seed(1)
-    torch.manual_seed(1)
-    ln_bot = np.array([REF_LIST_DENSE, 8, REF_LIST_DIM])
-    top_in = _dlrm_top_in("cat", REF_LIST_DIM, REF_LIST_ROWS.size, ln_bot[-1])
-    ln_top = np.array([top_in, 8, 1])
-    return DLRM_Net(REF_LIST_DIM, REF_LIST_ROWS, ln_bot, ln_top, arch_interaction_op="cat",
-                    sigmoid_top=ln_top.size - 2)
+    return build_ref_dlrm(1, REF_LIST_ROWS, REF_LIST_DIM, REF_LIST_DENSE, 8, "cat")
 
 
-def batch_ref_dlrm_list(step: int, batch_size: int):
-    # The reference's random-data format: lists of 1-D offsets/ids, multi-hot bags of 0-3 ids.
+def list_batch(step: int, batch_size: int, rows, dense: int):
+    """The reference's random-data format: lists of 1-D offsets/ids, multi-hot bags of 0-3 ids."""
     g = _gen(2, step)
     B = batch_size
-    dense_x = torch.rand(B, REF_LIST_DENSE, generator=g)
+    dense_x = torch.rand(B, dense, generator=g)
     lS_o, lS_i = [], []
-    for n in REF_LIST_ROWS:
+    for n in rows:
         lengths = torch.randint(0, 4, (B,), generator=g)
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)[:-1]])
         lS_o.append(offsets)
         lS_i.append(torch.randint(0, int(n), (int(lengths.sum()),), generator=g))
     return (dense_x, lS_o, lS_i), _labels(g, (B, 1))
+
+
+def batch_ref_dlrm_list(step: int, batch_size: int):
+    return list_batch(step, batch_size, REF_LIST_ROWS, REF_LIST_DENSE)
 
 
 def slice_ref_dlrm_list(args, rank, world):

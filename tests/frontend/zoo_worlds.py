@@ -20,7 +20,8 @@ import torch.nn as nn
 import recc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from dist_support import EPS, LR, RowwiseAdagradReference, assert_same_state, ok, run_jobs  # noqa: E402
+import dist_support  # noqa: E402
+from dist_support import EPS, LR, RowwiseAdagradReference, ok, run_jobs  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -70,7 +71,7 @@ def run_job(job: dict) -> dict:
         entry.loss(out, labels_of(y, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-    return {"state": dmodel.state_dict(), "outputs": outs, "plan": str(job["program"].plan), "error": None}
+    return {"state": dmodel.state_dict(), "outputs": outs, "error": None}
 
 
 def eager_run(name: str, optimizer: str) -> tuple[dict, list]:
@@ -101,16 +102,7 @@ def eager_run(name: str, optimizer: str) -> tuple[dict, list]:
 
 
 def assert_matches_eager(results: list[dict], eager: tuple) -> None:
-    want, want_outs = eager
-    for step in range(STEPS):
-        got = torch.cat([r["outputs"][step] for r in results])
-        torch.testing.assert_close(got, want_outs[step], atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"outputs of step {step}: {m}")
-    for rank, r in enumerate(results):
-        try:
-            assert_same_state(r["state"], want)
-        except AssertionError as e:
-            raise AssertionError(f"rank {rank}'s state_dict after {STEPS} steps: {e}\nplan:\n{r['plan']}") from None
+    dist_support.assert_matches_eager(results, eager, steps=STEPS)
 
 
 class ZooWorld:
