@@ -172,9 +172,10 @@ class RowwiseAdagradReference:
             w.grad = None
 
 
-def eager_run(model: nn.Module, data: SyntheticData, optimizer: str, steps: int = STEPS):
-    """The reference: one process, the whole global batch, the mean loss. Returns
-    ``(state_dict, outputs per step)``."""
+def eager_train(model: nn.Module, optimizer: str, batches, loss) -> tuple[dict, list]:
+    """The reference: one process, the whole global batch, the mean loss ``loss(out, y)`` for
+    each ``(args, y)`` of ``batches``; tables with sparse gradients (SGD, or row-wise Adagrad as
+    FBGEMM does it). Returns ``(state_dict, outputs per step)``."""
     eager = eager_copy(model)
     lr = LR[optimizer]
     tables = {id(t) for t in table_params(eager)}
@@ -184,15 +185,20 @@ def eager_run(model: nn.Module, data: SyntheticData, optimizer: str, steps: int 
         opts = [torch.optim.SGD([p for p in eager.parameters() if id(p) not in tables], lr=lr),
                 RowwiseAdagradReference(table_params(eager), lr)]
     outs = []
-    for s in range(steps):
-        dense_x, lS_o, lS_i, y = data.batch(s)
-        out = eager(dense_x, lS_o, lS_i)
+    for args, y in batches:
+        out = eager(*args)
         outs.append(out.detach().clone())
-        F.binary_cross_entropy(out, y).backward()
+        loss(out, y).backward()
         for o in opts:
             o.step()
         eager.zero_grad(set_to_none=True)
     return eager.state_dict(), outs
+
+
+def eager_run(model: nn.Module, data: SyntheticData, optimizer: str, steps: int = STEPS):
+    """``eager_train`` on ``data``'s first ``steps`` global batches with the BCE loss."""
+    batches = ((b[:3], b[3]) for b in (data.batch(s) for s in range(steps)))
+    return eager_train(model, optimizer, batches, F.binary_cross_entropy)
 
 
 def assert_same_state(got: dict, want: dict, atol: float = 1e-6, rtol: float = 1e-5):

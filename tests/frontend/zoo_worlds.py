@@ -8,7 +8,6 @@ on both sides: per-rank batch statistics cannot equal the global batch's.
 """
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import recc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import dist_support  # noqa: E402
-from dist_support import EPS, LR, RowwiseAdagradReference, ok, run_jobs  # noqa: E402
+from dist_support import EPS, LR, ok, run_jobs  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -77,28 +76,8 @@ def run_job(job: dict) -> dict:
 def eager_run(name: str, optimizer: str) -> tuple[dict, list]:
     """One process, the whole global batch, the mean loss; tables as sparse gradients."""
     entry = ZOO[name]
-    eager = copy.deepcopy(make(name))
-    tables = [m.weight for m in eager.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
-    for m in eager.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            m.sparse = True
-    ids = {id(t) for t in tables}
-    lr = LR[optimizer]
-    if optimizer == "sgd":
-        opts = [torch.optim.SGD(eager.parameters(), lr=lr)]
-    else:
-        opts = [torch.optim.SGD([p for p in eager.parameters() if id(p) not in ids], lr=lr),
-                RowwiseAdagradReference(tables, lr)]
-    outs = []
-    for step in range(STEPS):
-        args, y = entry.batch(step, GLOBAL_BATCH)
-        out = eager(*args)
-        outs.append(out.detach().clone())
-        entry.loss(out, y).backward()
-        for o in opts:
-            o.step()
-        eager.zero_grad(set_to_none=True)
-    return eager.state_dict(), outs
+    batches = (entry.batch(step, GLOBAL_BATCH) for step in range(STEPS))
+    return dist_support.eager_train(make(name), optimizer, batches, entry.loss)
 
 
 def assert_matches_eager(results: list[dict], eager: tuple) -> None:
