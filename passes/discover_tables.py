@@ -10,8 +10,10 @@ out — so they batch, shard (table-, row-, column-wise: the output dist then ca
 rows, TorchRec's sequence sharding) and train like any pooled table. A gather whose ids are not
 one row of ``[B, ...]`` per sample (a jagged sequence: 1-D ids of N != B) is marked
 ``TableSpec.jagged``: its id count differs per rank, so ``shard_tables`` keeps it data-parallel. ``include_last_offset``
-offsets lose their last entry; a bag's ``padding_idx`` ids are dropped by ``recc.drop_padding``. Lookups recc cannot fuse (``mode='max'``, ``max_norm``,
-``padding_idx`` on a gather, ``scale_grad_by_freq``) are left as they are, trained as dense modules, and
+offsets lose their last entry; ``padding_idx`` ids are dropped by ``recc.drop_padding`` (a gather's
+padding id is then an empty bag: zeros, as its zero padding row gives, and no gradient). Lookups
+recc cannot fuse (``max_norm``, ``scale_grad_by_freq``, a gather whose padding row is not zero) are
+left as they are, trained as dense modules, and
 listed once in ``ctx.stats["dense_lookups"]`` with the reason; a model with no table at all
 compiles with one warning. Must not change what the graph computes.
 
@@ -46,12 +48,23 @@ _EMB_SIG = inspect.signature(F.embedding)
 
 
 def _unsupported_bag(mode, max_norm, scale_grad_by_freq):
-    if mode not in ("sum", "mean"):
-        return f"mode={mode!r} (recc's fused kernels pool with sum or mean)"
+    if mode not in ("sum", "mean", "max"):
+        return f"mode={mode!r} (recc pools with sum, mean or max)"
     if max_norm is not None:
         return "max_norm (renormalising rows on lookup)"
     if scale_grad_by_freq:
         return "scale_grad_by_freq"
+    return None
+
+
+def _nonzero_padding_row(weight, padding_idx):
+    """A gather's ``padding_idx`` ids become empty bags, which pool to zeros: exact while the
+    padding row is zero, as ``nn.Embedding`` initialises it and never updates it (no gradient)."""
+    if padding_idx is None or weight.dim() != 2 or weight.device.type == "meta":
+        return None
+    if bool(weight.detach()[padding_idx].any()):
+        return (f"padding_idx={padding_idx} whose row is not zero (recc looks padding ids up as empty "
+                f"bags, which pool to zeros)")
     return None
 
 
@@ -80,19 +93,13 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 found = (node.target, f"{node.target}.weight", a.get("input"), a.get("offsets"),
                          a.get("per_sample_weights"), mod.mode, mod.include_last_offset, mod.padding_idx)
             elif isinstance(mod, nn.Embedding):
-                why = None
-                if mod.max_norm is not None:
-                    why = "max_norm (renormalising rows on lookup)"
-                elif mod.padding_idx is not None:
-                    why = ("padding_idx (a gather returns the padding row and never updates it; as "
-                           "one-id bags the padding ids would pool to zeros)")
-                elif mod.scale_grad_by_freq:
-                    why = "scale_grad_by_freq"
+                why = _unsupported_bag("sum", mod.max_norm, mod.scale_grad_by_freq) or \
+                    _nonzero_padding_row(mod.weight, mod.padding_idx)
                 if why:
                     dense_lookups[node.target] = why
                     continue
                 found = (node.target, f"{node.target}.weight", node.args[0] if node.args else node.kwargs["input"],
-                         None, None, "none", False, None)
+                         None, None, "none", False, mod.padding_idx)
         elif node.op == "call_function" and node.target in (F.embedding_bag, F.embedding):
             is_bag = node.target is F.embedding_bag
             a = (_BAG_SIG if is_bag else _EMB_SIG).bind(*node.args, **node.kwargs)
@@ -112,13 +119,12 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                          a["include_last_offset"], a["padding_idx"])
             else:
                 why = _unsupported_bag("sum", a["max_norm"], a["scale_grad_by_freq"])
-                if why is None and a["padding_idx"] is not None:
-                    why = ("padding_idx (a gather returns the padding row and never updates it; as "
-                           "one-id bags the padding ids would pool to zeros)")
+                if why is None and a["padding_idx"] is not None and _is_param(gm, path):
+                    why = _nonzero_padding_row(gm.get_parameter(path), a["padding_idx"])
                 if why:
                     dense_lookups[name] = why
                     continue
-                found = (name, path, a["input"], None, None, "none", False, None)
+                found = (name, path, a["input"], None, None, "none", False, a["padding_idx"])
         if found is None:
             continue
         name, wpath, ids, offsets, psw, mode, last_offset, padding_idx = found

@@ -66,9 +66,10 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True)
                 raise ValueError(f"insert_comm: table {t.name} is split by columns, but rowwise_adagrad keeps one "
                                  f"accumulator per whole row (the mean of g^2 over all its columns); place it "
                                  f"table_wise/row_wise or use another optimizer")
-            if group.pooling == "mean" and (r0, r1) != (0, t.rows):
-                raise ValueError(f"insert_comm: table {t.name} uses mean pooling and is split by rows; a mean "
-                                 f"cannot be assembled from partial sums — use table_wise/column_wise for it")
+            if not t.splits_rows_ok and (r0, r1) != (0, t.rows):
+                raise ValueError(f"insert_comm: table {t.name} uses {t.pooling} pooling and is split by rows; a "
+                                 f"{t.pooling} cannot be assembled from row blocks' partial sums — use "
+                                 f"table_wise/column_wise/data_parallel for it")
         layout = tuple(group.placements)
         dims = tuple(t.dim for t in group.tables)
         rows = tuple(t.rows for t in group.tables)

@@ -481,6 +481,15 @@ def _units(tables: dict[str, TableSpec], profiles: dict[str, _Profile], cons: di
             total = sum(model.table_bytes(p, p.rows, p.dim) for p in (profiles[n] for n in names))
             if DP in kinds and DP not in explicit and total >= DP_MAX_BYTES and W > 1:
                 kinds.remove(DP)
+        whole_rows = [n for n in names if not tables[n].splits_rows_ok]
+        if whole_rows and W > 1 and (RW in kinds or TWRW in kinds):
+            # A mean or max bag is not the sum of its row blocks' results: never split by rows.
+            if strategy in (RW, TWRW) or not set(kinds) - {RW, TWRW}:
+                t = tables[whole_rows[0]]
+                raise ValueError(f"plan_tables: table {t.name} uses {t.pooling} pooling, which row blocks cannot "
+                                 f"assemble (only sum bags and gathers split by rows); place it table_wise, "
+                                 f"column_wise or data_parallel")
+            kinds = [k for k in kinds if k not in (RW, TWRW)]
         if len(names) > 1 and CW in kinds and len({profiles[n].dim for n in names}) > 1:
             kinds.remove(CW)  # a group shares one placement: its column blocks need one width
         if model.optimizer == "rowwise_adagrad" and W > 1 and CW in kinds:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-POOLINGS = ("sum", "mean", "none")
+POOLINGS = ("sum", "mean", "max", "none")
 SHARDING_KINDS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 _SHORT_KIND = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw",
                "table_row_wise": "twrw", "data_parallel": "dp"}
@@ -22,8 +22,10 @@ class TableSpec:
 
     ``name`` is the module path of the table's weight owner (``emb_l.0``), the key users see in
     ``state_dict`` (``weight_key``). ``short`` is the compact id (``t0``) the IR printer uses.
-    ``pooling`` is ``sum``/``mean`` for bags and ``none`` for ``nn.Embedding``-style gathers (run
-    as sum-pooled bags of one id; the planner costs their output as one row per id).
+    ``pooling`` is ``sum``/``mean``/``max`` for bags and ``none`` for ``nn.Embedding``-style
+    gathers (run as sum-pooled bags of one id; the planner costs their output as one row per id).
+    Mean and max bags cannot be assembled from row blocks' partial results: they are never split
+    by rows (``splits_rows_ok``).
     """
 
     name: str
@@ -41,6 +43,11 @@ class TableSpec:
     def __post_init__(self):
         if self.pooling not in POOLINGS:
             raise ValueError(f"table {self.name}: pooling {self.pooling!r} not in {POOLINGS}")
+
+    @property
+    def splits_rows_ok(self) -> bool:
+        """Whether row blocks' pooled partial results add up to the bag (sum bags and gathers)."""
+        return self.pooling in ("sum", "none")
 
     def describe(self) -> str:
         w = ",weighted" if self.weighted else ""

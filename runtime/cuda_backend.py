@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from recc.kernels import cuda as cuda_kernels
+from recc.kernels import linearize_indices, tbe_backward_update_reference, tbe_forward_reference
 from recc.ops import OPS, flatten_bags, packed_batch, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 
@@ -32,6 +33,9 @@ class TBELookupCUDA(torch.autograd.Function):
             return torch.zeros(b, t * group.dim, dtype=torch.float32, device=weights.device)
         ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
         ctx.ids, ctx.offsets, ctx.hsc, ctx.names = ids, offsets, hsc, names
+        if pooling == "max":  # no CUDA kernel: the torch reference, on the device
+            return tbe_forward_reference(weights.detach(), linearize_indices(ids, offsets, hsc, t, b), offsets,
+                                         T=t, B=b, pooling=pooling)
         return cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
                                         per_sample_weights=sparse.per_sample_weights, table_names=names)
 
@@ -47,7 +51,12 @@ class TBELookupCUDA(torch.autograd.Function):
             checked = False  # other ranks' ids: the update's own bounds check reports them
         if group.grad_scale != 1.0:
             grad = grad * group.grad_scale
-        if ctx.t and b:
+        if ctx.t and b and ctx.pooling == "max":
+            tbe_backward_update_reference(
+                group.weights.detach(), group.optimizer_state(), linearize_indices(ids, offsets, ctx.hsc, ctx.t, b),
+                offsets, grad.contiguous(), T=ctx.t, B=b, pooling="max", optimizer=o.name, lr=o.lr, eps=o.eps,
+                beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step)
+        elif ctx.t and b:
             cuda_kernels.tbe_backward_update(
                 group.weights.detach(), group.optimizer_state(), ids, offsets, ctx.hsc, grad.contiguous(),
                 T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,

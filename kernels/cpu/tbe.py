@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from . import native, sparse
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
-POOLINGS = ("sum", "mean")
+POOLINGS = ("sum", "mean", "max")
 _OPTIMIZER_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}  # matches the C enum
 
 
@@ -182,6 +182,16 @@ def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
         return pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
 
 
+def max_pool_winners(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Max pooling's winners: ``[T*B, D]``, the row whose value each bag's column d took (the
+    first of equal maxima, as ``nn.EmbeddingBag(mode='max')`` picks it), -1 for an empty bag.
+    Plain torch (runs on any device): max pooling is rare enough that it has no C/CUDA kernel."""
+    with torch.no_grad():
+        _, _, bag_size, winners = torch.ops.aten._embedding_bag_forward_only(
+            weights, lin_indices.to(torch.int64), offsets.to(torch.int64), False, 2, False, None, True, -1)
+        return winners.masked_fill_((bag_size == 0)[:, None], -1)
+
+
 def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
                        offsets: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
                        per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,6 +199,8 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
     lib = native.library()
     if lib is None:
         raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
+    if pooling == "max":
+        raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     R, D = weights.shape
     w = weights.detach().contiguous()
@@ -213,10 +225,10 @@ def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Pooled embeddings ``[B, T*D]``: row b is [pooled(table 0, b), pooled(table 1, b), ...].
 
-    ``pooling`` is 'sum' or 'mean' (an empty bag pools to 0); ``per_sample_weights`` scale
-    each id (sum pooling only).  No autograd: the caller wraps this in an autograd.Function.
+    ``pooling`` is 'sum', 'mean' or 'max' (an empty bag pools to 0; max has no C kernel and
+    runs the reference); ``per_sample_weights`` scale each id (sum pooling only).  No autograd: the caller wraps this in an autograd.Function.
     """
-    if native.library() is not None and weights.dtype == torch.float32 and \
+    if pooling != "max" and native.library() is not None and weights.dtype == torch.float32 and \
             _native_sizes_ok(lin_indices, T, B):
         return tbe_forward_native(weights, lin_indices, offsets, T=T, B=B, pooling=pooling,
                                   per_sample_weights=per_sample_weights)
@@ -262,24 +274,34 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
     with torch.no_grad():
         lin = lin_indices.to(torch.int64)
         off = offsets.to(torch.int64)
-        lengths = off[1:] - off[:-1]
-        bag_of = torch.repeat_interleave(torch.arange(T * B), lengths, output_size=N)
+        dev = weights.device
         # grad_output rows in bag order (bag j = t*B + b).
         grad_bags = grad_output.detach().to(torch.float32).reshape(B, T, D).transpose(0, 1) \
             .reshape(T * B, D)
-        grad_ids = grad_bags[bag_of]
         if grad_scale != 1.0:
-            grad_ids = grad_ids * grad_scale
-        if per_sample_weights is not None:
-            grad_ids = grad_ids * per_sample_weights.detach().to(torch.float32)[:, None]
-        if pooling == "mean":
-            grad_ids = grad_ids / lengths[bag_of].to(torch.float32)[:, None]
-
+            grad_bags = grad_bags * grad_scale
         rows, slot = torch.unique(lin, sorted=True, return_inverse=True)
         if int(rows[0]) < 0 or int(rows[-1]) >= R:
             raise IndexError(f"lin_indices has a row outside [0, {R}); run validate_inputs on "
                              f"the local ids to find the table and bag")
-        g = torch.zeros(rows.numel(), D, dtype=torch.float32).index_add_(0, slot, grad_ids)
+        if pooling == "max":
+            # Column d of a bag's gradient goes to the row that won column d (recomputed from
+            # the weights, which are unchanged since forward); every id present is a touched row.
+            winners = max_pool_winners(weights, lin, off)
+            won = winners >= 0
+            cols = torch.arange(D, device=dev).expand(T * B, D)[won]
+            flat = torch.searchsorted(rows, winners[won]) * D + cols
+            g = torch.zeros(rows.numel() * D, dtype=torch.float32, device=dev) \
+                .index_add_(0, flat, grad_bags[won]).view(-1, D)
+        else:
+            lengths = off[1:] - off[:-1]
+            bag_of = torch.repeat_interleave(torch.arange(T * B, device=dev), lengths, output_size=N)
+            grad_ids = grad_bags[bag_of]
+            if per_sample_weights is not None:
+                grad_ids = grad_ids * per_sample_weights.detach().to(torch.float32)[:, None]
+            if pooling == "mean":
+                grad_ids = grad_ids / lengths[bag_of].to(torch.float32)[:, None]
+            g = torch.zeros(rows.numel(), D, dtype=torch.float32, device=dev).index_add_(0, slot, grad_ids)
         w = weights[rows]
         if weight_decay:
             g += weight_decay * w
@@ -360,6 +382,8 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     lib = native.library()
     if lib is None:
         raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
+    if pooling == "max":
+        raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     _check_update(weights, state, optimizer, grad_output, T, B)
     if not _native_update_ok(weights, state, optimizer):
@@ -406,7 +430,8 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     loss) inside the kernel, instead of a pass over ``grad_output``.
 
     ``grad_output`` is dLoss/d(tbe_forward output), ``[B, T*D]``.  Each id's gradient is its
-    bag's gradient (times its per-sample weight; divided by the bag length for mean); the
+    bag's gradient (times its per-sample weight; divided by the bag length for mean; for max,
+    column d of it goes only to the id that won column d, every id of the bag is touched); the
     gradients of duplicate ids are summed, ``weight_decay * w`` is added, and each touched
     row of ``weights`` and ``state`` (shapes: ``optimizer_state_shapes``) is updated once:
 
@@ -422,7 +447,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
     to ``per_sample_weights``.
     """
-    if native.library() is not None and _native_update_ok(weights, state, optimizer) \
+    if pooling != "max" and native.library() is not None and _native_update_ok(weights, state, optimizer) \
             and weights.dtype == torch.float32 and _native_sizes_ok(lin_indices, T, B):
         fn = tbe_backward_update_native
     else:

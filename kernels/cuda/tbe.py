@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from recc.kernels.cpu.tbe import OPTIMIZERS, POOLINGS, optimizer_state_shapes, validate_inputs
+from recc.kernels.cpu.tbe import OPTIMIZERS, optimizer_state_shapes, validate_inputs
+
+KERNEL_POOLINGS = ("sum", "mean")
 
 from . import loader
 
@@ -71,8 +73,9 @@ def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sampl
                          f"{tuple(weights.shape)}")
     if not weights.is_contiguous():
         raise ValueError("weights must be contiguous (the kernels address rows as row * D)")
-    if pooling not in POOLINGS:
-        raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
+    if pooling not in KERNEL_POOLINGS:
+        raise ValueError(f"pooling {pooling!r} has no CUDA kernel (they pool with {KERNEL_POOLINGS}); "
+                         f"max pooling runs recc.kernels.tbe_forward_reference on the device")
     for name, x in (("indices", indices), ("offsets", offsets), ("hash_size_cumsum", hash_size_cumsum)):
         if x.device != weights.device:
             raise ValueError(f"{name} is on {x.device}, weights on {weights.device}")

@@ -143,8 +143,8 @@ def run_jobs(jobs: dict, run=None) -> dict:
 def eager_copy(model: nn.Module) -> nn.Module:
     eager = copy.deepcopy(model)
     for m in eager.modules():
-        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)):
-            m.sparse = True
+        if isinstance(m, (nn.EmbeddingBag, nn.Embedding)) and getattr(m, "mode", "sum") != "max":
+            m.sparse = True  # (max pooling has no sparse gradient: a dense one, same update)
     return eager
 
 
@@ -165,8 +165,11 @@ class RowwiseAdagradReference:
         for w, m in zip(self.tables, self.m):
             if w.grad is None:
                 continue
-            g = w.grad.coalesce()
-            rows, vals = g.indices()[0], g.values()
+            if w.grad.is_sparse:
+                g = w.grad.coalesce()
+                rows, vals = g.indices()[0], g.values()
+            else:  # a dense gradient (max pooling, F.embedding_bag): its zero rows change nothing
+                rows, vals = torch.arange(w.shape[0]), w.grad
             m[rows] += (vals * vals).mean(1)
             w[rows] -= self.lr * vals / (m[rows].sqrt() + self.eps)[:, None]
             w.grad = None

@@ -1,7 +1,9 @@
 """The embedding forms people write, as discover_tables normalises them, and their bad inputs."""
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from dist_support import RowwiseAdagradReference  # noqa: E402
 
 
 class Gathers(nn.Module):
@@ -175,7 +180,7 @@ def test_unfusable_lookups_are_listed_once_with_the_reason():
     class MaxPool(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a = nn.EmbeddingBag(10, 4, mode="max")
+            self.a = nn.EmbeddingBag(10, 4, mode="max", max_norm=1.0)
             self.b = nn.EmbeddingBag(10, 4, mode="sum")
 
         def forward(self, ids, offsets):
@@ -185,8 +190,8 @@ def test_unfusable_lookups_are_listed_once_with_the_reason():
         warnings.simplefilter("always")
         program = recc.compile(MaxPool(), example_inputs=(torch.tensor([1, 2, 3]), torch.tensor([0, 1])))
     ours = [str(w.message) for w in caught if "stays a dense module" in str(w.message)]
-    assert ours == ["recc: embedding a stays a dense module (not fused): it uses mode='max' (recc's fused "
-                    "kernels pool with sum or mean)"]
+    assert ours == ["recc: embedding a stays a dense module (not fused): it uses max_norm (renormalising rows "
+                    "on lookup)"]
     assert list(program.stats["tables"]) == ["b"]
 
 
@@ -232,7 +237,7 @@ def _padded_inputs(b: int, seed: int):
     return tags, words, torch.arange(0, 3 * b, 3)
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_padding_ids_are_left_out_of_their_bags(mode):
     """padding_idx bags are fused (ids dropped before the pack) and train like eager: the padding
     rows keep their values, a mean divides by the ids that remain, an all-padding bag is zero."""
@@ -262,3 +267,65 @@ def test_padding_ids_are_left_out_of_their_bags(mode):
     for k, v in eager.state_dict().items():
         torch.testing.assert_close(state[k], v, msg=k)
     assert torch.equal(state["tags.weight"][0], torch.ones(4))
+
+
+class PaddedGathers(nn.Module):
+    """Sequence models pad with id 0 and give nn.Embedding ``padding_idx=0`` (a zero row that never
+    trains), then average over the real positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(20, 4, padding_idx=0)
+        self.user = nn.Embedding(9, 4, padding_idx=-1)      # the last id: an unknown user
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, user, history):
+        h = self.items(history)                              # [B, L, 4], zeros where padded
+        n = (history != 0).sum(1, keepdim=True).clamp(min=1)
+        return self.out(torch.cat([self.user(user), h.sum(1) / n], dim=1))
+
+
+def _padded_history(b: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    history = torch.randint(1, 20, (b, 5), generator=g)
+    history[:, 3:] = 0
+    history[0] = 0                                           # nothing but padding
+    user = torch.randint(0, 9, (b,), generator=g)
+    user[1] = 8
+    return user, history
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_gather_padding_ids_look_up_zeros_and_never_train(optimizer):
+    """nn.Embedding(padding_idx=) is fused: padding ids are dropped (empty bags pool to the zero
+    padding row) and get no update, as eager gives them no gradient."""
+    torch.manual_seed(0)
+    model = PaddedGathers()
+    program = recc.compile(model, example_inputs=_padded_history(4, 0),
+                           config=recc.CompileConfig(lr=0.1, optimizer=optimizer))
+    assert list(program.stats["tables"]) == ["items", "user"] and not program.stats["dense_lookups"]
+    assert "padding_idx=0, table='items'" in program.stages["discover_tables"].text
+    assert "padding_idx=8, table='user'" in program.stages["discover_tables"].text
+    dmodel = program.instantiate()
+    eager = PaddedGathers()
+    eager.load_state_dict(model.state_dict())
+    for m in (eager.items, eager.user):
+        m.sparse = True
+    opts = [torch.optim.SGD(eager.out.parameters(), lr=0.1)]
+    if optimizer == "sgd":
+        opts.append(torch.optim.SGD([eager.items.weight, eager.user.weight], lr=0.1))
+    else:
+        opts.append(RowwiseAdagradReference([eager.items.weight, eager.user.weight], 0.1))
+    dopt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
+    for step in range(3):
+        args = _padded_history(6 - step, step + 1)
+        want, got = eager(*args), dmodel(*args)
+        torch.testing.assert_close(got, want)
+        want.square().sum().backward(), got.square().sum().backward()
+        for o in opts + [dopt]:
+            o.step()
+        eager.zero_grad(), dopt.zero_grad()
+    state = dmodel.state_dict()
+    for k, v in eager.state_dict().items():
+        torch.testing.assert_close(state[k], v, msg=k)
+    assert not state["items.weight"][0].any() and not state["user.weight"][8].any()

@@ -940,6 +940,72 @@ def batch_padded(step: int, batch_size: int):
 _register(ZooEntry("padded_multihot", make_padded, batch_padded, slice_x, n_tables=2, loss=bce_logits))
 
 
+# ----------------------------------------------------------------------------- user tower
+# A YouTube-DNN-style user tower in plain PyTorch: the watch history max-pooled over a padded
+# [B, L] tensor (padding_idx=0), search tokens max-pooled by F.embedding_bag over 1-D ids whose
+# offsets the forward builds from per-sample lengths (include_last_offset), genres mean-pooled,
+# and the user id through nn.Embedding(padding_idx=0) (id 0: a user not seen in training).
+
+TOWER_VOCAB = {"users": 30, "items": 40, "words": 25, "genres": 12}
+TOWER_LEN = 4
+
+
+class UserTower(nn.Module):
+    def __init__(self, dim: int = 6, hidden: int = 8):
+        super().__init__()
+        self.user_emb = nn.Embedding(TOWER_VOCAB["users"], dim, padding_idx=0)
+        self.watch_emb = nn.EmbeddingBag(TOWER_VOCAB["items"], dim, mode="max", padding_idx=0)
+        self.query_emb = nn.Embedding(TOWER_VOCAB["words"], dim)   # looked up by F.embedding_bag
+        self.genre_emb = nn.EmbeddingBag(TOWER_VOCAB["genres"], 5, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(3 * dim + 5, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, user_id, watched, query_ids, query_lengths, genre_ids, genre_offsets):
+        query_offsets = torch.cat([query_lengths.new_zeros(1), torch.cumsum(query_lengths, 0)])
+        query = F.embedding_bag(query_ids, self.query_emb.weight, query_offsets, mode="max",
+                                include_last_offset=True)
+        user = self.user_emb(user_id).squeeze(1)                  # [B, 1] -> [B, dim]
+        x = torch.cat([user, self.watch_emb(watched), query, self.genre_emb(genre_ids, genre_offsets)], dim=1)
+        return self.mlp(x).squeeze(-1)
+
+
+def make_user_tower() -> nn.Module:
+    torch.manual_seed(11)
+    return UserTower()
+
+
+def _jagged(g, batch_size, vocab, min_len, max_len):
+    lengths = torch.randint(min_len, max_len + 1, (batch_size,), generator=g)
+    return torch.randint(0, vocab, (int(lengths.sum()),), generator=g), lengths
+
+
+def batch_user_tower(step: int, batch_size: int):
+    g = _gen(12, step)
+    user_id = torch.randint(0, TOWER_VOCAB["users"], (batch_size, 1), generator=g)
+    watched = _padded_ids(g, batch_size, TOWER_VOCAB["items"], 0)[:, :TOWER_LEN]
+    query_ids, query_lengths = _jagged(g, batch_size, TOWER_VOCAB["words"], 0, 3)
+    genre_ids, genre_lengths = _jagged(g, batch_size, TOWER_VOCAB["genres"], 1, 3)
+    genre_offsets = torch.cumsum(genre_lengths, 0) - genre_lengths
+    return (user_id, watched, query_ids, query_lengths, genre_ids, genre_offsets), _labels(g, (batch_size,))
+
+
+def _slice_jagged(ids, lengths, lo, hi):
+    ends = torch.cumsum(lengths, 0)
+    start = int(ends[lo - 1]) if lo else 0
+    return ids[start:int(ends[hi - 1]) if hi else 0], lengths[lo:hi]
+
+
+def slice_user_tower(args, rank, world):
+    user_id, watched, query_ids, query_lengths, genre_ids, genre_offsets = args
+    lo, hi = _bounds(user_id.shape[0], rank, world)
+    q_ids, q_len = _slice_jagged(query_ids, query_lengths, lo, hi)
+    genre_lengths = torch.diff(genre_offsets, append=torch.tensor([genre_ids.numel()]))
+    g_ids, g_len = _slice_jagged(genre_ids, genre_lengths, lo, hi)
+    return user_id[lo:hi], watched[lo:hi], q_ids, q_len, g_ids, torch.cumsum(g_len, 0) - g_len
+
+
+_register(ZooEntry("user_tower", make_user_tower, batch_user_tower, slice_user_tower, n_tables=4,
+                   loss=bce_logits))
+
 if torchrec is not None:
     TR_DLRM_VOCAB = [10, 25, 40]
     TR_DLRM_KEYS = ["f_user", "f_item", "f_ctx"]

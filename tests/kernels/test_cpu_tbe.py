@@ -100,7 +100,7 @@ def new_state(opt, weights):
 
 
 @pytest.mark.parametrize("D", [1, 3, 17, 64, 300])
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_forward_matches_embedding_bag(impl, D, mode):
     c = Case(D=D, seed=D)
     expected = c.eager_forward(c.modules(mode, sparse=False)).detach()
@@ -185,10 +185,10 @@ def touched_rows(c):
     return mask
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_sgd_matches_torch_sgd(impl, mode):
     c = Case(T=3, B=8, D=6, rows=(40, 3, 25), max_len=8, seed=10, dup_pool=4)
-    mods = c.modules(mode, sparse=True)
+    mods = c.modules(mode, sparse=mode != "max")  # max pooling has no sparse gradient
     opt = torch.optim.SGD([m.weight for m in mods], lr=0.3)
     (c.eager_forward(mods) * c.grad).sum().backward()
     opt.step()
@@ -212,10 +212,10 @@ def test_sgd_per_sample_weights(impl):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_adagrad_matches_torch_adagrad(impl, mode):
     c = Case(T=3, B=8, D=5, rows=(20, 6, 9), max_len=7, seed=12, dup_pool=5)
-    mods = c.modules(mode, sparse=True)
+    mods = c.modules(mode, sparse=mode != "max")  # a dense gradient's zero rows change nothing
     opt = torch.optim.Adagrad([m.weight for m in mods], lr=0.2, eps=1e-8,
                               initial_accumulator_value=0.0, lr_decay=0.0)
     (c.eager_forward(mods) * c.grad).sum().backward()
@@ -255,7 +255,7 @@ def test_adam_matches_sparse_adam_over_steps(impl):
     torch.testing.assert_close(state["momentum2"], m2, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_rowwise_adagrad_matches_fbgemm_math(impl, mode):
     c = Case(T=3, B=7, D=9, rows=(12, 30, 4), max_len=9, seed=14, dup_pool=3)
     state = new_state("rowwise_adagrad", c.weights)
@@ -559,7 +559,7 @@ def test_reference_mode_is_forced(monkeypatch):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad", "adam"])
-@pytest.mark.parametrize("pooling, weighted", [("sum", False), ("mean", False), ("sum", True)])
+@pytest.mark.parametrize("pooling, weighted", [("sum", False), ("mean", False), ("max", False), ("sum", True)])
 def test_grad_scale_is_the_scaled_gradient(impl, optimizer, pooling, weighted):
     """grad_scale multiplies every id's gradient inside the kernel: the same update as passing
     grad_output * scale (exactly, for a power-of-two scale such as a 1/world share)."""
@@ -576,3 +576,20 @@ def test_grad_scale_is_the_scaled_gradient(impl, optimizer, pooling, weighted):
             assert torch.equal(got_w, want_w)
         else:
             torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-6)
+
+
+def test_max_pooling_gives_each_column_to_its_winner_only(impl):
+    """Max pooling's gradient: column d of a bag's gradient goes to the id that won column d (the
+    first of equal maxima, as nn.EmbeddingBag picks it); a losing id in the bag gets nothing."""
+    w = torch.tensor([[1.0, 5.0], [3.0, 2.0], [3.0, 0.0], [0.0, 0.0]])
+    lin = torch.tensor([0, 1, 2, 2, 3])      # bag 0: rows 0, 1, 2 (rows 1 and 2 tie in col 0); bag 1: 2, 3
+    off = torch.tensor([0, 3, 5])
+    out = tbe_forward(w, lin, off, T=1, B=2, pooling="max")
+    assert out.tolist() == [[3.0, 5.0], [3.0, 0.0]]
+    got = w.clone()
+    tbe_backward_update(got, {}, lin, off, torch.tensor([[1.0, 10.0], [100.0, 1000.0]]), T=1, B=2,
+                        pooling="max", optimizer="sgd", lr=1.0)
+    # bag 0: col 0 -> row 1 (first of the tie), col 1 -> row 0; bag 1: col 0 -> row 2, col 1 -> row 2
+    # (rows 2 and 3 tie at 0 in col 1: row 2 comes first).
+    want = w - torch.tensor([[0.0, 10.0], [1.0, 0.0], [100.0, 1000.0], [0.0, 0.0]])
+    assert torch.equal(got, want)

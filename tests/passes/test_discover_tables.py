@@ -169,13 +169,20 @@ class MaxModel(nn.Module):
         return self.mlp(dense) + a + self.b(ids[1], offs[1])
 
 
-@pytest.mark.parametrize("table, why", [
-    (nn.EmbeddingBag(11, 3, mode="max"), "mode='max'"),
-    (nn.EmbeddingBag(11, 3, mode="sum", max_norm=1.0), "max_norm"),
-    (nn.Embedding(11, 3, padding_idx=0), "padding_idx"),
-], ids=["max", "max_norm", "padding_idx"])
-def test_unfusable_lookup_stays_dense_with_warning(table, why):
-    model = MaxModel(table)
+def _nonzero_padding_row():
+    table = nn.Embedding(11, 3, padding_idx=0)
+    with torch.no_grad():
+        table.weight[0] = 0.5   # padding ids would pool to zeros, not to this row
+    return table
+
+
+@pytest.mark.parametrize("make_table, why", [
+    (lambda: nn.EmbeddingBag(11, 3, mode="sum", max_norm=1.0), "max_norm"),
+    (lambda: nn.EmbeddingBag(11, 3, mode="mean", scale_grad_by_freq=True), "scale_grad_by_freq"),
+    (_nonzero_padding_row, "padding_idx=0 whose row is not zero"),
+], ids=["max_norm", "scale_grad_by_freq", "padding_row"])
+def test_unfusable_lookup_stays_dense_with_warning(make_table, why):
+    model = MaxModel(make_table())
     o, i = _bags(7)
     inputs = [torch.rand(B, 4), [o, o], [i, i]]
     with pytest.warns(UserWarning, match=rf"embedding a stays a dense module.*{why}"):
