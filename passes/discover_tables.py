@@ -9,7 +9,8 @@ S + [D]) become sum-pooled bags of one id each — ``ids.reshape(-1, 1)`` in, ``
 out — so they batch, shard (table-, row-, column-wise: the output dist then carries the looked-up
 rows, TorchRec's sequence sharding) and train like any pooled table. A gather whose ids are not
 one row of ``[B, ...]`` per sample (a jagged sequence: 1-D ids of N != B) is marked
-``TableSpec.jagged``: its id count differs per rank, so ``shard_tables`` keeps it data-parallel. ``include_last_offset``
+``TableSpec.jagged``: its id count differs per rank (``insert_comm`` pads its bags to one count
+for the all-to-alls), and it gets a group of its own. ``include_last_offset``
 offsets lose their last entry; ``padding_idx`` ids are dropped by ``recc.drop_padding`` (a gather's
 padding id is then an empty bag: zeros, as its zero padding row gives, and no gradient). Lookups
 recc cannot fuse (``max_norm``, ``scale_grad_by_freq``, a gather whose padding row is not zero) are
@@ -194,7 +195,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 def _is_jagged(ids, batch) -> bool:
     """A gather whose ids' leading size N is not the batch B (``[B]``, ``[B, L]`` ids are fixed
     length): a variable-length sequence (``EmbeddingCollection`` over jagged features), whose id
-    count differs from rank to rank. ``shard_tables`` keeps such tables data-parallel."""
+    count differs from rank to rank."""
     val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
     if val is None or batch is None or val.dim() == 0:
         return False

@@ -16,7 +16,11 @@ On a one-rank cluster it changes nothing. On W ranks, for every sharded group it
   all-to-all between the ranks of the same local index (TorchRec's TWRW; 1/node_size of the
   flat exchange's inter-node bytes; ``insert_comm{two_level=false}`` keeps it flat);
 
-and marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allgather")``: their
+A group of jagged gathers (``TableSpec.jagged``: a different number of ids, so of one-id bags,
+on every rank) is first padded with empty bags to the largest count over the ranks
+(``recc.pad_bags``, ``CommSpec(op="bag_count_max")``) and its rows cut back to this rank's after
+the output dist (``recc.unpad_bags``): the dists pair one bag count across ranks.
+Marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allgather")``: their
 backward gathers every rank's ids and gradients so all replicas apply one identical update.
 Ensures every ``*_start`` has exactly one later ``*_wait`` and the output dist's splits add up.
 Must not change what the graph computes (per rank, on its batch slice).
@@ -77,6 +81,14 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True)
         in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim,
                            name=f"input_dist {suffix}", labels=labels)
         b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
+        local = sparse
+        if any(t.jagged for t in group.tables):
+            # A different bag count on every rank: pad to the largest (see recc.pad_bags).
+            with graph.inserting_after(sparse):
+                sparse = graph.call_function(OPS["pad_bags"], (local,), {
+                    "comm": CommSpec("bag_count_max", everyone, name=f"pad_bags {suffix}")})
+            sparse.meta["recc.comm"] = sparse.kwargs["comm"]
+            rename(sparse, f"{local.name}_padded")
         out_spec = CommSpec("output_dist", everyone, splits=(b,) * world, split_dim=0, layout=layout, dims=dims,
                             rows=rows, width=group.dim, name=f"output_dist {suffix}", labels=labels,
                             node_size=group.node_size if two_level else 0)
@@ -85,13 +97,18 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True)
         with graph.inserting_after(ids_h):
             ids = graph.call_function(OPS["all_to_all_wait"], (ids_h,))
         ids_h.meta["recc.comm"] = in_spec
-        lookup.replace_input_with(sparse, ids)
+        lookup.replace_input_with(local, ids)
         with graph.inserting_after(lookup):
             out_h = graph.call_function(OPS["all_to_all_start"], (lookup,), {"comm": out_spec})
         with graph.inserting_after(out_h):
             out = graph.call_function(OPS["all_to_all_wait"], (out_h,))
         out_h.meta["recc.comm"] = out_spec
         lookup.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out_h)
+        if sparse is not local:
+            with graph.inserting_after(out):
+                own = graph.call_function(OPS["unpad_bags"], (out, local))
+            out.replace_all_uses_with(own, delete_user_cb=lambda user: user is not own)
+            rename(own, f"emb_{suffix}_own")
         for node, name in ((ids_h, f"ids_{suffix}_h"), (ids, f"ids_{suffix}"), (out_h, f"emb_{suffix}_h"),
                            (out, f"emb_{suffix}")):
             rename(node, name)

@@ -53,34 +53,6 @@ def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Op
     return batch, bags
 
 
-def _jagged_stay_replicated(tables, constraints, strategy: str, world: int):
-    """Jagged gathers (``TableSpec.jagged``) look up a different number of rows on each rank; the
-    input and output dists pair one bag count per group across ranks, the data-parallel
-    gradient exchange gathers any counts. So on several ranks they are pinned data_parallel (a
-    user constraint asking otherwise is an error naming the table), and a forced kind applies to
-    every other table. Returns ``(constraints, strategy)``."""
-    jagged = [n for n, t in tables.items() if t.jagged]
-    if world == 1 or not jagged:
-        return constraints, strategy
-    out = dict(constraints or {})
-    if strategy != "auto":
-        kinds = dict(out.get("kinds") or {})
-        for name in tables:
-            if name not in jagged:
-                kinds.setdefault(name, [strategy])
-        out["kinds"], strategy = kinds, "auto"
-    plan = dict(out.get("plan") or {})
-    for name in jagged:
-        asked = plan.get(name)
-        kind = asked if isinstance(asked, str) or asked is None else getattr(asked, "kind", None)
-        if kind not in (None, "data_parallel"):
-            raise ValueError(f"shard_tables: table {name} is a jagged sequence (a different number of ids per "
-                             f"rank); on several ranks it trains data_parallel, not {kind}")
-        plan[name] = "data_parallel"
-    out["plan"] = plan
-    return out, strategy
-
-
 @register_pass(after=("discover_tables",), from_config={"strategy": "sharding"})
 def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto",
                  constraints: Union[dict, str, None] = None, check_memory: bool = True) -> fx.GraphModule:
@@ -99,7 +71,6 @@ def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto"
         raise ValueError(f"shard_tables: constraints must be a dict or the path of a YAML file, "
                          f"got {type(constraints).__name__}")
     tables = ctx.stats.get("tables", {})
-    constraints, strategy = _jagged_stay_replicated(tables, constraints, strategy, ctx.cluster.world_size)
     example_batch, bags = _batch_and_bags(gm, ctx.batch)
     # Example inputs are one rank's slice of the global batch (what each rank will be fed).
     batch = ctx.config.batch_size or (example_batch or 1) * ctx.cluster.world_size

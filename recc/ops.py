@@ -536,6 +536,54 @@ def _dist_meta(x, comm):
     return x
 
 
+def pad_bag_offsets(sparse: SparseBatch, bags: int) -> SparseBatch:
+    """``sparse`` with empty bags appended to every table up to ``bags`` per table (same ids)."""
+    t, b = sparse.num_tables, sparse.batch_size
+    if bags == b:
+        return sparse
+    off = sparse.offsets
+    if b:
+        ends = off[b::b][:, None]                       # each table's end: offsets[(t+1)*b]
+        starts = off[:-1].view(t, b)
+    else:
+        ends = off.new_zeros(t, 1)
+        starts = off.new_zeros(t, 0)
+    body = torch.cat([starts, ends.expand(t, bags - b)], dim=1).reshape(-1)
+    return SparseBatch(sparse.tables, sparse.indices, torch.cat([body, off[-1:]]), sparse.per_sample_weights, bags)
+
+
+def _pad_bags_meta(sparse, *, comm):
+    return SparseBatch(sparse.tables, sparse.indices, sparse.offsets, sparse.per_sample_weights, sparse.batch_size)
+
+
+@define_op("pad_bags", meta=_pad_bags_meta)
+def pad_bags(sparse, *, comm):
+    """recc.pad_bags(sparse, comm=CommSpec) -> SparseBatch with every rank's bag count
+
+    A jagged group (a gather over variable-length sequences) has a different number of bags on
+    each rank, but the embedding all-to-alls pair one bag count across ranks: every table gets
+    empty bags up to the largest count over ``comm.group`` (a one-integer all-reduce). Empty bags
+    pool to zeros, send no ids and get no gradient; ``recc.unpad_bags`` drops their rows.
+    """
+    if len(comm.group) != 1:
+        raise RuntimeError(f"recc.pad_bags: the CPU reference runs one process; padding over ranks "
+                           f"{list(comm.group)} needs the runtime")
+    return sparse
+
+
+def _unpad_bags_meta(x, like):
+    return _meta_like((like.batch_size,) + tuple(x.shape[1:]), x.dtype)
+
+
+@define_op("unpad_bags", meta=_unpad_bags_meta)
+def unpad_bags(x, like):
+    """recc.unpad_bags(x: f32[N_max, C], like: SparseBatch) -> f32[like.batch_size, C]
+
+    The rows of this rank's own bags: the first ``like.batch_size`` (``recc.pad_bags`` appended
+    the rest). The gradient of the dropped rows is zero."""
+    return x[:like.batch_size]
+
+
 def _define_collective(kind: str, layout: str):
     def start_meta(x, *, comm):
         return Handle(_dist_meta(x, comm), None, comm)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from recc.kernels import codecs
 from recc.kernels.cpu import sparse as sparse_kernels
-from recc.ops import Handle, SparseBatch
+from recc.ops import Handle, SparseBatch, pad_bag_offsets
 from recc.runtime import comm_stats
 from recc.runtime.comm_stats import Transfer
 
@@ -527,6 +527,19 @@ def _all_gather_varlen(t: torch.Tensor, label: str, st) -> list[torch.Tensor]:
     Transfer(label, [dist.all_gather(out, padded, group=embedding_group(), async_op=True)], row * (world - 1), st,
              st.cross_node([row] * world, me)).wait()
     return [o[:s] for o, s in zip(out, sizes)]
+
+
+def pad_to_world_bags(sparse: SparseBatch, comm) -> SparseBatch:
+    """``recc.pad_bags``: the largest bag count over the ranks (one all-reduce of an int64),
+    then empty bags up to it."""
+    me = dist.get_rank()
+    n = torch.tensor([sparse.batch_size], dtype=torch.int64, device=sparse.offsets.device)
+    st = comm_stats.current()
+    world = dist.get_world_size()
+    Transfer(comm.name or "pad_bags", [dist.all_reduce(n, op=dist.ReduceOp.MAX, group=embedding_group(),
+                                                      async_op=True)],
+             8 * (world - 1), st, st.cross_node([8] * world, me)).wait()
+    return pad_bag_offsets(sparse, int(n))
 
 
 def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):

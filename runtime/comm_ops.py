@@ -14,7 +14,7 @@ import torch
 from recc.kernels import codecs
 from recc.ops import OPS, register_impl
 from recc.runtime.comm import (Encoded, ReceivedRows, dequantize_received, input_dist_start, input_dist_wait,
-                               output_dist_start, output_dist_wait)
+                               output_dist_start, output_dist_wait, pad_to_world_bags)
 
 
 def all_to_all_start_impl(x, *, comm):
@@ -34,6 +34,12 @@ def all_to_all_wait_impl(handle):
     if comm.op == "input_dist":
         return input_dist_wait(handle)
     return output_dist_wait(handle)
+
+
+def pad_bags_impl(sparse, *, comm):
+    if len(comm.group) == 1:
+        return sparse
+    return pad_to_world_bags(sparse, comm)
 
 
 def quantize_impl(x, *, precision: str, grad_precision: str = "fp32", parts: int = 1):
@@ -63,5 +69,6 @@ def dequantize_impl(x, *, dtype: str = "fp32"):
 for _device in ("cpu", "cuda"):
     register_impl("all_to_all_start", _device)(all_to_all_start_impl)
     register_impl("all_to_all_wait", _device)(all_to_all_wait_impl)
+    register_impl("pad_bags", _device)(pad_bags_impl)
     register_impl("quantize", _device)(quantize_impl)
     register_impl("dequantize", _device)(dequantize_impl)

@@ -117,25 +117,78 @@ def _history_inputs(b: int):
     return torch.arange(b) % 20, torch.arange(int(lengths.sum())) % 30, lengths
 
 
-@pytest.mark.parametrize("kind", ["auto", "row_wise", "table_wise"])
-def test_jagged_gathers_stay_data_parallel_on_several_ranks(kind):
-    """A jagged gather has a different id count on each rank, which the all-to-alls cannot pair:
-    on several ranks it is planned data_parallel (its gradient exchange gathers any count),
-    while a forced kind still applies to every other table."""
+@pytest.mark.parametrize("kind", ["row_wise", "table_wise", "column_wise", "data_parallel"])
+def test_jagged_gathers_shard_like_the_rest(kind):
+    """A jagged gather (a different id count on each rank) takes any kind; sharded, its group's
+    bags are padded to the ranks' largest count for the all-to-alls and cut back after them."""
     program = recc.compile(History(), recc.Cluster.local(2), example_inputs=_history_inputs(4),
                            config=recc.CompileConfig(sharding=kind))
     assert program.stats["tables"]["item"].jagged and not program.stats["tables"]["user"].jagged
-    assert program.plan.shards["item"].kind == "data_parallel"
-    if kind != "auto":
-        assert program.plan.shards["user"].kind == kind
-    one = recc.compile(History(), example_inputs=_history_inputs(4))
-    assert one.plan.shards["item"].kind == "table_wise"      # one rank: nothing to pair
+    assert program.plan.shards["item"].kind == kind == program.plan.shards["user"].kind
+    text = program.stages["insert_comm"].text
+    padded = [line for line in text.splitlines() if "recc.pad_bags" in line or "recc.unpad_bags" in line]
+    if kind == "data_parallel":
+        assert not padded     # its gradient all-gather takes any count
+    else:
+        assert len(padded) == 2 and all("sparse_g0" in line for line in padded), padded
 
 
-def test_a_jagged_gather_pinned_to_another_kind_is_an_error():
-    cfg = recc.CompileConfig(pass_options={"shard_tables": {"constraints": '{"plan": {"item": "row_wise"}}'}})
-    with pytest.raises(ValueError, match=r"table item is a jagged sequence .* trains data_parallel, not row_wise"):
-        recc.compile(History(), recc.Cluster.local(2), example_inputs=_history_inputs(4), config=cfg)
+def test_pad_bag_offsets_appends_empty_bags_to_every_table():
+    from recc.ops import SparseBatch, pad_bag_offsets
+    sparse = SparseBatch(("a", "b"), torch.tensor([5, 6, 7]), torch.tensor([0, 2, 2, 3, 3]), None, 2)
+    padded = pad_bag_offsets(sparse, 4)
+    assert padded.batch_size == 4 and padded.offsets.tolist() == [0, 2, 2, 2, 2, 3, 3, 3, 3]
+    empty = pad_bag_offsets(SparseBatch(("a", "b"), torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                        None, 0), 3)
+    assert empty.offsets.tolist() == [0] * 7
+
+
+def _train_history(program, batches):
+    rank, world = recc.rank(), recc.world_size()
+    dmodel = program.instantiate()
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
+    outs = []
+    for parts in batches:
+        out = dmodel(*parts[rank])
+        outs.append(out.detach().clone())
+        out.square().mean().backward()   # each rank's mean: their average is the global batch's
+        opt.step()
+        opt.zero_grad()
+    return {"state": dmodel.state_dict(), "outputs": outs}
+
+
+def _history_batch(lengths):
+    lengths = torch.tensor(lengths)
+    n = int(lengths.sum())
+    return torch.arange(len(lengths)) * 3 % 20, (torch.arange(n) * 7 + len(lengths)) % 30, lengths
+
+
+def test_jagged_rows_sharded_train_like_eager_even_with_an_empty_rank():
+    """Ranks with different history lengths — one with none at all — train a row-wise jagged
+    table equal to eager on the global batch."""
+    steps = [([1, 3, 0, 2], [0, 0, 0, 0]), ([2, 1, 1, 3], [1, 0, 4, 2]), ([0, 0, 0, 1], [3, 3, 1, 1])]
+    batches = [[_history_batch(a), _history_batch(b)] for a, b in steps]
+    torch.manual_seed(3)
+    model = History()
+    program = recc.compile(model, recc.Cluster.local(2), example_inputs=_history_inputs(4),
+                           config=recc.CompileConfig(sharding="row_wise", lr=0.1, comm_fwd="fp32", comm_bwd="fp32"))
+    results = recc.launch(_train_history, recc.Cluster.local(2), program, batches)
+    eager = History()
+    eager.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for step, parts in enumerate(batches):
+        user = torch.cat([p[0] for p in parts])
+        hist = torch.cat([p[1] for p in parts])
+        lengths = torch.cat([p[2] for p in parts])
+        out = eager(user, hist, lengths)
+        got = torch.cat([r["outputs"][step] for r in results])
+        torch.testing.assert_close(got, out.detach(), msg=f"step {step}")
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for r in results:
+        for k, v in eager.state_dict().items():
+            torch.testing.assert_close(r["state"][k], v, msg=k)
 
 
 class Bag(nn.Module):
