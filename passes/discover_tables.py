@@ -35,11 +35,12 @@ import inspect
 import operator
 import warnings
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recc.graph_utils import rename
+from recc.graph_utils import rename, resolve_attr
 from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.specs import TableSpec
@@ -145,6 +146,15 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                          jagged=mode == "none" and _is_jagged(ids, ctx.batch))
         tables[name] = spec
         old_name = node.name
+        shared = _field_offsets(gm, ids, int(weight.shape[0]))
+        if shared is not None:
+            # One table for several fields: check each field's ids stay in its rows.
+            source, starts = shared
+            with graph.inserting_before(ids):
+                checked = graph.call_function(OPS["check_field_ids"], (source, starts),
+                                              {"table": name, "rows": int(weight.shape[0])})
+            rename(checked, f"{old_name}_field_ids")
+            ids.replace_input_with(source, checked)
         with graph.inserting_before(node):
             # A functional lookup already reads its weight through a get_attr: reuse it.
             w = a_weight if (a_weight := _weight_node(node, wpath)) is not None else graph.get_attr(wpath)
@@ -190,6 +200,45 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.stats["dense_lookups"] = dense_lookups
     gm.delete_all_unused_submodules()
     return gm
+
+
+_ADDS = {operator.add, torch.add}
+
+
+def _field_offsets(gm: fx.GraphModule, ids, rows: int):
+    """``(source, starts)`` when ``ids = source + starts`` with ``starts`` a constant of the model
+    (a numpy array or buffer, not computed from the inputs): F non-decreasing row offsets from 0,
+    one per field (``source``'s last dim F) — a table shared by F fields. None otherwise."""
+    if not isinstance(ids, fx.Node) or not (
+            (ids.op == "call_function" and ids.target in _ADDS) or (ids.op == "call_method" and ids.target == "add")):
+        return None
+    if len(ids.args) < 2 or not all(isinstance(a, fx.Node) for a in ids.args[:2]):
+        return None
+    for source, starts in (ids.args[:2], ids.args[1::-1]):
+        src = source.meta.get("val")
+        value = _constant_value(gm, starts)
+        if value is None or src is None or src.dim() == 0 or value.dtype.is_floating_point:
+            continue
+        value = value.reshape(-1)
+        f = int(src.shape[-1])
+        if value.numel() == f > 1 and int(value[0]) == 0 and bool((value[1:] >= value[:-1]).all()) \
+                and int(value[-1]) < rows:
+            return source, starts
+    return None
+
+
+def _constant_value(gm: fx.GraphModule, node: fx.Node):
+    """The tensor behind ``node`` when it is one model constant (a get_attr) passed through ops
+    that keep its values (``.to``, ``unsqueeze``, ``view``...), reading at most the dtype/device
+    of inputs; else None."""
+    keep = {"to", "unsqueeze", "view", "reshape", "long", "int", "contiguous", "clone", "cpu", "cuda"}
+    while node.op != "get_attr":
+        if node.op != "call_method" or node.target not in keep or not node.args or \
+                not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    value = resolve_attr(gm, node.target)
+    return value if isinstance(value, torch.Tensor) and value.device.type != "meta" else None
 
 
 def _is_jagged(ids, batch) -> bool:

@@ -435,6 +435,34 @@ def drop_padding(indices, offsets, per_sample_weights=None, *, padding_idx: int,
     return flat[keep], starts, psw
 
 
+def _check_field_ids_meta(ids, starts, *, table, rows):
+    return _meta_like(tuple(ids.shape), ids.dtype)
+
+
+@define_op("check_field_ids", meta=_check_field_ids_meta)
+def check_field_ids(ids, starts, *, table: str, rows: int):
+    """recc.check_field_ids(ids: i64[..., F], starts: i64[F], table=, rows=) -> ids
+
+    One table shared by F fields through per-field row offsets (``x + offsets`` before the
+    lookup, as pytorch-fm writes it): field f owns rows ``[starts[f], starts[f+1])`` (the last
+    field up to ``rows``), so its ids must lie in ``[0, starts[f+1] - starts[f])`` — one past it
+    would silently read the next field's rows. Raises IndexError naming the table, the field, the
+    sample and the id; returns ``ids`` unchanged.
+    """
+    if _is_meta(ids) or _is_meta(starts) or not ids.numel():
+        return ids
+    s = starts.reshape(-1).to(torch.int64)
+    sizes = torch.cat([s[1:], s.new_tensor([rows])]) - s
+    bad = (ids < 0) | (ids >= sizes)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        f = at[-1]
+        raise IndexError(f"table {table}: id {int(ids[tuple(at)])} of field {f} (at index {at} of the ids) is outside "
+                         f"the field's range [0, {int(sizes[f])}): the shared table holds field {f} in rows "
+                         f"[{int(s[f])}, {int(s[f] + sizes[f])})")
+    return ids
+
+
 def _rows_like_meta(rows, ids):
     return _meta_like(tuple(ids.shape) + (rows.shape[1],), rows.dtype)
 

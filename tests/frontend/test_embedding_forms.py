@@ -382,3 +382,29 @@ def test_gather_padding_ids_look_up_zeros_and_never_train(optimizer):
     for k, v in eager.state_dict().items():
         torch.testing.assert_close(state[k], v, msg=k)
     assert not state["items.weight"][0].any() and not state["user.weight"][8].any()
+
+
+@pytest.mark.parametrize("bad", [15, -1], ids=["next_field", "negative"])
+def test_a_shared_tables_field_ids_are_checked_against_their_field(bad):
+    """pytorch-fm's FeaturesEmbedding: one table for every field, numpy row offsets added in
+    forward. An id past its field's size would read the next field's rows — eager accepts it
+    (the row exists), recc refuses it naming the table and field, before any row changes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zoo import FM_FIELD_DIMS, ZOO
+
+    entry = ZOO["fm"]
+    (x,), y = entry.batch(0, 8)
+    program = recc.compile(entry.make_model(), example_inputs=(x,))
+    assert program.stages["discover_tables"].text.count("recc.check_field_ids") == 2   # both shared tables
+    dmodel = program.instantiate()
+    before = {k: v.clone() for k, v in dmodel.state_dict().items()}
+    x = x.clone()
+    x[5, 1] = bad                                     # field 1 has FM_FIELD_DIMS[1] = 15 ids
+    with pytest.raises(IndexError, match=rf"table (embedding.embedding|linear.fc): id {bad} of field 1 \(at index "
+                                         rf"\[5, 1\] of the ids\) is outside the field's range \[0, "
+                                         rf"{FM_FIELD_DIMS[1]}\): the shared table holds field 1 in rows \[10, 25\)"):
+        entry.loss(dmodel(x), y).backward()
+    for k, v in dmodel.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    x[5, 1] = FM_FIELD_DIMS[1] - 1                    # the field's last id is fine
+    entry.loss(dmodel(x), y).backward()
