@@ -70,6 +70,11 @@ def _user_site() -> str:
     return "(unknown location)"
 
 
+_NUMPY_ARITHMETIC = {np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul,
+                     np.true_divide: operator.truediv, np.floor_divide: operator.floordiv, np.power: operator.pow,
+                     np.remainder: operator.mod}
+
+
 class _ValueProxy(fx.Proxy):
     """A proxy whose node's example value is known, so Python may look at it (see the module
     docstring for what is allowed)."""
@@ -80,6 +85,22 @@ class _ValueProxy(fx.Proxy):
             # then falls back to the proxy's own __rmul__).
             raise AttributeError(k)
         return _ValueAttribute(self, k)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # numpy applied to a traced value. Arithmetic with a tensor (``np.float32(0.5) * x``) is
+        # the tensor op, as torch's own tensors make it; anything else takes the value as the
+        # number it is (``x / np.sqrt(x.shape[-1])``: a fixed size), and concrete() refuses the
+        # batch size and tensor values there.
+        tensors = [v for v in inputs if isinstance(v, fx.Proxy) and isinstance(self.tracer.value(v.node), torch.Tensor)]
+        if tensors:
+            op = _NUMPY_ARITHMETIC.get(ufunc) if method == "__call__" and not kwargs else None
+            if op is None:
+                raise CaptureError(f"{_user_site()}\n  numpy.{ufunc.__name__} of the tensor "
+                                   f"{tensors[0].node.format_node()}: numpy cannot trace tensor math; use the torch "
+                                   f"function")
+            return op(*(v.item() if isinstance(v, np.generic) else v for v in inputs))
+        return getattr(ufunc, method)(*(v.tracer.concrete(v, f"number for numpy.{ufunc.__name__}")
+                                        if isinstance(v, fx.Proxy) else v for v in inputs), **kwargs)
 
     def __bool__(self) -> bool:
         return bool(self.tracer.concrete(self, "bool"))

@@ -679,13 +679,25 @@ class NumpyLeft(nn.Module):
         return self.l(x)
 
 
-@pytest.mark.parametrize("how", ["scalar_left", pytest.param("np_sqrt_of_size", marks=pytest.mark.xfail(
-    strict=True, reason="recc limitation: np.sqrt of a traced size calls .sqrt() on the proxy (numpy treats it as "
-                        "an object); use math.sqrt or x.size(-1) ** 0.5"))])
+@pytest.mark.parametrize("how", ["scalar_left", "np_sqrt_of_size"])
 def test_numpy_operating_on_proxies_compiles(how):
     """Guards: numpy scalars / functions applied to traced values (they work in eager mode)."""
     model = NumpyLeft(how)
     _check_parity(model, lambda b: [torch.randn(b, 4)], batches=(3, 1))
+
+
+class NumpyOfTensor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.l(np.exp(x))    # numpy would turn the tensor into an array: no gradient, no graph
+
+
+def test_numpy_math_on_a_tensor_is_refused_naming_the_line():
+    with pytest.raises(CaptureError, match=rf"{THIS_FILE}:\d+.*numpy.exp of the tensor"):
+        recc.compile(NumpyOfTensor(), example_inputs=[torch.randn(EXAMPLE_B, 4)])
 
 
 class StackedIdsOnly(nn.Module):
