@@ -696,7 +696,7 @@ class NumpyOfTensor(nn.Module):
 
 
 def test_numpy_math_on_a_tensor_is_refused_naming_the_line():
-    with pytest.raises(CaptureError, match=rf"{THIS_FILE}:\d+.*numpy.exp of the tensor"):
+    with pytest.raises(CaptureError, match=rf"(?s){THIS_FILE}:\d+.*numpy.exp of the tensor"):
         recc.compile(NumpyOfTensor(), example_inputs=[torch.randn(EXAMPLE_B, 4)])
 
 
