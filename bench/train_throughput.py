@@ -685,10 +685,25 @@ def _zoo_torchrec_seq(z, rows, dim, fields, width):
     return model, batch, f"2 unpooled tables x dim {dim} (EmbeddingCollection), rows {min(vocab):,}-{max(vocab):,}; hidden {8 * width}"
 
 
+def _zoo_user_tower(z, rows, dim, fields, width):
+    # UserTower's forward names its four features: the field count stays the zoo's.
+    names = list(z.TOWER_VOCAB)
+    vocab = dict(zip(names, _scaled_vocab([z.TOWER_VOCAB[k] for k in names], rows, len(names))))
+    watch_len = 20
+    torch.manual_seed(11)
+    model = z.UserTower(vocab, dim=dim, genre_dim=dim, hidden=8 * width)
+
+    def batch(step, B):  # zoo.batch_user_tower with the scaled vocabularies, 0-20 watched items
+        return z.batch_user_tower(step, B, vocab, watch_len)
+
+    return model, batch, (f"user id gather (padding_idx) + max-pooled watch history [B, {watch_len}] + max/mean bags, "
+                          f"dim {dim}, rows {min(vocab.values()):,}-{max(vocab.values()):,}; hidden {8 * width}")
+
+
 ZOO_BUILDERS = {
     "ref_dlrm": _zoo_ref_dlrm, "ref_dlrm_list": _zoo_ref_dlrm_list, "deepfm": _zoo_deepfm, "dcn": _zoo_dcn,
     "fm": _zoo_fm, "wide_deep": _zoo_wide_deep, "xdeepfm_cin": _zoo_xdeepfm_cin,
-    "torchrec_dlrm": _zoo_torchrec_dlrm, "torchrec_seq": _zoo_torchrec_seq,
+    "torchrec_dlrm": _zoo_torchrec_dlrm, "torchrec_seq": _zoo_torchrec_seq, "user_tower": _zoo_user_tower,
 }
 
 
@@ -759,7 +774,7 @@ class ZooEagerSystem(_ZooSystem):
         self.model = copy.deepcopy(case.model)
         tables = [m for _, m in embedding_modules(self.model)]
         for m in tables:
-            m.sparse = True
+            m.sparse = getattr(m, "mode", "sum") != "max"   # max pooling has no sparse gradient
         table_ids = {id(m.weight) for m in tables}
         dense = [p for p in self.model.parameters() if id(p) not in table_ids]
         table_opt, self.name = _eager_table_optimizer([m.weight for m in tables], optimizer, lr, eps)

@@ -36,10 +36,11 @@ _ID_DTYPES = (torch.int64, torch.int32)
 
 def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``(ids [N] int64, offsets [T*B+1] int64)`` of per-table CPU ids (int64/int32) and start
-    offsets (int64 ``[B]``, the same B > 0 for every table), checked like the reference: offsets
-    start at 0, never decrease, stay within the table's ids; ids in ``[0, rows[t])``. None when
-    the inputs are outside that case or fail a check (the caller's reference then packs them
-    or raises naming what is wrong)."""
+    offsets (int64 ``[B]``, the same B > 0 for every table; ``[B, L]`` ids come without offsets:
+    B bags of L, as ``nn.EmbeddingBag`` takes them and gathers arrive), checked like the
+    reference: offsets start at 0, never decrease, stay within the table's ids; ids in
+    ``[0, rows[t])``. None when the inputs are outside that case or fail a check (the caller's
+    reference then packs them or raises naming what is wrong)."""
     t = len(indices)
     if t == 0 or len(offsets) != t or len(rows) != t:
         return None
@@ -49,6 +50,9 @@ def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tens
     b = None
     flat, offs = [], []
     for ids, off in zip(indices, offsets):
+        if off is None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1]:
+            off = torch.arange(0, ids.numel(), ids.shape[1], dtype=torch.int64)
+            ids = ids.reshape(-1)
         if not (isinstance(ids, torch.Tensor) and isinstance(off, torch.Tensor) and ids.dtype in _ID_DTYPES
                 and off.dtype == torch.int64 and off.dim() == 1 and ids.dim() == 1
                 and ids.device.type == off.device.type == "cpu"):

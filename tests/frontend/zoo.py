@@ -923,10 +923,10 @@ def make_padded() -> nn.Module:
     return PaddedMultiHot()
 
 
-def _padded_ids(g, batch_size, vocab, pad):
-    ids = torch.randint(0, vocab, (batch_size, PADDED_LEN), generator=g)
-    length = torch.randint(0, PADDED_LEN + 1, (batch_size, 1), generator=g)
-    return torch.where(torch.arange(PADDED_LEN)[None, :] < length, ids, torch.full_like(ids, pad))
+def _padded_ids(g, batch_size, vocab, pad, width=PADDED_LEN):
+    ids = torch.randint(0, vocab, (batch_size, width), generator=g)
+    length = torch.randint(0, width + 1, (batch_size, 1), generator=g)
+    return torch.where(torch.arange(width)[None, :] < length, ids, torch.full_like(ids, pad))
 
 
 def batch_padded(step: int, batch_size: int):
@@ -951,13 +951,13 @@ TOWER_LEN = 4
 
 
 class UserTower(nn.Module):
-    def __init__(self, dim: int = 6, hidden: int = 8):
+    def __init__(self, vocab=TOWER_VOCAB, dim: int = 6, genre_dim: int = 5, hidden: int = 8):
         super().__init__()
-        self.user_emb = nn.Embedding(TOWER_VOCAB["users"], dim, padding_idx=0)
-        self.watch_emb = nn.EmbeddingBag(TOWER_VOCAB["items"], dim, mode="max", padding_idx=0)
-        self.query_emb = nn.Embedding(TOWER_VOCAB["words"], dim)   # looked up by F.embedding_bag
-        self.genre_emb = nn.EmbeddingBag(TOWER_VOCAB["genres"], 5, mode="mean")
-        self.mlp = nn.Sequential(nn.Linear(3 * dim + 5, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.user_emb = nn.Embedding(vocab["users"], dim, padding_idx=0)
+        self.watch_emb = nn.EmbeddingBag(vocab["items"], dim, mode="max", padding_idx=0)
+        self.query_emb = nn.Embedding(vocab["words"], dim)   # looked up by F.embedding_bag
+        self.genre_emb = nn.EmbeddingBag(vocab["genres"], genre_dim, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(3 * dim + genre_dim, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, user_id, watched, query_ids, query_lengths, genre_ids, genre_offsets):
         query_offsets = torch.cat([query_lengths.new_zeros(1), torch.cumsum(query_lengths, 0)])
@@ -978,12 +978,12 @@ def _jagged(g, batch_size, vocab, min_len, max_len):
     return torch.randint(0, vocab, (int(lengths.sum()),), generator=g), lengths
 
 
-def batch_user_tower(step: int, batch_size: int):
+def batch_user_tower(step: int, batch_size: int, vocab=TOWER_VOCAB, watch_len: int = TOWER_LEN):
     g = _gen(12, step)
-    user_id = torch.randint(0, TOWER_VOCAB["users"], (batch_size, 1), generator=g)
-    watched = _padded_ids(g, batch_size, TOWER_VOCAB["items"], 0)[:, :TOWER_LEN]
-    query_ids, query_lengths = _jagged(g, batch_size, TOWER_VOCAB["words"], 0, 3)
-    genre_ids, genre_lengths = _jagged(g, batch_size, TOWER_VOCAB["genres"], 1, 3)
+    user_id = torch.randint(0, vocab["users"], (batch_size, 1), generator=g)
+    watched = _padded_ids(g, batch_size, vocab["items"], 0, watch_len)
+    query_ids, query_lengths = _jagged(g, batch_size, vocab["words"], 0, 3)
+    genre_ids, genre_lengths = _jagged(g, batch_size, vocab["genres"], 1, 3)
     genre_offsets = torch.cumsum(genre_lengths, 0) - genre_lengths
     return (user_id, watched, query_ids, query_lengths, genre_ids, genre_offsets), _labels(g, (batch_size,))
 

@@ -39,6 +39,22 @@ def test_pack_equals_the_reference(seed):
     assert (sb.tables, sb.batch_size) == (TABLES, 6)
 
 
+def test_fixed_length_bags_without_offsets_take_the_c_pass():
+    """[B, L] ids without offsets (nn.EmbeddingBag's 2-D form; gathers as [N, 1]) next to 1-D ids
+    with offsets: packed in C like the reference, and a bad id still falls back to its error."""
+    g = torch.Generator().manual_seed(5)
+    indices = [torch.randint(0, ROWS[0], (6, 1), generator=g), torch.randint(0, ROWS[1], (6, 3), generator=g),
+               batch()[0][2]]
+    offsets = [None, None, batch()[1][2]]
+    got = sparse.pack_bags(indices, offsets, ROWS)
+    want = reference(indices, offsets)
+    assert got is not None and torch.equal(got[0], want.indices) and torch.equal(got[1], want.offsets)
+    indices[1][4, 2] = ROWS[1]
+    assert sparse.pack_bags(indices, offsets, ROWS) is None
+    with pytest.raises(IndexError, match="table b"):
+        pack_sparse_cpu(indices, offsets, None, tables=TABLES, rows=ROWS)
+
+
 def _corrupt(kind):
     indices, offsets = batch()
     if kind == "first offset":
