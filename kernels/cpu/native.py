@@ -33,10 +33,17 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c11", "-s
 build_info: dict = {}  # path, compiled (bool), seconds: filled by the first successful load
 
 
+_MODE = ("auto", "auto")  # (the variable's raw value, the mode it gives): parsed once per value
+
+
 def mode() -> str:
     """'reference', 'native' or 'auto', from ``RECC_CPU_KERNELS`` (read on every call)."""
-    value = os.environ.get("RECC_CPU_KERNELS", "auto").strip().lower()
-    return value if value in ("reference", "native") else "auto"
+    global _MODE
+    raw = os.environ.get("RECC_CPU_KERNELS", "auto")
+    if raw != _MODE[0]:
+        value = raw.strip().lower()
+        _MODE = (raw, value if value in ("reference", "native") else "auto")
+    return _MODE[1]
 
 
 def cache_dir() -> Path:
@@ -168,6 +175,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]
     lib.recc_tbe_forward.restype = ctypes.c_int
     lib.recc_tbe_forward.argtypes = [p, i64, i64, p, p, i64, i64, p, i32, p, i32]
+    lib.recc_offsets_ok.restype = ctypes.c_int
+    lib.recc_offsets_ok.argtypes = [p, i64, i64]
 
 
 def _record_build(info: dict) -> None:

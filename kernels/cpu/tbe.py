@@ -136,6 +136,16 @@ def linearize_indices(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cu
     return base.add_(indices)  # int32 ids widen inside the add: one pass
 
 
+def _offsets_ok(offsets: torch.Tensor, n: int) -> bool:
+    """offsets start at 0, never decrease and end at n (one C pass when it can: the tensor ops
+    and their host reads cost more than the pooling of a small batch)."""
+    lib = native.library()
+    if lib is not None and offsets.dtype == torch.int64 and offsets.device.type == "cpu" and \
+            offsets.is_contiguous() and offsets.numel():
+        return bool(lib.recc_offsets_ok(offsets.data_ptr(), offsets.numel() - 1, n))
+    return int(offsets[0]) == 0 and int(offsets[-1]) == n and not bool((offsets[1:] < offsets[:-1]).any())
+
+
 def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights):
     if weights.dim() != 2 or weights.dtype != torch.float32:
         raise ValueError(f"weights must be a 2-D float32 tensor, got {weights.dtype} "
@@ -148,8 +158,7 @@ def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights
         raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {T * B + 1}")
     # The C kernels trust offsets to index lin_indices: check what makes that safe (cheap,
     # O(T*B)); validate_inputs gives the detailed, per-table diagnosis.
-    if int(offsets[0]) != 0 or int(offsets[-1]) != lin_indices.numel() or \
-            bool((offsets[1:] < offsets[:-1]).any()):
+    if not _offsets_ok(offsets, lin_indices.numel()):
         raise ValueError("offsets must start at 0, be non-decreasing and end at "
                          f"len(lin_indices) = {lin_indices.numel()}; run validate_inputs for "
                          "the table and bag at fault")
@@ -205,6 +214,7 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
     R, D = weights.shape
     w = weights.detach().contiguous()
     lin = lin_indices.to(torch.int64).contiguous()
+
     off = offsets.to(torch.int64).contiguous()
     psw = None if per_sample_weights is None else \
         per_sample_weights.detach().to(torch.float32).contiguous()

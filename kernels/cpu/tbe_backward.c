@@ -511,6 +511,15 @@ done:
     return rc;
 }
 
+/* offsets[0] == 0, offsets[NB] == N and never decreasing: what makes offsets safe to index
+ * N ids with (1), else 0. One pass over NB + 1 values, no allocation. */
+int recc_offsets_ok(const int64_t* offsets, int64_t NB, int64_t N) {
+    if (NB < 0 || offsets[0] != 0 || offsets[NB] != N) return 0;
+    for (int64_t j = 0; j < NB; ++j)
+        if (offsets[j + 1] < offsets[j]) return 0;
+    return 1;
+}
+
 /* ------------------------------------------------------------------ forward */
 
 static inline __attribute__((always_inline)) int pool_range(
