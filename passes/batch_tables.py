@@ -56,7 +56,9 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         # [B, L] ids; one group's tables share it (one offsets layout, one output dist split).
         bags = int(n.meta["val"].shape[0]) if "val" in n.meta else 0
         if t.jagged:
-            bags = t.name   # its own group: its id count varies from batch to batch
+            # Its id count varies from batch to batch and from feature to feature: jagged tables
+            # group together, each padded to the group's largest count (pack_sparse pad=True).
+            bags = "jagged"
         # Gathers (pooling "none") run as sum-pooled bags of one id.
         pooling = "sum" if t.pooling == "none" else t.pooling
         key = (widths.pop(), pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags)
@@ -115,9 +117,10 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_
     with graph.inserting_after(anchor):
         g = graph.get_attr(name)
     with graph.inserting_after(g):
-        sparse = graph.call_function(OPS["pack_sparse"], (ids, offsets, psw),
-                                     {"tables": tuple(t.name for t in specs),
-                                      "rows": tuple(t.rows for t in specs)})
+        kwargs = {"tables": tuple(t.name for t in specs), "rows": tuple(t.rows for t in specs)}
+        if all(t.jagged for t in specs):
+            kwargs["pad"] = True
+        sparse = graph.call_function(OPS["pack_sparse"], (ids, offsets, psw), kwargs)
     with graph.inserting_after(sparse):
         out = graph.call_function(OPS["tbe_lookup"], (g, sparse))
     rename(sparse, f"sparse_{name[4:]}")

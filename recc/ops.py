@@ -247,7 +247,27 @@ def embedding_bag(weight, indices, offsets, per_sample_weights=None, *, mode: st
     return F.embedding_bag(indices, weight, offsets, mode=mode, per_sample_weights=per_sample_weights)
 
 
-def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows):
+def pad_table_bags(indices, offsets):
+    """Per-table 1-D ids and start offsets, every table given empty bags at its end up to the
+    largest bag count among them (a group of jagged gathers: each feature has its own number of
+    ids, so of one-id bags; ``recc.rows_like`` keeps each table's own rows)."""
+    flat, offs = [], []
+    for ids, off in zip(indices, offsets):
+        if off is None:
+            ids, ends = bag_offsets(ids, None)
+            off = ends[:-1]
+        flat.append(ids.reshape(-1))
+        offs.append(off.to(torch.int64))
+    b = max((o.numel() for o in offs), default=0)
+    return flat, [o if o.numel() == b else torch.cat([o, o.new_full((b - o.numel(),), f.numel())])
+                  for f, o in zip(flat, offs)]
+
+
+def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
+    if pad:
+        b = max(_batch_of(i, o) for i, o in zip(indices, offsets))
+        return SparseBatch(tuple(tables), _meta_like((sum(i.numel() for i in indices),), torch.int64),
+                           _meta_like((len(tables) * b + 1,), torch.int64), None, b)
     b = _batch_of(indices[0], offsets[0])
     n = sum(i.numel() for i in indices)
     psw = None if per_sample_weights is None else _meta_like((n,))
@@ -260,16 +280,20 @@ def _batch_of(indices, offsets) -> int:
 
 
 @define_op("pack_sparse", meta=_pack_sparse_meta)
-def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows):
-    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=) -> kjt
+def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
+    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=, pad=False) -> kjt
 
     Packs the per-table inputs of one table group into a ``SparseBatch`` (FBGEMM layout: ids
     table-major, offsets of length T*B+1). Validates every table's ids and offsets first, so a
     bad id is an error naming its table and position before any row is read or written. The
     work is a fixed handful of tensor ops whatever the number of tables: a model with 26
-    one-id tables must not pay 26 times the per-op overhead.
+    one-id tables must not pay 26 times the per-op overhead. ``pad``: the tables' bag counts may
+    differ (jagged gathers); each is padded with empty bags to the largest
+    (``pad_table_bags``).
     """
     tables = tuple(tables)
+    if pad:
+        indices, offsets = pad_table_bags(indices, offsets)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
     _check_packed(tables, rows, ids, off, counts)
     return packed_batch(tables, ids, off, counts, psw, batch)
@@ -469,13 +493,15 @@ def _rows_like_meta(rows, ids):
 
 @define_op("rows_like", meta=_rows_like_meta)
 def rows_like(rows, ids):
-    """recc.rows_like(rows: f32[N, D], ids: i64[S]) -> f32[S + [D]]
+    """recc.rows_like(rows: f32[N', D], ids: i64[S]) -> f32[S + [D]]
 
-    An ``nn.Embedding`` gather's result: the N = numel(ids) looked-up rows (one-id bags, in ids'
-    order) in the shape of the ids and contiguous, as ``F.embedding`` returns them (user code
-    calls ``.view`` on them; a table's rows are a column block of its group's output).
+    An ``nn.Embedding`` gather's result: the first N = numel(ids) looked-up rows (one-id bags,
+    in ids' order; a padded jagged group has more) in the shape of the ids and contiguous, as
+    ``F.embedding`` returns them (user code calls ``.view`` on them; a table's rows are a column
+    block of its group's output).
     """
-    return rows.reshape(tuple(ids.shape) + (rows.shape[1],)).contiguous()
+    n = ids.numel()
+    return (rows if rows.shape[0] == n else rows[:n]).reshape(tuple(ids.shape) + (rows.shape[1],)).contiguous()
 
 
 def _split_cols_meta(x, sizes):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from recc.ops import SparseBatch, get_op, register_impl, use_references
+from recc.ops import SparseBatch, get_op, pad_table_bags, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward,
                           linearize_indices, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
@@ -17,10 +17,12 @@ from recc.kernels import (dot_interaction_backward, dot_interaction_forward, lin
 
 
 @register_impl("pack_sparse", "cpu")
-def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows):
-    """1-D ids with start offsets and no per-sample weights: packed and checked in one C pass.
-    Everything else, and a batch the C checks reject, goes through the reference, which packs it
-    or raises naming the table and the bag or id at fault."""
+def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
+    """1-D ids with start offsets (or [B, L] ids) and no per-sample weights: packed and checked
+    in one C pass. Everything else, and a batch the C checks reject, goes through the reference,
+    which packs it or raises naming the table and the bag or id at fault."""
+    if pad:
+        indices, offsets = pad_table_bags(indices, offsets)
     packed = pack_bags(indices, offsets, rows) if per_sample_weights is None else None
     if packed is None:
         return get_op("pack_sparse").reference(indices, offsets, per_sample_weights, tables=tables, rows=rows)

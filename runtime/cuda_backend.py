@@ -14,7 +14,7 @@ import torch
 
 from recc.kernels import cuda as cuda_kernels
 from recc.kernels import linearize_indices, tbe_backward_update_reference, tbe_forward_reference
-from recc.ops import OPS, flatten_bags, packed_batch, register_impl, use_references
+from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 
 
@@ -77,12 +77,14 @@ def tbe_lookup_cuda(group, sparse):
 
 
 @register_impl("pack_sparse", "cuda")
-def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows):
+def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
     """``recc.pack_sparse`` on the device: the reference's packing, validated with one sync.
 
     A bad batch is re-validated by the CPU reference on host copies, which raises the same
     error (table and position) the CPU backend would."""
     tables = tuple(tables)
+    if pad:
+        indices, offsets = pad_table_bags(indices, offsets)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
     dev, n = ids.device, ids.numel()
     bad = torch.zeros((), dtype=torch.bool, device=dev)
