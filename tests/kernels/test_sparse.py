@@ -151,3 +151,16 @@ def test_input_dist_unpack_reorders_to_the_owners_batch():
     bad[13] = 5  # source 1 claims more ids than it sent
     with pytest.raises(RuntimeError, match="rank 1 sent bag lengths"):
         sparse.input_dist_unpack(bad, 2, 2, 3, [5, 5])
+
+
+def test_jagged_tables_are_padded_to_one_bag_count():
+    """pack_sparse(pad=True): tables with different bag counts (jagged gathers, [N_t, 1] ids) get
+    empty bags up to the largest count; the C path equals the reference."""
+    indices = [torch.tensor([[3], [1], [4]]), torch.tensor([5, 0]), torch.tensor([[6]])]
+    offsets = [None, torch.tensor([0, 1]), None]
+    ref = get_op("pack_sparse").reference(indices, offsets, None, tables=TABLES, rows=ROWS, pad=True)
+    assert ref.batch_size == 3
+    assert ref.indices.tolist() == [3, 1, 4, 5, 0, 6]
+    assert ref.offsets.tolist() == [0, 1, 2, 3, 4, 5, 5, 5, 6, 6]
+    got = pack_sparse_cpu(indices, offsets, None, tables=TABLES, rows=ROWS, pad=True)
+    assert torch.equal(got.indices, ref.indices) and torch.equal(got.offsets, ref.offsets) and got.batch_size == 3
