@@ -54,6 +54,7 @@ printed. No fraction of the machine's limit in this mode (see bench/README.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import logging
@@ -73,6 +74,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from recc.models import SyntheticData, build_model, load_preset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine_limit  # noqa: E402
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 SYSTEM_ORDER = ("eager", "torchrec", "recc")
@@ -123,9 +127,12 @@ def bag_lengths(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
 
 
 class System:
-    """One way to train: ``step(i)`` trains on pre-generated batch ``i`` and returns the loss."""
+    """One way to train: ``step(i)`` trains on pre-generated batch ``i`` and returns the loss.
+    ``dtype`` is the dense compute's ("fp32", or "bf16" under autocast / recc's dense_dtype): the
+    machine's limit a row is compared with is the one at that dtype."""
 
     name = "?"
+    dtype = "fp32"
 
     def step(self, i: int) -> torch.Tensor:
         raise NotImplementedError
@@ -153,20 +160,28 @@ warnings.filterwarnings("ignore", message=r"Sparse invariant checks are implicit
 warnings.filterwarnings("ignore", message=r"recc: .* has no embedding table recc can fuse")
 
 
+def autocast(dtype: str):
+    """``torch.autocast`` for a bf16 row (what a PyTorch/TorchRec user writes), else nothing."""
+    return torch.autocast("cpu", torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+
+
 class EagerSystem(System):
-    def __init__(self, model: nn.Module, batches, optimizer: str, lr: float, eps: float):
+    def __init__(self, model: nn.Module, batches, optimizer: str, lr: float, eps: float, dtype: str = "fp32"):
         self.model = copy.deepcopy(model)
         tables = embedding_bags(self.model)
         for _, emb in tables:
             emb.sparse = True
-        self.batches = batches
+        self.batches, self.dtype = batches, dtype
         self.dense_opt = torch.optim.SGD([p for _, p in dense_named_parameters(self.model)], lr=lr)
         self.table_opt, self.name = _eager_table_optimizer([e.weight for _, e in tables], optimizer, lr, eps)
+        if dtype == "bf16":
+            self.name += "+autocast(bf16)"
 
     def step(self, i):
         dense_x, lS_o, lS_i, y = self.batches[i]
-        out = self.model(dense_x, lS_o, lS_i)
-        loss = F.binary_cross_entropy(out, y)
+        with autocast(self.dtype):
+            out = self.model(dense_x, lS_o, lS_i)
+        loss = F.binary_cross_entropy(out.float(), y)
         loss.backward()
         self.dense_opt.step()
         self.table_opt.step()
@@ -368,19 +383,22 @@ def _build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None, ebc_path
 class TorchRecSystem(System):
     name = "torchrec+fbgemm"
 
-    def __init__(self, model, batches, kjts, optimizer, lr, eps, api):
+    def __init__(self, model, batches, kjts, optimizer, lr, eps, api, dtype: str = "fp32"):
         dims = [e.embedding_dim for _, e in embedding_bags(model)]
         dense = without_tables(model)
         self.module, self.dense_opt = _build_torchrec(lambda ebc: TorchRecDLRM(ebc, dense, dims),
                                                       model, optimizer, lr, eps, api)
-        self.batches, self.kjts = batches, kjts
+        self.batches, self.kjts, self.dtype = batches, kjts, dtype
         if api == "fused_ebc":
             self.name = "torchrec fused_ebc"
+        if dtype == "bf16":
+            self.name += "+autocast(bf16)"
 
     def step(self, i):
         dense_x, _, _, y = self.batches[i]
-        out = self.module(dense_x, self.kjts[i])
-        loss = F.binary_cross_entropy(out, y)
+        with autocast(self.dtype):
+            out = self.module(dense_x, self.kjts[i])
+        loss = F.binary_cross_entropy(out.float(), y)
         loss.backward()  # table rows are updated here, by FBGEMM's fused backward
         self.dense_opt.step()
         self.dense_opt.zero_grad()
@@ -422,10 +440,11 @@ def recc_available() -> str | None:
     return None
 
 
-def _recc_instantiate(module: nn.Module, optimizer: str, lr: float, eps: float, example_inputs):
+def _recc_instantiate(module: nn.Module, optimizer: str, lr: float, eps: float, example_inputs,
+                      dense_dtype: str = "fp32"):
     import recc
 
-    config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps)
+    config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, dense_dtype=dense_dtype)
     program = recc.compile(module, recc.Cluster.local(1), config=config, example_inputs=example_inputs)
     return program.instantiate()
 
@@ -433,9 +452,12 @@ def _recc_instantiate(module: nn.Module, optimizer: str, lr: float, eps: float, 
 class ReccSystem(System):
     name = "recc"
 
-    def __init__(self, model, batches, optimizer, lr, eps):
+    def __init__(self, model, batches, optimizer, lr, eps, dtype: str = "fp32"):
         dense_x, lS_o, lS_i, _ = batches[0]
-        self.dmodel = _recc_instantiate(copy.deepcopy(model), optimizer, lr, eps, (dense_x, lS_o, lS_i))
+        self.dmodel = _recc_instantiate(copy.deepcopy(model), optimizer, lr, eps, (dense_x, lS_o, lS_i), dtype)
+        self.dtype = dtype
+        if dtype != "fp32":
+            self.name = f"recc {dtype}"
         self.dense_opt = torch.optim.SGD(self.dmodel.dense_parameters(), lr=lr)
         self.batches = batches
 
@@ -916,21 +938,22 @@ def build_systems(kind: str, which: list[str], ctx: dict) -> list[System]:
     """Builds each requested system; one that cannot be built is reported and left out."""
     model, batches, optimizer, lr, eps = ctx["model"], ctx["batches"], ctx["optimizer"], ctx["lr"], ctx["eps"]
     systems = []
-    for name in which:
+    dtypes = ("fp32", "bf16") if kind == "model" and ctx.get("precision") == "bf16" else ("fp32",)
+    for name, dtype in [(n, d) for d in dtypes for n in which]:
         try:
             if name == "eager":
-                s = (EagerSystem(model, batches, optimizer, lr, eps) if kind == "model"
+                s = (EagerSystem(model, batches, optimizer, lr, eps, dtype) if kind == "model"
                      else EagerEmbeddingSystem(model, batches, ctx["grads"], optimizer, lr, eps))
             elif name == "torchrec":
                 if ctx["kjts"] is None:
                     continue
-                s = (TorchRecSystem(model, batches, ctx["kjts"], optimizer, lr, eps, ctx["torchrec_api"])
+                s = (TorchRecSystem(model, batches, ctx["kjts"], optimizer, lr, eps, ctx["torchrec_api"], dtype)
                      if kind == "model"
                      else TorchRecEmbeddingSystem(model, ctx["grads"], ctx["kjts"], optimizer, lr, eps, ctx["torchrec_api"]))
             elif name == "recc":
                 if not ctx["recc_ok"]:
                     continue
-                s = (ReccSystem(model, batches, optimizer, lr, eps) if kind == "model"
+                s = (ReccSystem(model, batches, optimizer, lr, eps, dtype) if kind == "model"
                      else ReccEmbeddingSystem(model, batches, ctx["grads"], optimizer, lr, eps))
             else:
                 raise ValueError(name)
@@ -953,8 +976,9 @@ def parity_check(systems: list[System], reference: nn.Module, batch) -> None:
         except Exception as e:
             print(f"  parity: {s.name}: could not predict ({type(e).__name__}: {e})")
             continue
-        flag = "ok" if diff < 1e-4 else "MISMATCH: not the same initial weights/model"
-        print(f"  parity: {s.name:<20} max |p - p_user| on batch 0 = {diff:.2e}  {flag}")
+        # bf16 dense compute rounds the products' inputs: ~3 significant digits.
+        flag = "ok" if diff < (2e-2 if s.dtype == "bf16" else 1e-4) else "MISMATCH: not the same initial weights/model"
+        print(f"  parity: {s.name:<28} max |p - p_user| on batch 0 = {diff:.2e}  {flag}")
 
 
 def fmt_ratio(x: float | None) -> str:
@@ -964,7 +988,7 @@ def fmt_ratio(x: float | None) -> str:
 def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, threads):
     eps = 1e-8
     ctx = dict(model=model, batches=batches, kjts=kjts, grads=grads, optimizer=optimizer, lr=args.lr,
-               eps=eps, torchrec_api=args.torchrec_api, recc_ok=args.recc_ok)
+               eps=eps, torchrec_api=args.torchrec_api, recc_ok=args.recc_ok, precision=args.precision)
     B = batches[0][0].shape[0]
     T = len(batches[0][1])
     which = [s for s in SYSTEM_ORDER if s in args.systems]
@@ -975,15 +999,21 @@ def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, 
     systems = build_systems("model", which, ctx)
     parity_check(systems, model, batches[0])
     timed = interleaved(systems, len(batches), warmup=args.warmup, steps=args.steps, rounds=args.rounds)
-    tr = next((t.median for t in timed if isinstance(t.system, TorchRecSystem)), None)
-    ea = next((t.median for t in timed if isinstance(t.system, EagerSystem)), None)
-    print(f"\n  full training step (median of {args.rounds} rounds)")
-    print(f"  {'system':<20} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
+    # Each row against the TorchRec / eager row of its own dtype (recc bf16 vs TorchRec+autocast).
+    tr = {t.system.dtype: t.median for t in timed if isinstance(t.system, TorchRecSystem)}
+    ea = {t.system.dtype: t.median for t in timed if isinstance(t.system, EagerSystem)}
+    emb_bytes = embedding_bytes(model, batches, optimizer)
+    limits = {d: machine_limit.step_limit(model, B, d, emb_bytes, bandwidth) for d in {t.system.dtype for t in timed}}
+    print(f"\n  full training step (median of {args.rounds} rounds); the machine's limit, measured in this run:")
+    for d, lim in sorted(limits.items()):
+        print(f"    {machine_limit.describe(lim, d)}")
+    print(f"  {'system':<28} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} {'of limit':>9} "
           f"{'vs torchrec':>12} {'vs eager':>9} {'last loss':>10}")
     for t in timed:
-        m = t.median
-        print(f"  {t.system.name:<20} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
-              f"{fmt_ratio(tr / m if tr else None):>12} {fmt_ratio(ea / m if ea else None):>9} {t.last_loss:>10.4f}")
+        m, d = t.median, t.system.dtype
+        print(f"  {t.system.name:<28} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
+              f"{limits[d]['seconds'] / m:>8.0%} {fmt_ratio(tr[d] / m if d in tr else None):>12} "
+              f"{fmt_ratio(ea[d] / m if d in ea else None):>9} {t.last_loss:>10.4f}")
     del systems, timed
     gc.collect()
 
@@ -1064,8 +1094,9 @@ def run_zoo_model(args, z, name: str, threads: int) -> None:
         for s in systems:
             try:
                 diff = (s.predict(0).reshape(want.shape) - want).abs().max().item()
-                flag = "ok" if diff < 1e-4 else "MISMATCH: not the same initial weights/model"
-                print(f"  parity: {s.name:<20} max |p - p_user| on batch 0 = {diff:.2e}  {flag}")
+                # bf16 dense compute rounds the products' inputs: ~3 significant digits.
+        flag = "ok" if diff < (2e-2 if s.dtype == "bf16" else 1e-4) else "MISMATCH: not the same initial weights/model"
+                print(f"  parity: {s.name:<28} max |p - p_user| on batch 0 = {diff:.2e}  {flag}")
                 for i in range(args.warmup):
                     s.step(i % len(batches))
             except Exception as e:
@@ -1136,6 +1167,9 @@ def main(argv=None) -> None:
                    help="dmp: DistributedModelParallel + apply_optimizer_in_backward (1-rank gloo); "
                         "fused_ebc: FusedEmbeddingBagCollection")
     p.add_argument("--no-embedding-only", action="store_true", help="skip the embedding-only/floor part")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="bf16: also eager and TorchRec under torch.autocast(bf16) and recc with dense_dtype='bf16', "
+                        "each against the bf16 limit")
     p.add_argument("--world-size", type=int, default=1,
                    help="N >= 2: eager+DDP vs TorchRec DMP vs recc in a local gloo world of N processes "
                         "(bench/train_throughput_dist.py); 1: the one-process comparison")
@@ -1245,9 +1279,8 @@ def main(argv=None) -> None:
         else:
             args.recc_ok = True
 
-    bandwidth = memory_bandwidth(threads) if not args.no_embedding_only else float("nan")
-    if not args.no_embedding_only:
-        print(f"memory bandwidth (512 MB copy, read+write, best of 7): {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = memory_bandwidth(threads)  # the limit of every row and the embedding-only floor
+    print(f"memory bandwidth (512 MB copy, read+write, best of 7): {bandwidth / 1e9:.1f} GB/s")
 
     optimizers = OPTIMIZERS if args.optimizer == "both" else (args.optimizer,)
     t0 = time.perf_counter()

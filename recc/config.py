@@ -11,6 +11,7 @@ from recc.specs import SHARDING_KINDS, OptimizerSpec
 
 SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
+DENSE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -30,6 +31,9 @@ class CompileConfig:
     options by name (``{"shard_tables": {"strategy": "row_wise"}}``); ``batch_size`` is the
     global batch used for example inputs and cost estimates; ``verify`` is the verification level
     (0 off, 1 invariants, 2 also runs each stage against eager).
+
+    ``dense_dtype`` runs the dense part's matrix products in ``bf16`` with fp32 master weights
+    (``cast_dense``: autocast's per-op choice, as graph nodes); ``fp16`` is for CUDA.
     """
 
     optimizer: str = "sgd"
@@ -47,6 +51,7 @@ class CompileConfig:
     pipelining: bool = True
     batch_size: Optional[int] = None
     verify: int = 1
+    dense_dtype: str = "fp32"
     pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -64,6 +69,8 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.comm_error_action={self.comm_error_action!r}: choose 'warn' or 'error'")
         if self.comm_error_budget is not None and not self.comm_error_budget >= 0:
             raise ValueError(f"CompileConfig.comm_error_budget must be >= 0, got {self.comm_error_budget}")
+        if self.dense_dtype not in DENSE_DTYPES:
+            raise ValueError(f"CompileConfig.dense_dtype={self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
         if self.verify not in (0, 1, 2):
             raise ValueError(f"CompileConfig.verify={self.verify!r}: choose 0, 1 or 2")
         if not self.lr > 0:

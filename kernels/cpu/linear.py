@@ -46,9 +46,9 @@ def _pointwise():
 
 
 def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (native.mode() != "reference" and x.device.type == "cpu" and x.dtype == torch.float32
-            and w.dtype == torch.float32 and x.dim() == 2 and x.shape[0] * w.shape[0] * w.shape[1] >= MIN_MACS
-            and _pointwise() is not None)
+    return (native.mode() != "reference" and x.device.type == "cpu" and x.dtype == w.dtype
+            and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+            and x.shape[0] * w.shape[0] * w.shape[1] >= MIN_MACS and _pointwise() is not None)
 
 
 def check_activation(activation: str) -> None:

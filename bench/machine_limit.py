@@ -1,0 +1,90 @@
+"""What this machine allows for one training step: the limit every benchmark row is a fraction of.
+
+limit = the dense part's matrix products at the fastest matrix product this machine offers for
+their dtype and shape + the step's embedding bytes at the measured copy bandwidth.
+
+- Dense: every ``nn.Linear`` of the model at the step's batch B runs three GEMMs — forward
+  ``[B, K] x [K, N]``, the weight gradient ``[N, B] x [B, K]`` and the input gradient
+  ``[B, N] x [N, K]`` (not for the model's first layer, whose input is data). Each shape is timed
+  here, in this run, on every path torch offers for the dtype — ``torch.mm`` (MKL on this CPU's
+  fp32) and oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) — and the fastest counts.
+  The interaction's and elementwise ops' time is not in the limit (it is small next to the GEMMs
+  for the DLRM presets, and a lower bound only gets lower for leaving it out).
+- Embeddings: ``embedding_bytes`` of ``train_throughput.py`` (rows read, touched rows and state
+  read and written, pooled outputs written and their gradients read) over ``memory_bandwidth``.
+
+``fraction = limit / measured step``: 100% would be a step that does nothing but the GEMMs at
+their best speed and moves its embedding bytes at copy speed, one after the other.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_CACHE: dict = {}
+
+
+def _best_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gemm_seconds(m: int, k: int, n: int, dtype: str) -> tuple[float, str]:
+    """Fastest time of an ``[m, k] x [k, n]`` product at ``dtype`` and the path that gave it."""
+    key = (m, k, n, dtype)
+    if key not in _CACHE:
+        dt = DTYPES[dtype]
+        a = torch.randn(m, k).to(dt)
+        b = torch.randn(k, n).to(dt)
+        bt = b.t().contiguous()                       # oneDNN's linear takes the weight as [n, k]
+        paths = {"torch.mm": lambda: torch.mm(a, b)}
+        pointwise = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+        if pointwise is not None:
+            paths["onednn"] = lambda: pointwise(a, bt, None, "none", [], "")
+        times = {name: _best_seconds(fn) for name, fn in paths.items()}
+        best = min(times, key=times.get)
+        _CACHE[key] = (times[best], best)
+    return _CACHE[key]
+
+
+def linear_layers(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def dense_limit(model: nn.Module, batch: int, dtype: str) -> tuple[float, float, dict]:
+    """``(seconds, flops, seconds per path)`` of the model's GEMMs for one training step."""
+    seconds, flops, by_path = 0.0, 0.0, {}
+    for i, layer in enumerate(linear_layers(model)):
+        k, n = layer.in_features, layer.out_features
+        shapes = [(batch, k, n), (n, batch, k)] + ([(batch, n, k)] if i else [])
+        for m_, k_, n_ in shapes:
+            s, path = gemm_seconds(m_, k_, n_, dtype)
+            seconds += s
+            flops += 2.0 * m_ * k_ * n_
+            by_path[path] = by_path.get(path, 0.0) + s
+    return seconds, flops, by_path
+
+
+def step_limit(model: nn.Module, batch: int, dtype: str, embedding_bytes: float, bandwidth: float) -> dict:
+    """The limit of one step at ``dtype`` and its parts (seconds, GEMM FLOP/s it assumes)."""
+    dense_s, flops, by_path = dense_limit(model, batch, dtype)
+    emb_s = embedding_bytes / bandwidth
+    return {"seconds": dense_s + emb_s, "dense_s": dense_s, "embedding_s": emb_s, "flops": flops,
+            "gflops": flops / dense_s / 1e9 if dense_s else 0.0, "paths": by_path}
+
+
+def describe(limit: dict, dtype: str) -> str:
+    paths = ", ".join(f"{p} {s * 1e3:.2f} ms" for p, s in sorted(limit["paths"].items()))
+    return (f"{dtype} limit {limit['seconds'] * 1e3:.2f} ms = GEMMs {limit['dense_s'] * 1e3:.2f} ms "
+            f"({limit['flops'] / 1e9:.2f} GFLOP at {limit['gflops']:.0f} GFLOP/s; {paths}) + embeddings "
+            f"{limit['embedding_s'] * 1e3:.2f} ms")

@@ -1,0 +1,170 @@
+"""cast_dense: run the dense part in bf16 — matrix products in bf16, fp32 master weights.
+
+Contract: requires nothing but a traced graph (runs after ``fuse_linear_act``, so dense layers
+are ``recc.linear``). With ``dtype="fp32"`` (the default, ``CompileConfig(dense_dtype=)``) it
+changes nothing. With ``dtype="bf16"`` it decides per op as ``torch.autocast("cpu",
+torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
+
+- matrix products (``recc.linear``, ``nn.Linear``/``nn.Conv1d`` modules left unfused, ``F.linear``,
+  ``torch.mm``/``bmm``/``matmul``/``addmm``/``baddbmm``, ``@``) take bf16 inputs: every fp32 input —
+  activations, and the parameters, read by ``get_attr`` — gets one ``.to(torch.bfloat16)`` right after
+  the node that makes it, shared by all its consumers. A parameter is therefore cast once per step,
+  and its gradient flows back through the cast into the fp32 master weight (the optimizer, DDP and
+  ``state_dict`` see fp32). Products accumulate in fp32 inside the GEMM (oneDNN/MKL bf16 kernels).
+- ops that lose accuracy in bf16 — ``sigmoid``, losses (``binary_cross_entropy[_with_logits]``),
+  ``softmax``/``log_softmax``, BatchNorm and LayerNorm, and recc's fp32 interaction kernels
+  (``recc.dot_interaction``, ``recc.pairwise_dot``) — take fp32 inputs (a ``.to(torch.float32)`` on
+  each bf16 one);
+- everything else runs in whatever dtype its inputs have (torch's type promotion: ``relu``, ``cat``,
+  elementwise ops stay bf16 between products; a bf16 value meeting an fp32 one is fp32);
+- the model's floating outputs are returned in fp32, as the user's loss expects them.
+
+Casts are inserted wherever a rule asks for one, the graph's dtypes are propagated, and every cast
+whose input already has its dtype is removed: a cast appears only where the dtype changes, once per
+value. Embedding lookups stay fp32 (their tables and fused optimizers are fp32). ``fp16`` is for
+CUDA with dynamic loss scaling and is refused here on CPU. Must not change what the graph computes
+beyond bf16 rounding of the products' inputs and outputs.
+
+Before:
+    bot_l_0_weight : f32[8,13] = get_attr bot_l.0.weight
+    bot_l_1        : f32[8,8]  = recc.linear(dense_x, bot_l_0_weight, bot_l_0_bias, activation='relu')
+After:
+    dense_x_bf16        : bf16[8,13] = dense_x.to(torch.bfloat16)
+    bot_l_0_weight      : f32[8,13]  = get_attr bot_l.0.weight
+    bot_l_0_weight_bf16 : bf16[8,13] = bot_l_0_weight.to(torch.bfloat16)
+    bot_l_1             : bf16[8,8]  = recc.linear(dense_x_bf16, bot_l_0_weight_bf16, bot_l_0_bias_bf16, activation='relu')
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from recc.graph_utils import rename
+from recc.ops import OPS, op_of
+from recc.passmanager import PassContext, register_pass
+from recc.trace import propagate_shapes
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+# Matrix products: autocast's "lower precision" ops.
+_LOW_FUNCTIONS = {F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm, operator.matmul,
+                  F.conv1d, F.conv2d}
+_LOW_METHODS = {"mm", "bmm", "matmul", "addmm", "baddbmm"}
+_LOW_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)
+# Ops kept in fp32 (autocast's fp32 list, plus sigmoid for the model's probabilities).
+_FP32_FUNCTIONS = {torch.sigmoid, F.sigmoid, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
+                   F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, F.batch_norm, F.layer_norm,
+                   F.mse_loss, F.cross_entropy, F.nll_loss}
+_FP32_METHODS = {"sigmoid", "softmax", "log_softmax"}
+_FP32_MODULES = (nn.Sigmoid, nn.Softmax, nn.LogSoftmax, nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
+                 nn.BCELoss, nn.BCEWithLogitsLoss, nn.MSELoss, nn.CrossEntropyLoss)
+_FP32_RECC_OPS = ("dot_interaction", "pairwise_dot")
+
+
+def _wants(gm: fx.GraphModule, node: fx.Node, low: torch.dtype):
+    """The dtype ``node`` computes in (``low`` for products, fp32 for the fp32 list), or None
+    when it follows its inputs."""
+    if node.op == "call_function":
+        op = op_of(node.target)
+        if op is not None:
+            return low if op is OPS["linear"] else torch.float32 if op.name in _FP32_RECC_OPS else None
+        return low if node.target in _LOW_FUNCTIONS else torch.float32 if node.target in _FP32_FUNCTIONS else None
+    if node.op == "call_method":
+        return low if node.target in _LOW_METHODS else torch.float32 if node.target in _FP32_METHODS else None
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, _LOW_MODULES):
+            return low
+        if isinstance(mod, _FP32_MODULES):
+            return torch.float32
+    return None
+
+
+def _is_float(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def _module_as_function(gm: fx.GraphModule, node: fx.Node) -> None:
+    """An unfused ``nn.Linear``/``nn.Conv*`` call as ``F.linear``/``F.conv*`` on its parameters read
+    by ``get_attr`` (a module call would meet its fp32 parameters with a bf16 input)."""
+    mod = gm.get_submodule(node.target)
+    graph = gm.graph
+    with graph.inserting_before(node):
+        w = graph.get_attr(f"{node.target}.weight")
+        b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
+        if isinstance(mod, nn.Linear):
+            new = graph.call_function(F.linear, (node.args[0], w, b))
+        else:
+            if mod.padding_mode != "zeros":
+                return
+            fn = F.conv1d if isinstance(mod, nn.Conv1d) else F.conv2d
+            new = graph.call_function(fn, (node.args[0], w, b, mod.stride, mod.padding, mod.dilation, mod.groups))
+    new.meta.update(node.meta)
+    name = node.name
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    rename(new, name)
+
+
+@register_pass(after=("fuse_linear_act",), from_config={"dtype": "dense_dtype"})
+def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> fx.GraphModule:
+    """Place the casts that run the dense products in ``dtype`` with fp32 master weights."""
+    if dtype not in DTYPES:
+        raise ValueError(f"cast_dense: dtype {dtype!r} is not one of {tuple(DTYPES)}")
+    if dtype == "fp32":
+        return gm
+    if dtype == "fp16" and ctx.cluster.device_type != "cuda":
+        raise ValueError("cast_dense: dtype='fp16' needs dynamic loss scaling and fp16 GEMMs (CUDA); on CPU use "
+                         "dense_dtype='bf16'")
+    low = DTYPES[dtype]
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), _LOW_MODULES):
+            _module_as_function(gm, node)
+    casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+
+    def cast(value: fx.Node, to: torch.dtype) -> fx.Node:
+        if (value, to) not in casts:
+            # Right after the value (the inputs' casts after the last input: they stay first).
+            with graph.inserting_after(placeholders[-1] if value.op == "placeholder" else value):
+                c = graph.call_method("to", (value, to))
+            rename(c, f"{value.name}_{_SHORT[to]}")
+            casts[value, to] = c
+        return casts[value, to]
+
+    for node in list(graph.nodes):
+        want = _wants(gm, node, low)
+        if want is None:
+            continue
+        for arg in node.all_input_nodes:
+            if _is_float(arg) and not _is_recc_cast(arg):
+                node.replace_input_with(arg, cast(arg, want))
+    out = next(n for n in graph.nodes if n.op == "output")
+    for arg in out.all_input_nodes:
+        if _is_float(arg):
+            out.replace_input_with(arg, cast(arg, torch.float32))
+    graph.lint()
+    gm.recompile()
+    propagate_shapes(gm, ctx.example_inputs, ctx.abstract)
+    removed = 0
+    for c in casts.values():
+        src, to = c.args
+        if src.meta.get("val") is not None and src.meta["val"].dtype == to:
+            c.replace_all_uses_with(src)
+            graph.erase_node(c)
+            removed += 1
+    ctx.stats["dense_casts"] = len(casts) - removed
+    return gm
+
+
+def _is_recc_cast(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "to" and len(node.args) == 2 and \
+        isinstance(node.args[1], torch.dtype)
