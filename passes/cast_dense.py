@@ -1,8 +1,8 @@
 """cast_dense: run the dense part in bf16 — matrix products in bf16, fp32 master weights.
 
 Contract: requires nothing but a traced graph (runs after ``fuse_linear_act``, so dense layers
-are ``recc.linear``). With ``dtype="fp32"`` (the default, ``CompileConfig(dense_dtype=)``) it
-changes nothing. With ``dtype="bf16"`` it decides per op as ``torch.autocast("cpu",
+are ``recc.linear``). The default pipeline runs it when ``CompileConfig(dense_dtype=)`` is not
+``fp32``; with ``dtype="fp32"`` it changes nothing. With ``dtype="bf16"`` it decides per op as ``torch.autocast("cpu",
 torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
 
 - matrix products (``recc.linear``, ``nn.Linear``/``nn.Conv1d`` modules left unfused, ``F.linear``,
@@ -124,9 +124,12 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
                          "dense_dtype='bf16'")
     low = DTYPES[dtype]
     graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), _LOW_MODULES):
-            _module_as_function(gm, node)
+    modules = [n for n in graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _LOW_MODULES)]
+    for node in modules:
+        _module_as_function(gm, node)
+    if modules:  # the parameters' new get_attr nodes need their dtypes
+        gm.recompile()
+        propagate_shapes(gm, ctx.example_inputs, ctx.abstract)
     casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]

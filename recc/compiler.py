@@ -21,7 +21,15 @@ from recc.passmanager import PassContext, format_item, format_spec, resolve_pipe
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.trace import default_example_inputs, example_batch, model_is_meta, propagate_shapes, to_meta, trace, untouched
 
-DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_interaction,align_linear,fuse_linear_act,cast_dense,lower"
+DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_interaction,align_linear,fuse_linear_act,lower"
+
+
+def default_pipeline(config: CompileConfig) -> str:
+    """The default pipeline for ``config``: with ``dense_dtype`` other than fp32, ``cast_dense``
+    runs before ``lower`` (an fp32 compile has no stage that changes nothing)."""
+    if config.dense_dtype == "fp32":
+        return DEFAULT_PIPELINE
+    return DEFAULT_PIPELINE.replace(",lower", ",cast_dense,lower")
 
 
 def _ensure_builtin_passes():
@@ -86,7 +94,10 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     ir.verify(gm, pass_name="trace", level=config.verify)
     verified = "ok" if config.verify else "off"
 
-    passes = resolve_pipeline(pipeline if pipeline is not None else DEFAULT_PIPELINE, config, disable)
+    passes = resolve_pipeline(pipeline if pipeline is not None else default_pipeline(config), config, disable)
+    if config.dense_dtype != "fp32" and "cast_dense" not in [info.name for info, _ in passes]:
+        raise ValueError(f"recc.compile: CompileConfig(dense_dtype={config.dense_dtype!r}) needs the cast_dense pass, "
+                         f"which the pipeline does not run; add it before lower")
     total = len(passes)
     ctx = PassContext(cluster=cluster, config=config, example_inputs=example_inputs, abstract=abstract, batch=batch)
     show = _print_after_set(print_after, [i.name for i, _ in passes])

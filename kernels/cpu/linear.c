@@ -59,3 +59,54 @@ int recc_relu_backward(const float *grad, int64_t ldg, const float *y, int64_t l
     }
     return 0;
 }
+
+/* The same for bf16 gradients and outputs (recc.linear under cast_dense): the mask copies bf16
+ * bits (y <= 0 read from the bf16 pattern as a float), db is summed in fp32 and returned in fp32
+ * (the caller rounds it to the bias's dtype once). */
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+int recc_relu_backward_bf16(const uint16_t *grad, int64_t ldg, const uint16_t *y, int64_t ldy, int64_t B,
+                            int64_t N, uint16_t *g, float *db, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+    float *part = NULL;
+    if (db) {
+        part = (float *)calloc((size_t)nthreads * 2 * (size_t)N, sizeof(float));
+        if (!part) return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int t = omp_get_thread_num();
+        float *total = part ? part + (size_t)t * 2 * (size_t)N : NULL;
+        float *blk = total ? total + N : NULL;
+        int64_t in_block = 0;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; ++b) {
+            const uint16_t *gr = grad + b * ldg, *yr = y + b * ldy;
+            uint16_t *out = g + b * N;
+#pragma omp simd
+            for (int64_t n = 0; n < N; ++n) out[n] = bf16_to_float(yr[n]) <= 0.f ? 0 : gr[n];
+            if (blk) {
+#pragma omp simd
+                for (int64_t n = 0; n < N; ++n) blk[n] += bf16_to_float(out[n]);
+                if (++in_block == 64) {
+                    for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;
+                    in_block = 0;
+                }
+            }
+        }
+        if (blk)
+            for (int64_t n = 0; n < N; ++n) total[n] += blk[n];
+    }
+    if (db) {
+        memcpy(db, part, sizeof(float) * (size_t)N);
+        for (int t = 1; t < nthreads; ++t)
+            for (int64_t n = 0; n < N; ++n) db[n] += part[(size_t)t * 2 * (size_t)N + n];
+        free(part);
+    }
+    return 0;
+}

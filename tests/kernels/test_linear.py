@@ -121,3 +121,23 @@ def test_weight_grad_has_row_major_strides(n, k):
     got = weight_grad(g, x)
     assert got.shape == (n, k) and got.stride() == (k, 1)
     torch.testing.assert_close(got, g.t().mm(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("b, k, n", SHAPES)
+def test_bf16_forward_and_backward_match_torch_in_bf16(b, k, n, activation):
+    """cast_dense's bf16 layers: oneDNN's bf16 GEMM and the bf16 ReLU/bias kernel against torch
+    autograd on F.linear in bf16 (the bias gradient is summed in fp32, then rounded once)."""
+    x, w, bvec, grad = (t.bfloat16() for t in _case(b, k, n, seed=3))
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bvec))
+    ref = F.linear(xr, wr, br)
+    ref = torch.relu(ref) if activation == "relu" else ref
+    y = linear_forward(x, w, bvec, activation)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    ref.backward(grad)
+    dx, dw, db = linear_backward(grad, x, w, y, activation)
+    assert dx.dtype == dw.dtype == db.dtype == torch.bfloat16
+    for got, want, name in ((dx, xr.grad, "dx"), (dw, wr.grad, "dw"), (db, br.grad, "db")):
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale, msg=name)
