@@ -159,3 +159,47 @@ def test_unfused_products_run_bf16_and_the_fp32_list_runs_fp32():
     got = program.instantiate()(ids)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want.float(), atol=2e-2, rtol=0)
+
+
+def _train_slices(program, data, steps):
+    from recc.models import slice_batch
+    dmodel = program.instantiate()
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.05)
+    outs = []
+    for step in range(steps):
+        x, o, i, y = slice_batch(data.batch(step), recc.rank(), recc.world_size())
+        out = dmodel(x, o, i)
+        outs.append(out.detach())
+        F.binary_cross_entropy(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"outputs": outs, "state": dmodel.state_dict()}
+
+
+def test_two_ranks_in_bf16_train_like_eager_under_autocast():
+    """DDP all-reduces the fp32 master weights' gradients (they come back through the casts):
+    two ranks equal one eager process under autocast on the global batch, within bf16 rounding."""
+    from recc.models import slice_batch
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    data = SyntheticData("tiny")
+    program = recc.compile(copy.deepcopy(model), recc.Cluster.local(2), example_inputs=slice_batch(data.batch(0), 0, 2)[:3],
+                           config=recc.CompileConfig(dense_dtype="bf16", lr=0.05, comm_fwd="fp32", comm_bwd="fp32"))
+    results = recc.launch(_train_slices, recc.Cluster.local(2), program, data, 3)
+    eager = copy.deepcopy(model)
+    for e in eager.emb_l:
+        e.sparse = True
+    opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+    for step in range(3):
+        x, o, i, y = data.batch(step)
+        with torch.autocast("cpu", torch.bfloat16):
+            want = eager(x, o, i)
+        got = torch.cat([r["outputs"][step] for r in results])
+        torch.testing.assert_close(got, want.float(), atol=1e-2, rtol=0, msg=f"step {step}")
+        F.binary_cross_entropy(want.float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in results:
+        for k, v in eager.state_dict().items():
+            assert r["state"][k].dtype == torch.float32
+            torch.testing.assert_close(r["state"][k], v, atol=2e-3, rtol=0, msg=k)
