@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import yaml
 
-from recc.specs import SHARDING_KINDS, OptimizerSpec
+from recc.specs import ADAM_EPS, SHARDING_KINDS, WEIGHT_DECAY_MODES, OptimizerSpec
 
 SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
@@ -16,7 +16,9 @@ DENSE_DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass
 class CompileConfig:
-    """What to build. ``optimizer``/``lr``/``eps``/``beta1``/``beta2``/``weight_decay`` configure
+    """What to build. ``optimizer``/``lr``/``eps``/``beta1``/``beta2``/``weight_decay``/
+    ``weight_decay_mode``/``adam_eps`` (``OptimizerSpec``: L2 or decoupled decay; adam's eps after the
+    bias correction as torch.optim.Adam — the default — or before it as torch.optim.SparseAdam) configure
     the sparse optimizer fused into the embedding backward (``rowwise_adagrad`` follows FBGEMM:
     ``m += mean(g^2)``; ``w -= lr*g/(sqrt(m)+eps)`` with eps=1e-8 by default, unlike torch's
     Adagrad which adds eps after the square root on a per-element accumulator).
@@ -42,6 +44,8 @@ class CompileConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
+    weight_decay_mode: str = "l2"
+    adam_eps: str = "after_bias_correction"
     sharding: str = "auto"
     comm_fwd: str = "fp16"
     comm_bwd: str = "bf16"
@@ -69,6 +73,11 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.comm_error_action={self.comm_error_action!r}: choose 'warn' or 'error'")
         if self.comm_error_budget is not None and not self.comm_error_budget >= 0:
             raise ValueError(f"CompileConfig.comm_error_budget must be >= 0, got {self.comm_error_budget}")
+        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"CompileConfig.weight_decay_mode={self.weight_decay_mode!r}: choose one of "
+                             f"{WEIGHT_DECAY_MODES}")
+        if self.adam_eps not in ADAM_EPS:
+            raise ValueError(f"CompileConfig.adam_eps={self.adam_eps!r}: choose one of {ADAM_EPS}")
         if self.dense_dtype not in DENSE_DTYPES:
             raise ValueError(f"CompileConfig.dense_dtype={self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
         if self.verify not in (0, 1, 2):
@@ -80,7 +89,8 @@ class CompileConfig:
 
     @property
     def sparse_optimizer(self) -> OptimizerSpec:
-        return OptimizerSpec(self.optimizer, self.lr, self.eps, self.beta1, self.beta2, self.weight_decay)
+        return OptimizerSpec(self.optimizer, self.lr, self.eps, self.beta1, self.beta2, self.weight_decay,
+                             self.weight_decay_mode, self.adam_eps)
 
     @classmethod
     def from_dict(cls, d: dict) -> "CompileConfig":

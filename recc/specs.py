@@ -7,10 +7,13 @@ replaces an annotation, it never mutates one that an earlier stage's graph still
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 POOLINGS = ("sum", "mean", "max", "none")
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+ADAM_EPS = ("after_bias_correction", "before_bias_correction")
 SHARDING_KINDS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 _SHORT_KIND = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw",
                "table_row_wise": "twrw", "data_parallel": "dp"}
@@ -135,7 +138,14 @@ class CommSpec:
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """The sparse optimizer fused into a table group's backward."""
+    """The sparse optimizer fused into a table group's backward.
+
+    ``weight_decay_mode``: ``l2`` adds ``weight_decay * w`` to the gradient (and so to the
+    optimizer state); ``decoupled`` (FBGEMM's DECOUPLE, torch's AdamW) shrinks the row by
+    ``1 - lr * weight_decay`` apart from the gradient. ``adam_eps``: where adam adds eps —
+    ``after_bias_correction`` (the default: ``sqrt(v / (1 - b2^t)) + eps``, torch.optim.Adam/AdamW
+    and FBGEMM) or ``before_bias_correction`` (``sqrt(v) + eps`` then the correction,
+    torch.optim.SparseAdam)."""
 
     name: str = "sgd"
     lr: float = 0.01
@@ -143,9 +153,29 @@ class OptimizerSpec:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
+    weight_decay_mode: str = "l2"
+    adam_eps: str = "after_bias_correction"
+
+    def __post_init__(self):
+        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"weight_decay_mode {self.weight_decay_mode!r} not in {WEIGHT_DECAY_MODES}")
+        if self.adam_eps not in ADAM_EPS:
+            raise ValueError(f"adam_eps {self.adam_eps!r} not in {ADAM_EPS}")
+
+    def eps_at(self, step: int) -> float:
+        """The eps the kernels' formula (eps after the bias correction) takes at 1-based ``step``:
+        SparseAdam's eps before the correction is that formula with ``eps / sqrt(1 - b2^step)``."""
+        if self.name == "adam" and self.adam_eps == "before_bias_correction":
+            return self.eps / math.sqrt(1.0 - self.beta2 ** step)
+        return self.eps
 
     def describe(self) -> str:
-        return f"{self.name}(lr={self.lr:g})"
+        extra = ""
+        if self.weight_decay:
+            extra += f", weight_decay={self.weight_decay:g}" + (" decoupled" if self.weight_decay_mode == "decoupled" else "")
+        if self.name == "adam" and self.adam_eps != "after_bias_correction":
+            extra += ", eps before bias correction"
+        return f"{self.name}(lr={self.lr:g}{extra})"
 
 
 def fmt_ms(ms: float) -> str:

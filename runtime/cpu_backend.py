@@ -62,8 +62,9 @@ class TBELookup(torch.autograd.Function):
         if ctx.t and b:
             tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
                                 T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw,
-                                optimizer=o.name, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2,
-                                weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale)
+                                optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
+                                weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale,
+                                weight_decay_mode=o.weight_decay_mode)
         return None, None, None
 
 

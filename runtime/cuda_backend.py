@@ -54,14 +54,15 @@ class TBELookupCUDA(torch.autograd.Function):
         if ctx.t and b and ctx.pooling == "max":
             tbe_backward_update_reference(
                 group.weights.detach(), group.optimizer_state(), linearize_indices(ids, offsets, ctx.hsc, ctx.t, b),
-                offsets, grad.contiguous(), T=ctx.t, B=b, pooling="max", optimizer=o.name, lr=o.lr, eps=o.eps,
-                beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step)
+                offsets, grad.contiguous(), T=ctx.t, B=b, pooling="max", optimizer=o.name, lr=o.lr,
+                eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
+                weight_decay_mode=o.weight_decay_mode)
         elif ctx.t and b:
             cuda_kernels.tbe_backward_update(
                 group.weights.detach(), group.optimizer_state(), ids, offsets, ctx.hsc, grad.contiguous(),
                 T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,
-                eps=o.eps, beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
-                table_names=ctx.names, checked=checked)
+                eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
+                table_names=ctx.names, checked=checked, weight_decay_mode=o.weight_decay_mode)
         return None, None, None
 
 

@@ -170,7 +170,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, i64, i64, p, p,            # weights, R, D, momentum1, momentum2
         p, p, i64, i64,               # lin_indices, offsets, T, B
         p, p, i32, f32,               # grad_output, per_sample_weights, mean, grad_scale
-        i32, f32, f32, f32, f32, f32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, bc1, bc2
+        i32, f32, f32, f32, f32, f32, i32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, decoupled, bc1, bc2
         p, i32,                       # slot_map, nthreads
     ]
     lib.recc_tbe_forward.restype = ctypes.c_int

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from . import native, sparse
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
 POOLINGS = ("sum", "mean", "max")
 _OPTIMIZER_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}  # matches the C enum
 
@@ -249,9 +250,11 @@ def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch
 # ----------------------------------------------------------------------------- backward
 
 
-def _check_update(weights, state, optimizer, grad_output, T, B):
+def _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode="l2"):
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    if weight_decay_mode not in WEIGHT_DECAY_MODES:
+        raise ValueError(f"unknown weight_decay_mode {weight_decay_mode!r}; expected one of {WEIGHT_DECAY_MODES}")
     R, D = weights.shape
     for name, shape in optimizer_state_shapes(optimizer, R, D).items():
         s = state.get(name)
@@ -273,10 +276,10 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                                   optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                                   beta1: float = 0.9, beta2: float = 0.999,
                                   weight_decay: float = 0.0, step: int = 1,
-                                  grad_scale: float = 1.0) -> None:
+                                  grad_scale: float = 1.0, weight_decay_mode: str = "l2") -> None:
     """Pure-torch backward + fused optimizer: unique + index_add + one row update."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
-    _check_update(weights, state, optimizer, grad_output, T, B)
+    _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
     R, D = weights.shape
     N = lin_indices.numel()
     if N == 0:
@@ -313,8 +316,10 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                 grad_ids = grad_ids / lengths[bag_of].to(torch.float32)[:, None]
             g = torch.zeros(rows.numel(), D, dtype=torch.float32, device=dev).index_add_(0, slot, grad_ids)
         w = weights[rows]
-        if weight_decay:
+        if weight_decay and weight_decay_mode == "l2":
             g += weight_decay * w
+        elif weight_decay:
+            w *= 1 - lr * weight_decay   # decoupled: the row shrinks apart from g and the state
 
         if optimizer == "sgd":
             w -= lr * g
@@ -387,7 +392,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
                                optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                                beta1: float = 0.9, beta2: float = 0.999,
                                weight_decay: float = 0.0, step: int = 1,
-                                  grad_scale: float = 1.0) -> None:
+                               grad_scale: float = 1.0, weight_decay_mode: str = "l2") -> None:
     """The C fast path (same semantics as the reference); raises if it is unavailable."""
     lib = native.library()
     if lib is None:
@@ -395,7 +400,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     if pooling == "max":
         raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
-    _check_update(weights, state, optimizer, grad_output, T, B)
+    _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
     if not _native_update_ok(weights, state, optimizer):
         raise ValueError("the C kernels update weights and state in place: they must be "
                          "contiguous")
@@ -413,7 +418,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
         None if m1 is None else m1.data_ptr(), None if m2 is None else m2.data_ptr(),
         lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(),
         None if psw is None else psw.data_ptr(), int(pooling == "mean"), grad_scale,
-        _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay,
+        _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay, int(weight_decay_mode == "decoupled"),
         1.0 - beta1 ** step, 1.0 - beta2 ** step, slot_map.data_ptr(), _num_threads())
     if rc == 1:
         raise IndexError(f"lin_indices has a row outside [0, {R}); nothing was updated; run "
@@ -433,7 +438,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         per_sample_weights: torch.Tensor | None = None,
                         optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                         beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
-                        step: int = 1, grad_scale: float = 1.0) -> None:
+                        step: int = 1, grad_scale: float = 1.0, weight_decay_mode: str = "l2") -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
 
     ``grad_scale`` multiplies every id's gradient (a rank's 1/world share of the global-mean
@@ -442,16 +447,19 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     ``grad_output`` is dLoss/d(tbe_forward output), ``[B, T*D]``.  Each id's gradient is its
     bag's gradient (times its per-sample weight; divided by the bag length for mean; for max,
     column d of it goes only to the id that won column d, every id of the bag is touched); the
-    gradients of duplicate ids are summed, ``weight_decay * w`` is added, and each touched
-    row of ``weights`` and ``state`` (shapes: ``optimizer_state_shapes``) is updated once:
+    gradients of duplicate ids are summed, and each touched row of ``weights`` and ``state``
+    (shapes: ``optimizer_state_shapes``) is updated once. Weight decay: ``weight_decay_mode="l2"``
+    adds ``weight_decay * w`` to g (into the state too); ``"decoupled"`` (FBGEMM's DECOUPLE,
+    torch's AdamW) first shrinks the row, ``w *= 1 - lr * weight_decay``, and leaves g alone. Then:
 
     - sgd: ``w -= lr * g``
     - rowwise_adagrad (FBGEMM): ``m[row] += mean(g*g)``; ``w -= lr * g / (sqrt(m[row]) + eps)``
     - adagrad: ``s += g*g``; ``w -= lr * g / (sqrt(s) + eps)``
     - adam (lazy, rows present only): ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*g*g``;
-      ``w -= lr * (m/(1-b1^step)) / (sqrt(v/(1-b2^step)) + eps)``, ``step`` 1-based and global.
-      (eps as in torch.optim.Adam; torch.optim.SparseAdam adds eps to sqrt(v) before the bias
-      correction, i.e. an effective eps of ``eps*sqrt(1-b2^step)``.)
+      ``w -= lr * (m/(1-b1^step)) / (sqrt(v/(1-b2^step)) + eps)``, ``step`` 1-based and global:
+      eps after the bias correction, as torch.optim.Adam/AdamW and FBGEMM. torch.optim.SparseAdam
+      adds eps to sqrt(v) before it — this formula with eps / sqrt(1-b2^step); the backends pass
+      that for ``OptimizerSpec.adam_eps="before_bias_correction"``.
 
     Ids must be valid rows (``validate_inputs`` on the local ids, then ``linearize_indices``);
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
@@ -464,4 +472,5 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
         fn = tbe_backward_update_reference
     fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
        per_sample_weights=per_sample_weights, optimizer=optimizer, lr=lr, eps=eps, beta1=beta1,
-       beta2=beta2, weight_decay=weight_decay, step=step, grad_scale=grad_scale)
+       beta2=beta2, weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+       weight_decay_mode=weight_decay_mode)

@@ -148,6 +148,7 @@ typedef struct {
     int mean, optimizer;
     float grad_scale; /* every id's gradient is multiplied by it (the loss's 1/world share) */
     float lr, eps, beta1, beta2, wd, bc1, bc2;
+    int decoupled; /* weight decay: 0 L2 (wd * w added to g), 1 decoupled (w *= 1 - lr * wd, AdamW) */
     int32_t* slot_map;
 } bwd_t;
 
@@ -162,9 +163,15 @@ static inline __attribute__((always_inline)) void apply_row(const bwd_t* c, int6
                                                             const int64_t D) {
     float* restrict w = c->weights + row * D;
     const float lr = c->lr, eps = c->eps, wd = c->wd;
-    if (wd != 0.0f) {
+    if (wd != 0.0f && !c->decoupled) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) g[d] += wd * w[d];
+    } else if (wd != 0.0f) {
+        /* Decoupled (FBGEMM's DECOUPLE, torch's AdamW): the decay shrinks the weight apart from
+         * the gradient and the optimizer state; the update below then reads the shrunk row. */
+        const float keep = 1.0f - lr * wd;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) w[d] *= keep;
     }
     switch (c->optimizer) {
     case OPT_SGD:
@@ -376,7 +383,7 @@ int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, fl
                              const int64_t* lin, const int64_t* offsets, int64_t T,
                              int64_t B, const float* go, const float* psw, int mean,
                              float grad_scale, int optimizer, float lr, float eps, float beta1, float beta2,
-                             float wd, float bc1, float bc2, int32_t* slot_map,
+                             float wd, int decoupled, float bc1, float bc2, int32_t* slot_map,
                              int nthreads) {
     if (D <= 0 || T < 0 || B < 0 || optimizer < 0 || optimizer > 3) return RC_BAD_ARGS;
     if (optimizer != OPT_SGD && !m1) return RC_BAD_ARGS;
@@ -477,7 +484,7 @@ int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, fl
 
     /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
     const bwd_t ctx = {weights, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
-                       psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2,
+                       psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled,
                        slot_map};
     void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
         D == 16 ? process_unit_16

@@ -257,6 +257,7 @@ extern "C" __global__ void tbe_run_bounds(const int* __restrict__ sorted,
 struct OptArgs {
     int opt;
     float lr, eps, beta1, beta2, weight_decay, bc1, bc2;
+    int decoupled; /* weight decay: 0 L2 (added to g), 1 decoupled (the row shrinks by 1 - lr*wd first) */
 };
 
 /* Sum of ids [s, e) of a run into g (chunk c covers columns d0 + c*lanes*V .. +V). */
@@ -313,7 +314,10 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
 #pragma unroll
         for (int k = 0; k < V; ++k) {
             w[c][k] = here ? r.v[k] : 0.0f;
-            if (here && o.weight_decay != 0.0f) g[c][k] += o.weight_decay * w[c][k];
+            if (here && o.weight_decay != 0.0f) {
+                if (o.decoupled) w[c][k] *= 1.0f - o.lr * o.weight_decay;
+                else g[c][k] += o.weight_decay * w[c][k];
+            }
             if (here) sq += g[c][k] * g[c][k];
         }
     }
@@ -463,9 +467,9 @@ __device__ __forceinline__ void update_block_body(
                                     const int* num_runs_at, const i64* offsets, int T, i64 B,  \
                                     const float* go, const float* psw, int mean, int opt,      \
                                     float lr, float eps, float beta1, float beta2, float wd,   \
-                                    float bc1, float bc2, u64 seed, int lanes, int long_run,   \
-                                    const u64* err) {                                          \
-        const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2};                          \
+                                    int decoupled, float bc1, float bc2, u64 seed, int lanes,  \
+                                    int long_run, const u64* err) {                            \
+        const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled};               \
         BODY<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at, offsets,  \
                    T, B, go, psw, mean, o, seed, lanes, long_run, err);                        \
     }

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from recc.kernels.cpu.tbe import OPTIMIZERS, optimizer_state_shapes, validate_inputs
+from recc.kernels.cpu.tbe import OPTIMIZERS, WEIGHT_DECAY_MODES, optimizer_state_shapes, validate_inputs
 
 KERNEL_POOLINGS = ("sum", "mean")
 
@@ -172,13 +172,15 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         per_sample_weights: torch.Tensor | None = None, optimizer: str = "sgd",
                         lr: float, eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999,
                         weight_decay: float = 0.0, step: int = 1, seed: int | None = None,
-                        table_names=None, checked: bool = False) -> None:
+                        table_names=None, checked: bool = False, weight_decay_mode: str = "l2") -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place; the math of
     ``recc.kernels.cpu.tbe.tbe_backward_update``.  ``seed`` keys the stochastic rounding of
     fp16 weights (default: ``step``)."""
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    if weight_decay_mode not in WEIGHT_DECAY_MODES:
+        raise ValueError(f"unknown weight_decay_mode {weight_decay_mode!r}; expected one of {WEIGHT_DECAY_MODES}")
     R, D = weights.shape
     for name, shape in optimizer_state_shapes(optimizer, R, D).items():
         s = state.get(name)
@@ -227,7 +229,8 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     args = (weights.detach(), np.int32(D), m1, m2, sorted_rows, perm, bag_of, run_start,
             num_runs_at, off, np.int32(T), np.int64(B), go, psw, np.int32(pooling == "mean"),
             np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
-            np.float32(beta2), np.float32(weight_decay), np.float32(bc1), np.float32(bc2),
+            np.float32(beta2), np.float32(weight_decay), np.int32(weight_decay_mode == "decoupled"),
+            np.float32(bc1), np.float32(bc2),
             np.uint64(seed), np.int32(lanes), np.int32(LONG_RUN), err)
     sms = _sm_count(dev)
     groups_per_block = THREADS // lanes

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from recc.kernels.cpu import native
 from recc.kernels.cpu.tbe import (
@@ -593,3 +594,103 @@ def test_max_pooling_gives_each_column_to_its_winner_only(impl):
     # (rows 2 and 3 tie at 0 in col 1: row 2 comes first).
     want = w - torch.tensor([[0.0, 10.0], [1.0, 0.0], [100.0, 1000.0], [0.0, 0.0]])
     assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- optimizer semantics
+
+
+def _every_row_each_step(rows=9, D=6, steps=5, seed=50):
+    """Batches whose ids touch every row each step (so a lazy sparse update equals torch's dense
+    one): bag b holds row b and a random other row."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.stack([torch.arange(rows), torch.randint(0, rows, (rows,), generator=g)], 1).reshape(-1)
+        out.append((ids, torch.arange(0, 2 * rows + 1, 2), torch.randn(rows, D, generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["l2", "decoupled"])
+@pytest.mark.parametrize("eps", [1e-8, 1e-2])
+def test_adam_matches_torch_adam_and_adamw_over_steps(impl, mode, eps):
+    """adam, eps after the bias correction (the default): torch.optim.Adam with L2 weight decay,
+    torch.optim.AdamW with decoupled; over 5 steps, every row touched each step."""
+    from recc.specs import OptimizerSpec
+    rows, D, wd, lr = 9, 6, 0.1, 0.05
+    w0 = torch.randn(rows, D, generator=torch.Generator().manual_seed(1))
+    param = torch.nn.Parameter(w0.clone())
+    cls = torch.optim.AdamW if mode == "decoupled" else torch.optim.Adam
+    opt = cls([param], lr=lr, betas=(0.9, 0.99), eps=eps, weight_decay=wd)
+    w, state = w0.clone(), new_state("adam", w0)
+    spec = OptimizerSpec("adam", lr, eps, 0.9, 0.99, wd, mode)
+    for step, (ids, off, grad) in enumerate(_every_row_each_step(rows, D), start=1):
+        opt.zero_grad()
+        (F.embedding_bag(ids, param, off, mode="sum", include_last_offset=True) * grad).sum().backward()
+        opt.step()
+        tbe_backward_update(w, state, ids, off, grad, T=1, B=rows, optimizer="adam", lr=lr, beta1=0.9,
+                            beta2=0.99, eps=spec.eps_at(step), weight_decay=wd, step=step, weight_decay_mode=mode)
+    torch.testing.assert_close(w, param.detach(), rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("eps", [1e-8, 1e-4, 1e-2])
+def test_adam_eps_before_bias_correction_is_sparse_adams(impl, eps):
+    """``adam_eps="before_bias_correction"`` gives torch.optim.SparseAdam's update (eps added to
+    sqrt(v) before the correction); the default differs from it measurably at a large eps."""
+    from recc.specs import OptimizerSpec
+    rows, D, lr = 9, 6, 0.05
+    w0 = torch.randn(rows, D, generator=torch.Generator().manual_seed(2))
+    param = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SparseAdam([param], lr=lr, betas=(0.9, 0.99), eps=eps)
+    results = {}
+    for convention in ("before_bias_correction", "after_bias_correction"):
+        spec = OptimizerSpec("adam", lr, eps, 0.9, 0.99, adam_eps=convention)
+        w, state = w0.clone(), new_state("adam", w0)
+        for step, (ids, off, grad) in enumerate(_every_row_each_step(rows, D, seed=51), start=1):
+            tbe_backward_update(w, state, ids, off, grad, T=1, B=rows, optimizer="adam", lr=lr, beta1=0.9,
+                                beta2=0.99, eps=spec.eps_at(step), step=step)
+        results[convention] = w
+    for ids, off, grad in _every_row_each_step(rows, D, seed=51):
+        opt.zero_grad()
+        (F.embedding_bag(ids, param, off, mode="sum", include_last_offset=True, sparse=True) * grad).sum().backward()
+        opt.step()
+    torch.testing.assert_close(results["before_bias_correction"], param.detach(), rtol=1e-5, atol=2e-6)
+    if eps >= 1e-2:
+        assert (results["after_bias_correction"] - param.detach()).abs().max() > 1e-3
+
+
+def _oracle_update(optimizer, w, state, g, lr, eps, wd, mode):
+    """One documented row update in float64 (the touched rows of a dense gradient)."""
+    w, g = w.double(), g.double()
+    st = {k: v.double() for k, v in state.items()}
+    if wd and mode == "l2":
+        g = g + wd * w
+    elif wd:
+        w = w * (1 - lr * wd)
+    if optimizer == "sgd":
+        w = w - lr * g
+    elif optimizer == "rowwise_adagrad":
+        st["momentum1"] = st["momentum1"] + (g * g).mean(1)
+        w = w - lr * g / (st["momentum1"].sqrt() + eps)[:, None]
+    elif optimizer == "adagrad":
+        st["momentum1"] = st["momentum1"] + g * g
+        w = w - lr * g / (st["momentum1"].sqrt() + eps)
+    return w, st
+
+
+@pytest.mark.parametrize("mode", ["l2", "decoupled"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adagrad"])
+def test_weight_decay_modes_match_a_float64_oracle_over_steps(impl, optimizer, mode):
+    """L2 and decoupled weight decay for sgd, rowwise_adagrad and adagrad: 10 steps against the
+    documented update in float64 (eps 0.1 so sqrt(m)+eps and sqrt(m+eps) differ)."""
+    rows, D, lr, eps, wd = 9, 6, 0.05, 0.1, 0.2
+    w = torch.randn(rows, D, generator=torch.Generator().manual_seed(3))
+    state = new_state(optimizer, w)
+    w64, st64 = w.double(), {k: v.double() for k, v in state.items()}
+    for step, (ids, off, grad) in enumerate(_every_row_each_step(rows, D, steps=10, seed=52), start=1):
+        dense = torch.zeros(rows, D, dtype=torch.float64).index_add_(0, ids, grad.double().repeat_interleave(2, 0))
+        w64, st64 = _oracle_update(optimizer, w64, st64, dense, lr, eps, wd, mode)
+        tbe_backward_update(w, state, ids, off, grad, T=1, B=rows, optimizer=optimizer, lr=lr, eps=eps,
+                            weight_decay=wd, step=step, weight_decay_mode=mode)
+    torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
+    for k in state:
+        torch.testing.assert_close(state[k].double(), st64[k], rtol=1e-5, atol=1e-6)

@@ -228,3 +228,20 @@ def test_cluster_from_env_inconsistent(no_torchrun_env):
     no_torchrun_env.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a multiple of LOCAL_WORLD_SIZE=4"):
         recc.Cluster.from_env()
+
+
+def test_optimizer_conventions_are_validated_and_reach_the_groups():
+    import pytest
+    import recc
+    from recc.models import build_model
+    with pytest.raises(ValueError, match="weight_decay_mode='adamw'"):
+        recc.CompileConfig(weight_decay_mode="adamw")
+    with pytest.raises(ValueError, match="adam_eps='torch'"):
+        recc.CompileConfig(adam_eps="torch")
+    cfg = recc.CompileConfig(optimizer="adam", weight_decay=0.01, weight_decay_mode="decoupled",
+                             adam_eps="before_bias_correction")
+    program = recc.compile(build_model("tiny"), config=cfg)
+    assert "adam(lr=0.01, weight_decay=0.01 decoupled, eps before bias correction)" in program.stages["batch_tables"].text
+    spec = cfg.sparse_optimizer
+    assert spec.eps_at(1) == pytest.approx(cfg.eps / (1 - cfg.beta2) ** 0.5)
+    assert recc.CompileConfig(optimizer="adam").sparse_optimizer.eps_at(1) == cfg.eps
