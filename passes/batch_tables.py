@@ -61,13 +61,13 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
             bags = "jagged"
         # Gathers (pooling "none") run as sum-pooled bags of one id.
         pooling = "sum" if t.pooling == "none" else t.pooling
-        key = (widths.pop(), pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags)
+        key = (widths.pop(), pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags, t.dtype)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
         bucket[-1].append(n)
     index, last = 0, None
-    for (width, pooling, weighted, _, dp, two_level, _), chunks in groups.items():
+    for (width, pooling, weighted, _, dp, two_level, _, _), chunks in groups.items():
         node_size = ctx.cluster.devices_per_node if two_level else 0
         for members in chunks:
             members.sort(key=_owner_order)

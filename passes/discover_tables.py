@@ -46,6 +46,7 @@ from recc.passmanager import PassContext, register_pass
 from recc.specs import TableSpec
 
 _BAG_SIG = inspect.signature(F.embedding_bag)
+_STORED = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # CompileConfig.table_dtype -> TableSpec.dtype
 _EMB_SIG = inspect.signature(F.embedding)
 
 
@@ -143,7 +144,8 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
                          pooling=mode, weight_key=wpath, weighted=psw is not None,
-                         jagged=mode == "none" and _is_jagged(ids, ctx.batch))
+                         jagged=mode == "none" and _is_jagged(ids, ctx.batch),
+                         dtype=_STORED[ctx.config.table_dtype])
         tables[name] = spec
         old_name = node.name
         shared = _field_offsets(gm, ids, int(weight.shape[0]))

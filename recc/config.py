@@ -12,6 +12,7 @@ from recc.specs import ADAM_EPS, SHARDING_KINDS, WEIGHT_DECAY_MODES, OptimizerSp
 SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 DENSE_DTYPES = ("fp32", "bf16", "fp16")
+TABLE_DTYPES = ("fp32", "fp16", "bf16")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class CompileConfig:
 
     ``dense_dtype`` runs the dense part's matrix products in ``bf16`` with fp32 master weights
     (``cast_dense``: autocast's per-op choice, as graph nodes); ``fp16`` is for CUDA.
+    ``table_dtype`` stores the embedding tables in ``fp16``/``bf16`` (half the memory and lookup
+    bytes): pooled and updated in fp32 with fp32 optimizer state, written back with stochastic
+    rounding; ``state_dict()`` still returns fp32 tables.
     """
 
     optimizer: str = "sgd"
@@ -56,6 +60,7 @@ class CompileConfig:
     batch_size: Optional[int] = None
     verify: int = 1
     dense_dtype: str = "fp32"
+    table_dtype: str = "fp32"
     pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -78,6 +83,8 @@ class CompileConfig:
                              f"{WEIGHT_DECAY_MODES}")
         if self.adam_eps not in ADAM_EPS:
             raise ValueError(f"CompileConfig.adam_eps={self.adam_eps!r}: choose one of {ADAM_EPS}")
+        if self.table_dtype not in TABLE_DTYPES:
+            raise ValueError(f"CompileConfig.table_dtype={self.table_dtype!r}: choose one of {TABLE_DTYPES}")
         if self.dense_dtype not in DENSE_DTYPES:
             raise ValueError(f"CompileConfig.dense_dtype={self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
         if self.verify not in (0, 1, 2):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from recc.specs import OptimizerSpec, TableSpec
 
-Placement = tuple[int, int, int, int, int, int]  # (table index in group, rank, row0, row1, col0, col1)
+Placement = tuple[int, int, int, int, int, int]
+WEIGHT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # (table index in group, rank, row0, row1, col0, col1)
 
 
 class TableGroup(nn.Module):
@@ -39,6 +40,8 @@ class TableGroup(nn.Module):
         self.dim = width
         self.pooling = pooling
         self.weighted = weighted
+        # The stored dtype of the weights (TableSpec.dtype, one per group: batch_tables keys on it).
+        self.weight_dtype = WEIGHT_DTYPES[tables[0].dtype] if tables else torch.float32
         self.optimizer = optimizer
         self.data_parallel = data_parallel
         self.world_size = world_size
@@ -116,7 +119,7 @@ class TableGroup(nn.Module):
             if ids.device.type == "meta" or w.device.type == "meta":
                 outs.append(torch.empty(b, self.dim, device="meta"))
                 continue
-            outs.append(F.embedding_bag(ids, w, offs, mode=self.pooling, per_sample_weights=psw))
+            outs.append(F.embedding_bag(ids, w.float(), offs, mode=self.pooling, per_sample_weights=psw))
         return torch.cat(outs, dim=1)
 
     def table_weight(self, j: int) -> torch.Tensor:
@@ -129,7 +132,8 @@ class TableGroup(nn.Module):
         names = ",".join(t.short for t in self.tables)
         w = ",weighted" if self.weighted else ""
         dp = " data_parallel" if self.data_parallel else f" two-level(nodes of {self.node_size})" if self.node_size else ""
-        s = f"{self.group_name}=[{names}] dim={self.dim} {self.pooling}{w} {self.optimizer.describe()}{dp}"
+        stored = "" if self.weight_dtype == torch.float32 else f" {self.tables[0].dtype}"
+        s = f"{self.group_name}=[{names}] dim={self.dim}{stored} {self.pooling}{w} {self.optimizer.describe()}{dp}"
         if self.world_size > 1 and not self.data_parallel:
             per_rank = []
             for r in range(self.world_size):

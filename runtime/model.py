@@ -24,12 +24,12 @@ from recc.runtime.pipeline import split_sparse_stage
 from recc.tables import TableGroup
 
 
-def _table_memory(shape, device: torch.device) -> torch.Tensor:
-    """Uninitialised fp32 memory for a table or its optimizer state. On CPU it is on huge pages:
+def _table_memory(shape, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uninitialised memory for a table or its optimizer state. On CPU it is on huge pages:
     rows are read and updated at random, and 2 MiB pages spare the TLB misses."""
     if device.type == "cpu":
-        return huge_page_empty(shape)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+        return huge_page_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def materialize(group: TableGroup, rank: int, device: torch.device,
@@ -38,7 +38,11 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
     state. Only the rank's own blocks of the source tables are read; nothing else is copied."""
     group.set_rank(rank)
     rows, dim = group.total_rows, group.dim
-    weights = _table_memory((rows, dim), device)
+    if group.weight_dtype == torch.bfloat16 and device.type == "cuda":
+        raise ValueError(f"table group {group.group_name}: bf16 tables have no CUDA kernel; use "
+                         f"CompileConfig(table_dtype='fp16') on GPUs")
+    # Half tables start as the user's fp32 values rounded to nearest (copy_ converts).
+    weights = _table_memory((rows, dim), device, group.weight_dtype)
     for j in range(group.num_tables):
         spec = group.local_table(j)
         r0, r1 = int(group.hash_size_cumsum[j]), int(group.hash_size_cumsum[j + 1])
@@ -47,11 +51,11 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
             # Tables built on the meta device get the DLRM reference initialisation here, on
             # their owner only, so no rank ever holds a table it does not own.
             bound = math.sqrt(1.0 / spec.rows)
-            if device.type == "cpu":
+            if device.type == "cpu" and weights.dtype == torch.float32:
                 weights[r0:r1].uniform_(-bound, bound, generator=generator)
             else:
-                # The seeded generator is a CPU one: draw there, so a GPU rank gets the same
-                # initial table as a CPU rank.
+                # The seeded generator is a CPU one: draw there in fp32, so a GPU rank (or a half
+                # table) gets the same initial table as a CPU rank's fp32 one.
                 block = torch.empty(r1 - r0, dim, dtype=torch.float32)
                 weights[r0:r1].copy_(block.uniform_(-bound, bound, generator=generator))
         else:
@@ -234,7 +238,7 @@ class DistributedModel(nn.Module):
             if g.data_parallel and owner != 0:
                 continue  # replicas are identical: rank 0's copy is the table
             if owner == g.rank:
-                block = g.table_weight(local[(k, r0, c0)]).detach().clone()
+                block = g.table_weight(local[(k, r0, c0)]).detach().float()  # fp32, as the user's table
             else:
                 block = torch.empty(r1 - r0, c1 - c0)
             if world > 1:

@@ -31,6 +31,8 @@ from . import native, sparse
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 WEIGHT_DECAY_MODES = ("l2", "decoupled")
+# The weights' storage types and the C kernels' codes for them (tbe_backward.c's W_*).
+WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POOLINGS = ("sum", "mean", "max")
 _OPTIMIZER_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}  # matches the C enum
 
@@ -148,8 +150,8 @@ def _offsets_ok(offsets: torch.Tensor, n: int) -> bool:
 
 
 def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights):
-    if weights.dim() != 2 or weights.dtype != torch.float32:
-        raise ValueError(f"weights must be a 2-D float32 tensor, got {weights.dtype} "
+    if weights.dim() != 2 or weights.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weights must be a 2-D float32/float16/bfloat16 tensor, got {weights.dtype} "
                          f"{tuple(weights.shape)}")
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
@@ -186,6 +188,7 @@ def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     D = weights.shape[1]
     with torch.no_grad():
+        weights = weights.float()  # half weights pool in fp32, as the C kernels do
         pooled = F.embedding_bag(lin_indices.to(torch.int64), weights, offsets.to(torch.int64),
                                  mode=pooling, per_sample_weights=per_sample_weights,
                                  include_last_offset=True)  # [T*B, D], feature-major
@@ -198,7 +201,7 @@ def max_pool_winners(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: 
     Plain torch (runs on any device): max pooling is rare enough that it has no C/CUDA kernel."""
     with torch.no_grad():
         _, _, bag_size, winners = torch.ops.aten._embedding_bag_forward_only(
-            weights, lin_indices.to(torch.int64), offsets.to(torch.int64), False, 2, False, None, True, -1)
+            weights.float(), lin_indices.to(torch.int64), offsets.to(torch.int64), False, 2, False, None, True, -1)
         return winners.masked_fill_((bag_size == 0)[:, None], -1)
 
 
@@ -220,7 +223,7 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
     psw = None if per_sample_weights is None else \
         per_sample_weights.detach().to(torch.float32).contiguous()
     out = torch.empty(B, T * D, dtype=torch.float32)
-    rc = lib.recc_tbe_forward(w.data_ptr(), R, D, lin.data_ptr(), off.data_ptr(), T, B,
+    rc = lib.recc_tbe_forward(w.data_ptr(), WEIGHT_DTYPES[w.dtype], R, D, lin.data_ptr(), off.data_ptr(), T, B,
                               None if psw is None else psw.data_ptr(), int(pooling == "mean"),
                               out.data_ptr(), _num_threads())
     if rc == 1:
@@ -239,7 +242,7 @@ def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch
     ``pooling`` is 'sum', 'mean' or 'max' (an empty bag pools to 0; max has no C kernel and
     runs the reference); ``per_sample_weights`` scale each id (sum pooling only).  No autograd: the caller wraps this in an autograd.Function.
     """
-    if pooling != "max" and native.library() is not None and weights.dtype == torch.float32 and \
+    if pooling != "max" and native.library() is not None and weights.device.type == "cpu" and \
             _native_sizes_ok(lin_indices, T, B):
         return tbe_forward_native(weights, lin_indices, offsets, T=T, B=B, pooling=pooling,
                                   per_sample_weights=per_sample_weights)
@@ -276,7 +279,8 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                                   optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                                   beta1: float = 0.9, beta2: float = 0.999,
                                   weight_decay: float = 0.0, step: int = 1,
-                                  grad_scale: float = 1.0, weight_decay_mode: str = "l2") -> None:
+                                  grad_scale: float = 1.0, weight_decay_mode: str = "l2",
+                                  seed: int | None = None) -> None:
     """Pure-torch backward + fused optimizer: unique + index_add + one row update."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
@@ -315,7 +319,7 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
             if pooling == "mean":
                 grad_ids = grad_ids / lengths[bag_of].to(torch.float32)[:, None]
             g = torch.zeros(rows.numel(), D, dtype=torch.float32, device=dev).index_add_(0, slot, grad_ids)
-        w = weights[rows]
+        w = weights[rows].float()
         if weight_decay and weight_decay_mode == "l2":
             g += weight_decay * w
         elif weight_decay:
@@ -343,7 +347,71 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
             bc1 = 1 - beta1 ** step
             bc2 = 1 - beta2 ** step
             w -= lr * (m / bc1) / ((v / bc2).sqrt() + eps)
+        if weights.dtype != torch.float32:
+            w = round_stochastically(w, weights.dtype, step if seed is None else seed, rows)
         weights.index_copy_(0, rows, w)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _seed64(seed: int) -> int:
+    return int(seed) & _M64
+
+
+def _as_i64(v: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch's int64 multiply wraps like uint64)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """tbe_backward.c's ``sr_bits``: 32 mixed bits (as int64 in [0, 2^32)) of (seed, index)."""
+    z = (index.to(torch.int64) + 1) * _as_i64(0x9E3779B97F4A7C15) + _as_i64(_seed64(seed))
+    z = (z ^ _srl(z, 30)) * _as_i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _as_i64(0x94D049BB133111EB)
+    return _srl(z ^ _srl(z, 31), 32)
+
+
+def round_stochastically(w: torch.Tensor, dtype: torch.dtype, seed: int, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 rows ``w`` ([U, D], of weight rows ``rows``) rounded to ``dtype`` (fp16/bf16) the way
+    the C kernels round them: to one of the two neighbours, the upper with probability equal to
+    the distance from the lower over the spacing (unbiased), from ``sr_bits(seed, row * D + col)``.
+    Infinities and NaN stay; a finite value is never rounded to infinity."""
+    D = w.shape[1]
+    index = rows.to(torch.int64)[:, None] * D + torch.arange(D, device=w.device)
+    r = sr_bits(seed, index)
+    w = w.contiguous()
+    if dtype == torch.bfloat16:
+        u = w.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        special = (u & 0x7F800000) == 0x7F800000
+        v = u + (r & 0xFFFF)
+        overflow = (v & 0x7F800000) == 0x7F800000
+        bits = torch.where(special | overflow, u >> 16, v >> 16)
+        bits = torch.where(special & ((u & 0xFFFF) != 0), bits | 0x40, bits)   # keep NaN a NaN
+        return (bits - ((bits >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(torch.bfloat16)
+    if dtype != torch.float16:
+        raise ValueError(f"stochastic rounding is to float16 or bfloat16, not {dtype}")
+    h = w.to(torch.float16)
+    hf = h.float()
+    bits = h.view(torch.int16).to(torch.int64) & 0xFFFF
+    away = w.abs() > hf.abs()
+    other = torch.where(away, bits + 1, bits - 1)
+    zero = (bits & 0x7FFF) == 0
+    other = torch.where(zero & ~away, (bits ^ 0x8000) + 1, other) & 0xFFFF
+    of = (other - ((other >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(torch.float16).float()
+    lo, hi = torch.minimum(hf, of), torch.maximum(hf, of)
+    p_hi = (w - lo) / (hi - lo)
+    u01 = (r >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    up = u01 < p_hi
+    pick = torch.where(up == (hf < of), other, bits)
+    keep = (hf == w) | torch.isnan(w) | ((bits & 0x7C00) == 0x7C00)
+    pick = torch.where(keep, bits, pick)
+    return (pick - ((pick >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(torch.float16)
 
 
 class _Workspace(threading.local):
@@ -392,7 +460,8 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
                                optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                                beta1: float = 0.9, beta2: float = 0.999,
                                weight_decay: float = 0.0, step: int = 1,
-                               grad_scale: float = 1.0, weight_decay_mode: str = "l2") -> None:
+                               grad_scale: float = 1.0, weight_decay_mode: str = "l2",
+                               seed: int | None = None) -> None:
     """The C fast path (same semantics as the reference); raises if it is unavailable."""
     lib = native.library()
     if lib is None:
@@ -414,7 +483,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     m2 = state.get("momentum2") if optimizer == "adam" else None
     slot_map = _workspace.get(R)
     rc = lib.recc_tbe_backward_update(
-        weights.data_ptr(), R, D,
+        weights.data_ptr(), WEIGHT_DTYPES[weights.dtype], _seed64(step if seed is None else seed), R, D,
         None if m1 is None else m1.data_ptr(), None if m2 is None else m2.data_ptr(),
         lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(),
         None if psw is None else psw.data_ptr(), int(pooling == "mean"), grad_scale,
@@ -438,7 +507,8 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         per_sample_weights: torch.Tensor | None = None,
                         optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                         beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
-                        step: int = 1, grad_scale: float = 1.0, weight_decay_mode: str = "l2") -> None:
+                        step: int = 1, grad_scale: float = 1.0, weight_decay_mode: str = "l2",
+                        seed: int | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
 
     ``grad_scale`` multiplies every id's gradient (a rank's 1/world share of the global-mean
@@ -461,16 +531,19 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
       adds eps to sqrt(v) before it — this formula with eps / sqrt(1-b2^step); the backends pass
       that for ``OptimizerSpec.adam_eps="before_bias_correction"``.
 
+    fp16/bf16 ``weights`` are read into fp32, updated in fp32 (``state`` is fp32) and written back
+    with stochastic rounding (``round_stochastically``, keyed by ``seed``, default ``step``).
+
     Ids must be valid rows (``validate_inputs`` on the local ids, then ``linearize_indices``);
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
     to ``per_sample_weights``.
     """
     if pooling != "max" and native.library() is not None and _native_update_ok(weights, state, optimizer) \
-            and weights.dtype == torch.float32 and _native_sizes_ok(lin_indices, T, B):
+            and weights.device.type == "cpu" and _native_sizes_ok(lin_indices, T, B):
         fn = tbe_backward_update_native
     else:
         fn = tbe_backward_update_reference
     fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
        per_sample_weights=per_sample_weights, optimizer=optimizer, lr=lr, eps=eps, beta1=beta1,
        beta2=beta2, weight_decay=weight_decay, step=step, grad_scale=grad_scale,
-       weight_decay_mode=weight_decay_mode)
+       weight_decay_mode=weight_decay_mode, seed=seed)

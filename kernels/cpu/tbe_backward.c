@@ -24,6 +24,12 @@
  *    register accumulator and applies the optimizer once.  A row's sum order is the index
  *    order whatever the thread count or unit split: results are deterministic.
  *
+ * Weights may be stored in fp16 or bf16 (`wt`, half the bytes per row): rows are read into
+ * fp32, pooled and updated in fp32 (the optimizer state is fp32), and written back with
+ * stochastic rounding — each element goes to one of its two neighbours with the probability
+ * that makes the rounding unbiased, from a counter-based hash of (seed, row, column), so the
+ * result does not depend on threads or scheduling.
+ *
  * Compiled with -std=c11, so gcc does not contract a*b+c into FMAs: the arithmetic is the
  * same as the pure-torch reference's up to summation order.
  */
@@ -34,6 +40,95 @@
 #include <omp.h>
 
 enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAGRAD = 2, OPT_ADAM = 3 };
+enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };  /* the weights' storage type */
+
+static inline int64_t w_elem_bytes(int wt) { return wt == W_F32 ? 4 : 2; }
+
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof x);
+    return (float)x;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row `row` of half weights as fp32 into out[D]. */
+static inline void load_half_row(const void* weights, int wt, int64_t row, int64_t D, float* restrict out) {
+    const uint16_t* restrict h = (const uint16_t*)weights + row * D;
+    if (wt == W_F16) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[d] = f16_to_f32(h[d]);
+    } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[d] = bf16_to_f32(h[d]);
+    }
+}
+
+/* 32 well-mixed bits of (seed, index): splitmix64's finaliser. */
+static inline uint32_t sr_bits(uint64_t seed, uint64_t index) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (uint32_t)((z ^ (z >> 31)) >> 32);
+}
+
+/* fp32 -> bf16, stochastically: adding 16 random bits below the kept ones before truncating
+ * rounds up with probability (dropped bits) / 2^16. Inf and NaN are kept as they are. */
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0u));
+    const uint32_t v = u + (r & 0xFFFFu);
+    if ((v & 0x7F800000u) == 0x7F800000u) return (uint16_t)(u >> 16);  /* never round a finite value to inf */
+    return (uint16_t)(v >> 16);
+}
+
+/* fp32 -> fp16, stochastically: the two fp16 neighbours of f, the upper one with probability
+ * (f - lo) / (hi - lo). Values past fp16's range saturate to inf as a plain conversion does. */
+static inline uint16_t f32_to_f16_sr(float f, uint32_t r) {
+    _Float16 h = (_Float16)f;  /* nearest */
+    const float hf = (float)h;
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    if (hf == f || f != f || (bits & 0x7C00u) == 0x7C00u) return bits;
+    /* the neighbour on f's other side: one ulp away from zero if |f| > |h|, else towards it */
+    const int away = fabsf(f) > fabsf(hf);
+    uint16_t other = (uint16_t)(away ? bits + 1 : bits - 1);
+    if ((bits & 0x7FFFu) == 0 && !away) other = (uint16_t)(bits ^ 0x8000u) + 1;  /* across zero */
+    _Float16 o;
+    memcpy(&o, &other, sizeof o);
+    const float of = (float)o;
+    const float lo = hf < of ? hf : of, hi = hf < of ? of : hf;
+    const float p_hi = (f - lo) / (hi - lo);
+    const float u01 = (float)(r >> 8) * (1.0f / 16777216.0f);
+    const int up = u01 < p_hi;
+    return (up ? (hf < of ? other : bits) : (hf < of ? bits : other));
+}
+
+/* Row `row` of half weights from fp32 w[D], stochastically rounded (seed, row, column). */
+static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D, const float* restrict w,
+                                  uint64_t seed) {
+    uint16_t* restrict h = (uint16_t*)weights + row * D;
+    const uint64_t base = (uint64_t)row * (uint64_t)D;
+    if (wt == W_F16) {
+        for (int64_t d = 0; d < D; ++d) h[d] = f32_to_f16_sr(w[d], sr_bits(seed, base + (uint64_t)d));
+    } else {
+        for (int64_t d = 0; d < D; ++d) h[d] = f32_to_bf16_sr(w[d], sr_bits(seed, base + (uint64_t)d));
+    }
+}
+
+/* Exported for the tests: fp32 -> half of n values with the kernels' stochastic rounding, as
+ * if they were row 0 of a table of n columns updated under `seed`. */
+int recc_round_half_sr(const float* in, int64_t n, int wt, uint64_t seed, uint16_t* out) {
+    if (wt != W_F16 && wt != W_BF16) return 3;
+    store_half_row(out, wt, 0, n, in, seed);
+    return 0;
+}
 
 enum {
     RC_OK = 0,
@@ -136,7 +231,9 @@ static int ws_reserve(workspace_t* ws, size_t n, size_t D) {
 /* ------------------------------------------------------------------ backward */
 
 typedef struct {
-    float* weights;
+    void* weights;  /* [R, D] of fp32, fp16 or bf16 (wt) */
+    int wt;
+    uint64_t seed;  /* keys the stochastic rounding of half weights */
     int64_t R, D;
     float* m1;
     float* m2;
@@ -159,9 +256,8 @@ typedef struct {
 } unit_t;
 
 static inline __attribute__((always_inline)) void apply_row(const bwd_t* c, int64_t row,
-                                                            float* restrict g,
+                                                            float* restrict w, float* restrict g,
                                                             const int64_t D) {
-    float* restrict w = c->weights + row * D;
     const float lr = c->lr, eps = c->eps, wd = c->wd;
     if (wd != 0.0f && !c->decoupled) {
 #pragma omp simd
@@ -292,7 +388,8 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
     const int64_t NV = D / 16;
     float acc_stack[D <= MAX_REG_D ? D : 1] __attribute__((aligned(64)));
     float* restrict acc = D <= MAX_REG_D ? acc_stack : ws->acc;
-    const int64_t w_bytes = D * 4;
+    const int64_t w_bytes = D * w_elem_bytes(c->wt);
+    float wtmp[c->wt == W_F32 ? 1 : D] __attribute__((aligned(64)));  /* a half row, in fp32 */
     const int64_t m1_bytes = c->optimizer == OPT_ROWWISE_ADAGRAD ? 4
                              : c->optimizer == OPT_SGD             ? 0
                                                                    : D * 4;
@@ -303,14 +400,14 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
     for (int64_t s = 0; s < U; ++s) {
         if (s + ROW_PREFETCH < U) {
             const int64_t prow = urows[s + ROW_PREFETCH];
-            prefetch_span(c->weights + prow * D, w_bytes, 1);
+            prefetch_span((const char*)c->weights + prow * w_bytes, w_bytes, 1);
             if (m1_bytes) prefetch_span(c->m1 + prow * m1_stride, m1_bytes, 1);
             if (has_m2) prefetch_span(c->m2 + prow * D, w_bytes, 1);
         }
         if (s + GO_PREFETCH < U) {
             const int32_t p0 = ends[s + GO_PREFETCH - 1], p1 = ends[s + GO_PREFETCH];
             for (int32_t p = p0; p < p1 && p < p0 + 4; ++p)
-                prefetch_span(go + (int64_t)contrib[p].go_row * D, w_bytes, 0);
+                prefetch_span(go + (int64_t)contrib[p].go_row * D, D * 4, 0);
         }
         const int32_t end = ends[s];
         if (vec) {
@@ -342,7 +439,13 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
         }
         begin = end;
         const int64_t row = urows[s];
-        apply_row(c, row, acc, D);
+        if (c->wt == W_F32) {
+            apply_row(c, row, (float*)c->weights + row * D, acc, D);
+        } else {
+            load_half_row(c->weights, c->wt, row, D, wtmp);
+            apply_row(c, row, wtmp, acc, D);
+            store_half_row(c->weights, c->wt, row, D, wtmp, c->seed);
+        }
         slot_map[row] = -1;
     }
 }
@@ -379,7 +482,7 @@ static int cmp_unit_bigger_first(const void* a, const void* b) {
  * grad_scale: multiplies every id's gradient (folded into its per-id scale, no pass over go);
  * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return.
  */
-int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, float* m2,
+int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, int64_t D, float* m1, float* m2,
                              const int64_t* lin, const int64_t* offsets, int64_t T,
                              int64_t B, const float* go, const float* psw, int mean,
                              float grad_scale, int optimizer, float lr, float eps, float beta1, float beta2,
@@ -483,7 +586,8 @@ int recc_tbe_backward_update(float* weights, int64_t R, int64_t D, float* m1, fl
     qsort(units, (size_t)n_units, sizeof(unit_t), cmp_unit_bigger_first);
 
     /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
-    const bwd_t ctx = {weights, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
+    if (wt != W_F32 && wt != W_F16 && wt != W_BF16) return RC_BAD_ARGS;
+    const bwd_t ctx = {weights, wt, seed, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
                        psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled,
                        slot_map};
     void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
@@ -530,7 +634,7 @@ int recc_offsets_ok(const int64_t* offsets, int64_t NB, int64_t N) {
 /* ------------------------------------------------------------------ forward */
 
 static inline __attribute__((always_inline)) int pool_range(
-    const float* restrict weights, int64_t R, const int64_t* restrict lin,
+    const void* restrict weights, int wt, int64_t R, const int64_t* restrict lin,
     const int64_t* restrict offsets, int64_t T, int64_t B, const float* restrict psw,
     int mean, float* restrict out, int64_t j0, int64_t j1, const int64_t D) {
     const int vec = D % 16 == 0 && D / 16 <= MAX_VECS;
@@ -538,6 +642,7 @@ static inline __attribute__((always_inline)) int pool_range(
     int bad = 0;
     const int64_t TD = T * D;
     const int64_t i_end = offsets[j1];
+    float wtmp[wt == W_F32 ? 1 : D] __attribute__((aligned(64)));  /* a half row, in fp32 */
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t t = j / B, b = j - t * B;
         float* restrict o = out + b * TD + t * D;
@@ -552,14 +657,20 @@ static inline __attribute__((always_inline)) int pool_range(
         for (int64_t i = lo; i < hi; ++i) {
             if (i + ID_PREFETCH < i_end) {
                 const uint64_t prow = (uint64_t)lin[i + ID_PREFETCH];
-                if (prow < (uint64_t)R) prefetch_span(weights + prow * D, D * 4, 0);
+                if (prow < (uint64_t)R) prefetch_span((const char*)weights + prow * D * w_elem_bytes(wt), D * w_elem_bytes(wt), 0);
             }
             const uint64_t row = (uint64_t)lin[i];
             if (row >= (uint64_t)R) {
                 bad = 1;
                 continue;
             }
-            const float* restrict wr = weights + row * D;
+            const float* restrict wr;
+            if (wt == W_F32) {
+                wr = (const float*)weights + row * D;
+            } else {
+                load_half_row(weights, wt, (int64_t)row, D, wtmp);
+                wr = wtmp;
+            }
             const float sc = psw ? psw[i] : 1.0f;
             if (vec) {
                 if (psw) {
@@ -590,20 +701,20 @@ static inline __attribute__((always_inline)) int pool_range(
 }
 
 #define POOL_FN(DV)                                                                        \
-    static int pool_range_##DV(const float* w, int64_t R, const int64_t* lin,              \
+    static int pool_range_##DV(const void* w, int wt, int64_t R, const int64_t* lin,       \
                                const int64_t* off, int64_t T, int64_t B, const float* psw, \
                                int mean, float* out, int64_t j0, int64_t j1, int64_t D) {  \
         (void)D;                                                                           \
-        return pool_range(w, R, lin, off, T, B, psw, mean, out, j0, j1, DV);               \
+        return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, j0, j1, DV);           \
     }
 POOL_FN(16)
 POOL_FN(32)
 POOL_FN(64)
 POOL_FN(128)
-static int pool_range_any(const float* w, int64_t R, const int64_t* lin, const int64_t* off,
+static int pool_range_any(const void* w, int wt, int64_t R, const int64_t* lin, const int64_t* off,
                           int64_t T, int64_t B, const float* psw, int mean, float* out,
                           int64_t j0, int64_t j1, int64_t D) {
-    return pool_range(w, R, lin, off, T, B, psw, mean, out, j0, j1, D);
+    return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, j0, j1, D);
 }
 
 /* First bag j in [0, NB] with offsets[j] >= target (offsets non-decreasing). */
@@ -623,15 +734,15 @@ static int64_t first_bag_at(const int64_t* offsets, int64_t NB, int64_t target) 
  * does not hold the others up); rows are prefetched ahead across bag boundaries within a
  * run, and a bag sums its rows in index order.
  */
-int recc_tbe_forward(const float* weights, int64_t R, int64_t D, const int64_t* lin,
+int recc_tbe_forward(const void* weights, int wt, int64_t R, int64_t D, const int64_t* lin,
                      const int64_t* offsets, int64_t T, int64_t B, const float* psw, int mean,
                      float* out, int nthreads) {
-    if (D <= 0 || T < 0 || B < 0) return RC_BAD_ARGS;
+    if (D <= 0 || T < 0 || B < 0 || (wt != W_F32 && wt != W_F16 && wt != W_BF16)) return RC_BAD_ARGS;
     const int64_t NB = T * B;
     if (NB == 0) return RC_OK;
     const int64_t N = offsets[NB];
     if (nthreads < 1) nthreads = 1;
-    int (*fn)(const float*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+    int (*fn)(const void*, int, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
               const float*, int, float*, int64_t, int64_t, int64_t) =
         D == 16 ? pool_range_16
         : D == 32 ? pool_range_32
@@ -647,7 +758,7 @@ int recc_tbe_forward(const float* weights, int64_t R, int64_t D, const int64_t* 
          * first run whose range reaches their offset, the last run takes the tail. */
         const int64_t j0 = k == 0 ? 0 : first_bag_at(offsets, NB, N * k / runs);
         const int64_t j1 = k == runs - 1 ? NB : first_bag_at(offsets, NB, N * (k + 1) / runs);
-        if (j1 > j0) bad |= fn(weights, R, lin, offsets, T, B, psw, mean, out, j0, j1, D);
+        if (j1 > j0) bad |= fn(weights, wt, R, lin, offsets, T, B, psw, mean, out, j0, j1, D);
     }
     return bad ? RC_BAD_ID : RC_OK;
 }
