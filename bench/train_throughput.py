@@ -441,10 +441,10 @@ def recc_available() -> str | None:
 
 
 def _recc_instantiate(module: nn.Module, optimizer: str, lr: float, eps: float, example_inputs,
-                      dense_dtype: str = "fp32"):
+                      dense_dtype: str = "fp32", table_dtype: str = "fp32"):
     import recc
 
-    config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, dense_dtype=dense_dtype)
+    config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, dense_dtype=dense_dtype, table_dtype=table_dtype)
     program = recc.compile(module, recc.Cluster.local(1), config=config, example_inputs=example_inputs)
     return program.instantiate()
 
@@ -452,12 +452,15 @@ def _recc_instantiate(module: nn.Module, optimizer: str, lr: float, eps: float, 
 class ReccSystem(System):
     name = "recc"
 
-    def __init__(self, model, batches, optimizer, lr, eps, dtype: str = "fp32"):
+    def __init__(self, model, batches, optimizer, lr, eps, dtype: str = "fp32", table_dtype: str = "fp32"):
         dense_x, lS_o, lS_i, _ = batches[0]
-        self.dmodel = _recc_instantiate(copy.deepcopy(model), optimizer, lr, eps, (dense_x, lS_o, lS_i), dtype)
+        self.dmodel = _recc_instantiate(copy.deepcopy(model), optimizer, lr, eps, (dense_x, lS_o, lS_i), dtype,
+                                        table_dtype)
         self.dtype = dtype
-        if dtype != "fp32":
-            self.name = f"recc {dtype}"
+        parts = [dtype] if dtype != "fp32" else []
+        parts += [f"{table_dtype} tables"] if table_dtype != "fp32" else []
+        if parts:
+            self.name = f"recc {' '.join(parts)}"
         self.dense_opt = torch.optim.SGD(self.dmodel.dense_parameters(), lr=lr)
         self.batches = batches
 
@@ -479,10 +482,12 @@ class ReccSystem(System):
 class ReccEmbeddingSystem(System):
     name = "recc"
 
-    def __init__(self, model, batches, grads, optimizer, lr, eps):
+    def __init__(self, model, batches, grads, optimizer, lr, eps, table_dtype: str = "fp32"):
         module = EmbeddingOnly([copy.deepcopy(e) for _, e in embedding_bags(model)])
         _, lS_o, lS_i, _ = batches[0]
-        self.dmodel = _recc_instantiate(module, optimizer, lr, eps, (lS_o, lS_i))
+        self.dmodel = _recc_instantiate(module, optimizer, lr, eps, (lS_o, lS_i), table_dtype=table_dtype)
+        if table_dtype != "fp32":
+            self.name = f"recc {table_dtype} tables"
         self.batches, self.grads = batches, grads
 
     def step(self, i):
@@ -955,6 +960,11 @@ def build_systems(kind: str, which: list[str], ctx: dict) -> list[System]:
                     continue
                 s = (ReccSystem(model, batches, optimizer, lr, eps, dtype) if kind == "model"
                      else ReccEmbeddingSystem(model, batches, ctx["grads"], optimizer, lr, eps))
+                if ctx.get("table_dtype", "fp32") != "fp32":
+                    # the same recc row with half tables next to it
+                    systems.append(s)
+                    s = (ReccSystem(model, batches, optimizer, lr, eps, dtype, ctx["table_dtype"]) if kind == "model"
+                         else ReccEmbeddingSystem(model, batches, ctx["grads"], optimizer, lr, eps, ctx["table_dtype"]))
             else:
                 raise ValueError(name)
         except Exception:
@@ -988,7 +998,8 @@ def fmt_ratio(x: float | None) -> str:
 def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, threads):
     eps = 1e-8
     ctx = dict(model=model, batches=batches, kjts=kjts, grads=grads, optimizer=optimizer, lr=args.lr,
-               eps=eps, torchrec_api=args.torchrec_api, recc_ok=args.recc_ok, precision=args.precision)
+               eps=eps, torchrec_api=args.torchrec_api, recc_ok=args.recc_ok, precision=args.precision,
+               table_dtype=args.table_dtype)
     B = batches[0][0].shape[0]
     T = len(batches[0][1])
     which = [s for s in SYSTEM_ORDER if s in args.systems]
@@ -1166,6 +1177,8 @@ def main(argv=None) -> None:
                    help="dmp: DistributedModelParallel + apply_optimizer_in_backward (1-rank gloo); "
                         "fused_ebc: FusedEmbeddingBagCollection")
     p.add_argument("--no-embedding-only", action="store_true", help="skip the embedding-only/floor part")
+    p.add_argument("--table-dtype", default="fp32", choices=["fp32", "fp16", "bf16"],
+                   help="fp16/bf16: also recc with half tables (stochastic rounding), next to each recc row")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
                    help="bf16: also eager and TorchRec under torch.autocast(bf16) and recc with dense_dtype='bf16', "
                         "each against the bf16 limit")

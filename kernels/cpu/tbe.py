@@ -369,49 +369,68 @@ def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
-def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
-    """tbe_backward.c's ``sr_bits``: 32 mixed bits (as int64 in [0, 2^32)) of (seed, index)."""
-    z = (index.to(torch.int64) + 1) * _as_i64(0x9E3779B97F4A7C15) + _as_i64(_seed64(seed))
+def sr_row_key(seed: int, rows: torch.Tensor) -> torch.Tensor:
+    """tbe_backward.c's ``sr_row_key``: a 32-bit key (int64 in [0, 2^32)) per (seed, row)."""
+    z = (rows.to(torch.int64) + 1) * _as_i64(0x9E3779B97F4A7C15) + _as_i64(_seed64(seed))
     z = (z ^ _srl(z, 30)) * _as_i64(0xBF58476D1CE4E5B9)
     z = (z ^ _srl(z, 27)) * _as_i64(0x94D049BB133111EB)
     return _srl(z ^ _srl(z, 31), 32)
 
 
+def sr_bits(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """tbe_backward.c's ``sr_bits``: murmur3's fmix32 of key + col * 0x9E3779B9 (32-bit wrap)."""
+    m = 0xFFFFFFFF
+    h = (key + cols * 0x9E3779B9) & m
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & m
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & m
+    return h ^ (h >> 16)
+
+
+def _as_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int64 holding 16-bit patterns -> a float16/bfloat16 tensor with those bits."""
+    return (bits - ((bits >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(dtype)
+
+
 def round_stochastically(w: torch.Tensor, dtype: torch.dtype, seed: int, rows: torch.Tensor) -> torch.Tensor:
     """fp32 rows ``w`` ([U, D], of weight rows ``rows``) rounded to ``dtype`` (fp16/bf16) the way
-    the C kernels round them: to one of the two neighbours, the upper with probability equal to
-    the distance from the lower over the spacing (unbiased), from ``sr_bits(seed, row * D + col)``.
+    the C kernels round them, bit for bit: random bits below the kept mantissa added, then
+    truncation (fp16's normal range and bf16) — the upper neighbour with probability equal to the
+    distance from the lower over the spacing, so the rounding is unbiased; fp16 subnormals pick a
+    neighbour with that probability directly. Random bits: ``sr_bits(sr_row_key(seed, row), col)``.
     Infinities and NaN stay; a finite value is never rounded to infinity."""
     D = w.shape[1]
-    index = rows.to(torch.int64)[:, None] * D + torch.arange(D, device=w.device)
-    r = sr_bits(seed, index)
+    r = sr_bits(sr_row_key(seed, rows)[:, None], torch.arange(D, device=w.device))
     w = w.contiguous()
+    u = w.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     if dtype == torch.bfloat16:
-        u = w.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         special = (u & 0x7F800000) == 0x7F800000
         v = u + (r & 0xFFFF)
-        overflow = (v & 0x7F800000) == 0x7F800000
-        bits = torch.where(special | overflow, u >> 16, v >> 16)
-        bits = torch.where(special & ((u & 0xFFFF) != 0), bits | 0x40, bits)   # keep NaN a NaN
-        return (bits - ((bits >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(torch.bfloat16)
+        over = (v & 0x7F800000) == 0x7F800000
+        keep = (u >> 16) | torch.where(special & ((u & 0xFFFF) != 0), 0x40, 0)
+        return _as_dtype(torch.where(special | over, keep, v >> 16), dtype)
     if dtype != torch.float16:
         raise ValueError(f"stochastic rounding is to float16 or bfloat16, not {dtype}")
+    a = u & 0x7FFFFFFF
+    normal = (a >= 0x38800000) & (a <= 0x477FE000)
+    v = u + (r & 0x1FFF)
+    e = ((v >> 23) & 0xFF) - 112
+    fast = ((v >> 16) & 0x8000) | ((e & 0x1F) << 10) | ((v >> 13) & 0x3FF)
+    # outside the normal range: the two neighbours of the nearest fp16
     h = w.to(torch.float16)
     hf = h.float()
     bits = h.view(torch.int16).to(torch.int64) & 0xFFFF
     away = w.abs() > hf.abs()
     other = torch.where(away, bits + 1, bits - 1)
-    zero = (bits & 0x7FFF) == 0
-    other = torch.where(zero & ~away, (bits ^ 0x8000) + 1, other) & 0xFFFF
-    of = (other - ((other >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(torch.float16).float()
+    other = torch.where(((bits & 0x7FFF) == 0) & ~away, (bits ^ 0x8000) + 1, other) & 0xFFFF
+    of = _as_dtype(other, torch.float16).float()
     lo, hi = torch.minimum(hf, of), torch.maximum(hf, of)
-    p_hi = (w - lo) / (hi - lo)
-    u01 = (r >> 8).to(torch.float32) * (1.0 / 16777216.0)
-    up = u01 < p_hi
-    pick = torch.where(up == (hf < of), other, bits)
-    keep = (hf == w) | torch.isnan(w) | ((bits & 0x7C00) == 0x7C00)
-    pick = torch.where(keep, bits, pick)
-    return (pick - ((pick >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(torch.float16)
+    up = (r >> 8).to(torch.float32) * (1.0 / 16777216.0) < (w - lo) / (hi - lo)
+    slow = torch.where(up == (hf < of), other, bits)
+    keep = (hf == w) | torch.isnan(w) | ((bits & 0x7C00) == 0x7C00) | (w.abs() > 65504.0)
+    slow = torch.where(keep, bits, slow)
+    return _as_dtype(torch.where(normal, fast, slow), dtype)
 
 
 class _Workspace(threading.local):

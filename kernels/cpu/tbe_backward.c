@@ -38,6 +38,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAGRAD = 2, OPT_ADAM = 3 };
 enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };  /* the weights' storage type */
@@ -57,49 +60,82 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Row `row` of half weights as fp32 into out[D]. */
+/* Row `row` of half weights as fp32 into out[D]. fp16 converts with the CPU's vcvtph2ps when
+ * the build targets it (gcc does not vectorise _Float16 -> float on its own). */
 static inline void load_half_row(const void* weights, int wt, int64_t row, int64_t D, float* restrict out) {
     const uint16_t* restrict h = (const uint16_t*)weights + row * D;
     if (wt == W_F16) {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) out[d] = f16_to_f32(h[d]);
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= D; d += 16)
+            _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + d))));
+#elif defined(__F16C__)
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + d))));
+#endif
+        for (; d < D; ++d) out[d] = f16_to_f32(h[d]);
     } else {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) out[d] = bf16_to_f32(h[d]);
     }
 }
 
-/* 32 well-mixed bits of (seed, index): splitmix64's finaliser. */
-static inline uint32_t sr_bits(uint64_t seed, uint64_t index) {
-    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (index + 1);
+/* The rounding's random bits: a 32-bit key per (seed, row) from splitmix64's finaliser, then
+ * murmur3's fmix32 of key + column * 0x9E3779B9 per element (vectorisable). */
+static inline uint32_t sr_row_key(uint64_t seed, uint64_t row) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (row + 1);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return (uint32_t)((z ^ (z >> 31)) >> 32);
 }
 
+static inline uint32_t sr_bits(uint32_t key, uint32_t col) {
+    uint32_t h = key + col * 0x9E3779B9u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
 /* fp32 -> bf16, stochastically: adding 16 random bits below the kept ones before truncating
- * rounds up with probability (dropped bits) / 2^16. Inf and NaN are kept as they are. */
+ * rounds up with probability (dropped bits) / 2^16. Inf and NaN are kept as they are; a finite
+ * value is never rounded to inf. */
 static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0u));
     const uint32_t v = u + (r & 0xFFFFu);
-    if ((v & 0x7F800000u) == 0x7F800000u) return (uint16_t)(u >> 16);  /* never round a finite value to inf */
-    return (uint16_t)(v >> 16);
+    const int special = (u & 0x7F800000u) == 0x7F800000u;
+    const int over = (v & 0x7F800000u) == 0x7F800000u;
+    const uint32_t keep = (u >> 16) | ((special && (u & 0xFFFFu)) ? 0x40u : 0u);
+    return (uint16_t)(special || over ? keep : v >> 16);
 }
 
-/* fp32 -> fp16, stochastically: the two fp16 neighbours of f, the upper one with probability
- * (f - lo) / (hi - lo). Values past fp16's range saturate to inf as a plain conversion does. */
-static inline uint16_t f32_to_f16_sr(float f, uint32_t r) {
+/* fp32 -> fp16 for a value in fp16's normal range (2^-14 <= |f| <= 65504): 13 random bits added
+ * below fp16's mantissa, then truncation — the same unbiased rounding as bf16's. */
+static inline uint16_t f32_to_f16_sr_normal(uint32_t u, uint32_t r) {
+    const uint32_t v = u + (r & 0x1FFFu);
+    const uint32_t e = ((v >> 23) & 0xFFu) - 112u;  /* rebias 127 -> 15 */
+    return (uint16_t)(((v >> 16) & 0x8000u) | (e << 10) | ((v >> 13) & 0x3FFu));
+}
+
+static inline int f16_normal(uint32_t u) {
+    const uint32_t a = u & 0x7FFFFFFFu;
+    return a >= 0x38800000u && a <= 0x477FE000u;
+}
+
+/* fp32 -> fp16 outside the normal range: zero, fp16 subnormals (the two neighbours, the upper
+ * with probability (f - lo) / (hi - lo)), and past 65504, inf and NaN as a plain conversion. */
+static inline uint16_t f32_to_f16_sr_other(float f, uint32_t r) {
     _Float16 h = (_Float16)f;  /* nearest */
     const float hf = (float)h;
     uint16_t bits;
     memcpy(&bits, &h, sizeof bits);
-    if (hf == f || f != f || (bits & 0x7C00u) == 0x7C00u) return bits;
-    /* the neighbour on f's other side: one ulp away from zero if |f| > |h|, else towards it */
+    if (hf == f || f != f || (bits & 0x7C00u) == 0x7C00u || fabsf(f) > 65504.0f) return bits;
     const int away = fabsf(f) > fabsf(hf);
     uint16_t other = (uint16_t)(away ? bits + 1 : bits - 1);
-    if ((bits & 0x7FFFu) == 0 && !away) other = (uint16_t)(bits ^ 0x8000u) + 1;  /* across zero */
+    if ((bits & 0x7FFFu) == 0 && !away) other = (uint16_t)((bits ^ 0x8000u) + 1);  /* across zero */
     _Float16 o;
     memcpy(&o, &other, sizeof o);
     const float of = (float)o;
@@ -107,18 +143,34 @@ static inline uint16_t f32_to_f16_sr(float f, uint32_t r) {
     const float p_hi = (f - lo) / (hi - lo);
     const float u01 = (float)(r >> 8) * (1.0f / 16777216.0f);
     const int up = u01 < p_hi;
-    return (up ? (hf < of ? other : bits) : (hf < of ? bits : other));
+    return up ? (hf < of ? other : bits) : (hf < of ? bits : other);
 }
 
 /* Row `row` of half weights from fp32 w[D], stochastically rounded (seed, row, column). */
 static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D, const float* restrict w,
                                   uint64_t seed) {
     uint16_t* restrict h = (uint16_t*)weights + row * D;
-    const uint64_t base = (uint64_t)row * (uint64_t)D;
-    if (wt == W_F16) {
-        for (int64_t d = 0; d < D; ++d) h[d] = f32_to_f16_sr(w[d], sr_bits(seed, base + (uint64_t)d));
-    } else {
-        for (int64_t d = 0; d < D; ++d) h[d] = f32_to_bf16_sr(w[d], sr_bits(seed, base + (uint64_t)d));
+    const uint32_t key = sr_row_key(seed, (uint64_t)row);
+    if (wt == W_BF16) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) h[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
+        return;
+    }
+    int rare = 0;
+#pragma omp simd reduction(| : rare)
+    for (int64_t d = 0; d < D; ++d) {
+        uint32_t u;
+        memcpy(&u, &w[d], sizeof u);
+        const int normal = f16_normal(u);
+        h[d] = normal ? f32_to_f16_sr_normal(u, sr_bits(key, (uint32_t)d)) : 0;
+        rare |= !normal;
+    }
+    if (rare) {
+        for (int64_t d = 0; d < D; ++d) {
+            uint32_t u;
+            memcpy(&u, &w[d], sizeof u);
+            if (!f16_normal(u)) h[d] = f32_to_f16_sr_other(w[d], sr_bits(key, (uint32_t)d));
+        }
     }
 }
 
