@@ -13,56 +13,51 @@
 #include <string.h>
 #include <omp.h>
 
-int recc_relu_backward(const float *grad, int64_t ldg, const float *y, int64_t ldy, int64_t B, int64_t N,
-                       float *g, float *db, int nthreads) {
-    if (nthreads < 1) nthreads = 1;
-    float *part = NULL;
-    if (db) {
-        /* per thread: its partial db (N), then its current block's sum (N) */
-        part = (float *)calloc((size_t)nthreads * 2 * (size_t)N, sizeof(float));
-        if (!part) return -1;
+/* The ReLU mask and bias-gradient sum of one [B, N] gradient of element type T: TO_F reads an
+ * element as fp32, ZERO is T's zero. The mask copies the element (bf16 bits stay bits); db is
+ * summed in fp32 for both types. */
+#define RELU_BACKWARD(NAME, T, TO_F, ZERO)                                                          \
+    int NAME(const T *grad, int64_t ldg, const T *y, int64_t ldy, int64_t B, int64_t N, T *g, float *db,   \
+             int nthreads) {                                                                       \
+        if (nthreads < 1) nthreads = 1;                                                            \
+        float *part = NULL;                                                                        \
+        if (db) {                                                                                  \
+            /* per thread: its partial db (N), then its current block's sum (N) */                \
+            part = (float *)calloc((size_t)nthreads * 2 * (size_t)N, sizeof(float));               \
+            if (!part) return -1;                                                                  \
+        }                                                                                          \
+        _Pragma("omp parallel num_threads(nthreads)") {                                           \
+            const int t = omp_get_thread_num();                                                    \
+            float *total = part ? part + (size_t)t * 2 * (size_t)N : NULL;                         \
+            float *blk = total ? total + N : NULL;                                                 \
+            int64_t in_block = 0;                                                                  \
+            _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; ++b) {                  \
+                const T *gr = grad + b * ldg, *yr = y + b * ldy;                                   \
+                T *out = g + b * N;                                                                \
+                _Pragma("omp simd") for (int64_t n = 0; n < N; ++n) out[n] = TO_F(yr[n]) <= 0.f ? ZERO : gr[n]; \
+                if (blk) {                                                                         \
+                    _Pragma("omp simd") for (int64_t n = 0; n < N; ++n) blk[n] += TO_F(out[n]);    \
+                    if (++in_block == 64) {                                                        \
+                        for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;          \
+                        in_block = 0;                                                              \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            if (blk)                                                                               \
+                for (int64_t n = 0; n < N; ++n) total[n] += blk[n];                                \
+        }                                                                                          \
+        if (db) {                                                                                  \
+            memcpy(db, part, sizeof(float) * (size_t)N);                                           \
+            for (int t = 1; t < nthreads; ++t)                                                     \
+                for (int64_t n = 0; n < N; ++n) db[n] += part[(size_t)t * 2 * (size_t)N + n];      \
+            free(part);                                                                            \
+        }                                                                                          \
+        return 0;                                                                                  \
     }
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num();
-        float *total = part ? part + (size_t)t * 2 * (size_t)N : NULL;
-        float *blk = total ? total + N : NULL;
-        int64_t in_block = 0;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) {
-            const float *gr = grad + b * ldg, *yr = y + b * ldy;
-            float *out = g + b * N;
-            if (blk) {
-#pragma omp simd
-                for (int64_t n = 0; n < N; ++n) {
-                    const float v = yr[n] <= 0.f ? 0.f : gr[n];
-                    out[n] = v;
-                    blk[n] += v;
-                }
-                if (++in_block == 64) {
-                    for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;
-                    in_block = 0;
-                }
-            } else {
-#pragma omp simd
-                for (int64_t n = 0; n < N; ++n) out[n] = yr[n] <= 0.f ? 0.f : gr[n];
-            }
-        }
-        if (blk)
-            for (int64_t n = 0; n < N; ++n) total[n] += blk[n];
-    }
-    if (db) {
-        memcpy(db, part, sizeof(float) * (size_t)N);
-        for (int t = 1; t < nthreads; ++t)
-            for (int64_t n = 0; n < N; ++n) db[n] += part[(size_t)t * 2 * (size_t)N + n];
-        free(part);
-    }
-    return 0;
-}
 
-/* The same for bf16 gradients and outputs (recc.linear under cast_dense): the mask copies bf16
- * bits (y <= 0 read from the bf16 pattern as a float), db is summed in fp32 and returned in fp32
- * (the caller rounds it to the bias's dtype once). */
+static inline float f32_as_f32(float x) { return x; }
+
+/* bf16 bits as fp32 (recc.linear under cast_dense). */
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -70,43 +65,5 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-int recc_relu_backward_bf16(const uint16_t *grad, int64_t ldg, const uint16_t *y, int64_t ldy, int64_t B,
-                            int64_t N, uint16_t *g, float *db, int nthreads) {
-    if (nthreads < 1) nthreads = 1;
-    float *part = NULL;
-    if (db) {
-        part = (float *)calloc((size_t)nthreads * 2 * (size_t)N, sizeof(float));
-        if (!part) return -1;
-    }
-#pragma omp parallel num_threads(nthreads)
-    {
-        const int t = omp_get_thread_num();
-        float *total = part ? part + (size_t)t * 2 * (size_t)N : NULL;
-        float *blk = total ? total + N : NULL;
-        int64_t in_block = 0;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; ++b) {
-            const uint16_t *gr = grad + b * ldg, *yr = y + b * ldy;
-            uint16_t *out = g + b * N;
-#pragma omp simd
-            for (int64_t n = 0; n < N; ++n) out[n] = bf16_to_float(yr[n]) <= 0.f ? 0 : gr[n];
-            if (blk) {
-#pragma omp simd
-                for (int64_t n = 0; n < N; ++n) blk[n] += bf16_to_float(out[n]);
-                if (++in_block == 64) {
-                    for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;
-                    in_block = 0;
-                }
-            }
-        }
-        if (blk)
-            for (int64_t n = 0; n < N; ++n) total[n] += blk[n];
-    }
-    if (db) {
-        memcpy(db, part, sizeof(float) * (size_t)N);
-        for (int t = 1; t < nthreads; ++t)
-            for (int64_t n = 0; n < N; ++n) db[n] += part[(size_t)t * 2 * (size_t)N + n];
-        free(part);
-    }
-    return 0;
-}
+RELU_BACKWARD(recc_relu_backward, float, f32_as_f32, 0.f)
+RELU_BACKWARD(recc_relu_backward_bf16, uint16_t, bf16_to_float, 0)
