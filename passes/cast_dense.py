@@ -17,6 +17,10 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
   each bf16 one);
 - everything else runs in whatever dtype its inputs have (torch's type promotion: ``relu``, ``cat``,
   elementwise ops stay bf16 between products; a bf16 value meeting an fp32 one is fp32);
+- a product whose result only those fp32 ops read, or the output (the model's head, whose logit
+  the sigmoid or loss reads; the bottom MLP's last layer under recc's fp32 interaction) stays
+  fp32: its bf16 result would be cast straight back, and bf16 logits (8 mantissa bits) tie
+  predictions, which costs AUC;
 - the model's floating outputs are returned in fp32, as the user's loss expects them.
 
 Casts are inserted wherever a rule asks for one, the graph's dtypes are propagated, and every cast
@@ -145,6 +149,8 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
 
     for node in list(graph.nodes):
         want = _wants(gm, node, low)
+        if want == low and _feeds_fp32_only(gm, node, low):
+            want = torch.float32  # the model's head: its result is only read in fp32
         if want is None:
             continue
         for arg in node.all_input_nodes:
@@ -166,6 +172,29 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
             removed += 1
     ctx.stats["dense_casts"] = len(casts) - removed
     return gm
+
+
+_SHAPE_METHODS = {"squeeze", "unsqueeze", "view", "reshape", "flatten", "contiguous", "float"}
+
+
+def _feeds_fp32_only(gm: fx.GraphModule, node: fx.Node, low: torch.dtype) -> bool:
+    """Whether every use of ``node``'s result, through shape ops, is an fp32-list op or the
+    model's output. Such a product stays fp32: a bf16 result would only be cast back, and bf16
+    logits — 8 mantissa bits — tie many predictions, which costs AUC (bench/precision_quality.py)."""
+    users = list(node.users)
+    if not users:
+        return False
+    for u in users:
+        if u.op == "output":
+            continue
+        if u.op == "call_method" and u.target in _SHAPE_METHODS or \
+                u.op == "call_function" and u.target in (torch.squeeze, torch.flatten, torch.reshape):
+            if not _feeds_fp32_only(gm, u, low):
+                return False
+            continue
+        if _wants(gm, u, low) != torch.float32:
+            return False
+    return True
 
 
 def _is_recc_cast(node: fx.Node) -> bool:
