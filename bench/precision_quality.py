@@ -4,7 +4,8 @@ For each variant it compiles the same DLRM preset (same initial weights) with
 ``CompileConfig(dense_dtype=, table_dtype=)``, trains it for ``--steps`` steps on the synthetic
 teacher data (``recc.models.SyntheticData``; the same batches for every variant) in this
 process, and evaluates log loss and AUC on ``--eval-batches`` held-out batches. Printed next to
-the fp32 run: dAUC (target |dAUC| <= 0.002) and the training time.
+the fp32 run: dAUC (target |dAUC| <= 0.002) and the training time (which includes generating each
+synthetic batch, the same work for every variant).
 
 Variants: ``fp32`` (both fp32), ``bf16`` (bf16 dense compute, fp32 master weights),
 ``bf16+fp16t`` (bf16 dense, fp16 tables with stochastic rounding), ``bf16+bf16t``.
