@@ -72,7 +72,7 @@ def _one_sparse_allreduce_at_a_time(pg):
 class EagerDDPSystem(tt.System):
     """All tables replicated (``nn.EmbeddingBag(sparse=True)``), whole model in DDP (gloo)."""
 
-    def __init__(self, model, batches, optimizer, lr, eps, pg):
+    def __init__(self, model, batches, optimizer, lr, eps, pg, dtype: str = "fp32"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         local = copy.deepcopy(model)
@@ -85,12 +85,14 @@ class EagerDDPSystem(tt.System):
         self.batches = batches
         self.dense_opt = torch.optim.SGD([p for _, p in tt.dense_named_parameters(local)], lr=lr)
         self.table_opt, name = tt._eager_table_optimizer([e.weight for _, e in tables], optimizer, lr, eps)
-        self.name = name.replace("eager", "eager+DDP")
+        self.name = name.replace("eager", "eager+DDP") + ("+autocast(bf16)" if dtype == "bf16" else "")
+        self.dtype = dtype
 
     def step(self, i):
         dense_x, lS_o, lS_i, y = self.batches[i]
-        out = self.model(dense_x, lS_o, lS_i)
-        loss = F.binary_cross_entropy(out, y)
+        with tt.autocast(self.dtype):
+            out = self.model(dense_x, lS_o, lS_i)
+        loss = F.binary_cross_entropy(out.float(), y)
         loss.backward()  # DDP all-reduces dense and (sparse) table gradients here
         self.dense_opt.step()
         self.table_opt.step()
@@ -109,17 +111,20 @@ class TorchRecDMPSystem(tt.System):
 
     name = "torchrec DMP (tw)"
 
-    def __init__(self, model, batches, kjts, optimizer, lr, eps, pg):
+    def __init__(self, model, batches, kjts, optimizer, lr, eps, pg, dtype: str = "fp32"):
         dims = [e.embedding_dim for _, e in tt.embedding_bags(model)]
         dense = tt.without_tables(model)
         self.module, self.dense_opt = tt._build_torchrec(lambda ebc: tt.TorchRecDLRM(ebc, dense, dims), model,
                                                          optimizer, lr, eps, "dmp", pg=pg)
-        self.batches, self.kjts = batches, kjts
+        self.batches, self.kjts, self.dtype = batches, kjts, dtype
+        if dtype == "bf16":
+            self.name = self.name + "+autocast(bf16)"
 
     def step(self, i):
         dense_x, _, _, y = self.batches[i]
-        out = self.module(dense_x, self.kjts[i])
-        loss = F.binary_cross_entropy(out, y)
+        with tt.autocast(self.dtype):
+            out = self.module(dense_x, self.kjts[i])
+        loss = F.binary_cross_entropy(out.float(), y)
         loss.backward()  # table rows updated here by FBGEMM's fused backward; dense grads by DDP
         self.dense_opt.step()
         self.dense_opt.zero_grad()
@@ -212,13 +217,14 @@ def rank_main(job: dict) -> dict:
     # Build, each system on its own process group (created in the same order on every rank).
     for e in entries:
         def build(e=e):
-            if e.key == "eager":
+            dtype = "bf16" if e.key.endswith("_bf16") else "fp32"
+            if e.key.startswith("eager"):
                 pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=SYSTEM_TIMEOUT_S))
-                e.system = EagerDDPSystem(model, batches, optimizer, lr, eps, pg)
-            elif e.key == "torchrec":
+                e.system = EagerDDPSystem(model, batches, optimizer, lr, eps, pg, dtype)
+            elif e.key.startswith("torchrec"):
                 pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=SYSTEM_TIMEOUT_S))
                 kjts = tt.make_kjts(batches, len(batches[0][1]))
-                e.system = TorchRecDMPSystem(model, batches, kjts, optimizer, lr, eps, pg)
+                e.system = TorchRecDMPSystem(model, batches, kjts, optimizer, lr, eps, pg, dtype)
             else:
                 e.system = ReccDistSystem(job["programs"][e.key], batches, lr, e.name)
             e.name = e.system.name
@@ -296,10 +302,11 @@ def rank_main(job: dict) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _compile_recc(model, world, optimizer, lr, eps, example_inputs, batch_size, sharding):
+def _compile_recc(model, world, optimizer, lr, eps, example_inputs, batch_size, sharding, dense_dtype="fp32"):
     import recc
 
-    config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, sharding=sharding, batch_size=batch_size)
+    config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, sharding=sharding, batch_size=batch_size,
+                                dense_dtype=dense_dtype)
     return recc.compile(model, recc.Cluster.local(world), config=config, example_inputs=example_inputs)
 
 
@@ -317,21 +324,28 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
     print(f"\n=== {cfg['name']} | optimizer={optimizer} | world size {W} (gloo) | global B={B} "
           f"(B/rank={B // W}) | {T} tables | warmup={args.warmup} steps={args.steps} rounds={args.rounds} ===")
 
-    systems = []  # (key, name) in row order
+    systems = []  # (key, name) in row order; keys ending in _bf16 compute the dense part in bf16
     if "eager" in args.systems:
         systems.append(("eager", "eager+DDP"))
     if "torchrec" in args.systems and args.torchrec_ok:
         systems.append(("torchrec", "torchrec DMP (tw)"))
     programs: dict[str, object] = {}
     compile_errors: dict[str, str] = {}
+    recc_rows = [("recc", "auto", "fp32"), ("recc_tw", "table_wise", "fp32")]
+    if args.precision == "bf16":
+        if "eager" in args.systems:
+            systems.append(("eager_bf16", "eager+DDP+autocast(bf16)"))
+        if "torchrec" in args.systems and args.torchrec_ok:
+            systems.append(("torchrec_bf16", "torchrec DMP (tw)+autocast(bf16)"))
+        recc_rows.append(("recc_bf16", "auto", "bf16"))
     if "recc" in args.systems and args.recc_ok:
         example = slice_batch(batches[0], 0, W)[:3]  # rank 0's slice of batch 0
-        for key, sharding in (("recc", "auto"), ("recc_tw", "table_wise")):
-            name = f"recc ({sharding})"
+        for key, sharding, dtype in recc_rows:
+            name = f"recc ({sharding})" + (" bf16" if dtype == "bf16" else "")
             systems.append((key, name))
             t0 = time.perf_counter()
             try:
-                programs[key] = _compile_recc(model, W, optimizer, args.lr, eps, example, B, sharding)
+                programs[key] = _compile_recc(model, W, optimizer, args.lr, eps, example, B, sharding, dtype)
                 print(f"  recc.compile(sharding={sharding!r}): {time.perf_counter() - t0:.1f} s")
             except Exception:
                 programs[key] = None
@@ -370,11 +384,12 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             continue
         diffs = [p["parity"] for p in per_rank if p["parity"] is not None]
         if per_rank[0]["parity"] is None:
-            print(f"  parity: {name:<22} no prediction (see its row)")
+            print(f"  parity: {name:<34} no prediction (see its row)")
             continue
         d0 = per_rank[0]["parity"]
-        flag = "ok" if max(diffs) < 1e-4 else "MISMATCH: not the same initial weights/model"
-        print(f"  parity: {name:<22} max |p - p_user| on batch 0, rank 0's slice = {d0:.2e} "
+        tol = 2e-2 if key.endswith("_bf16") else 1e-4   # bf16 rounds the products' inputs
+        flag = "ok" if max(diffs) < tol else "MISMATCH: not the same initial weights/model"
+        print(f"  parity: {name:<34} max |p - p_user| on batch 0, rank 0's slice = {d0:.2e} "
               f"(all ranks {max(diffs):.2e})  {flag}")
 
     # World time per round = the slowest rank's (they are within a vote of each other).
@@ -384,33 +399,37 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             rounds = [max(ts) for ts in zip(*(p["times"] for p in per_rank))]
             per_round[key] = rounds
             med[key] = (statistics.median(rounds), min(rounds), (max(rounds) - min(rounds)) / statistics.median(rounds))
-    tr = med.get("torchrec", (None,))[0]
-    ea = med.get("eager", (None,))[0]
+    def base(name, key):
+        """The TorchRec / eager row a row is compared with: the one of its own dense dtype."""
+        return name + ("_bf16" if key.endswith("_bf16") else "")
 
     def paired(key):
         """Median over rounds of TorchRec's time / this system's in the same round: the systems of
         a round run back to back, so a slow spell of the machine mostly cancels out."""
-        if "torchrec" not in per_round or key not in per_round:
+        ref = base("torchrec", key)
+        if ref not in per_round or key not in per_round:
             return None
-        return statistics.median(a / b for a, b in zip(per_round["torchrec"], per_round[key]))
+        return statistics.median(a / b for a, b in zip(per_round[ref], per_round[key]))
 
     print(f"\n  full training step, world of {W} (median of {args.rounds} rounds; samples/s = global B / step time)")
-    print(f"  {'system':<22} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
+    print(f"  {'system':<34} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
           f"{'vs torchrec':>12} {'(paired)':>9} {'vs eager+DDP':>13} {'last loss':>10}")
     for key, per_rank in rows.items():
         name = per_rank[0]["name"]
         if key in med:
             m, best, spread = med[key]
             loss = statistics.mean(p["last_loss"] for p in per_rank)  # equal slices: the global mean
-            print(f"  {name:<22} {B / m:>11,.0f} {m * 1e3:>9.2f} {best * 1e3:>9.2f} {spread:>6.0%} "
+            tr = med.get(base("torchrec", key), (None,))[0]
+            ea = med.get(base("eager", key), (None,))[0]
+            print(f"  {name:<34} {B / m:>11,.0f} {m * 1e3:>9.2f} {best * 1e3:>9.2f} {spread:>6.0%} "
                   f"{tt.fmt_ratio(tr / m if tr else None):>12} {tt.fmt_ratio(paired(key)):>9} "
                   f"{tt.fmt_ratio(ea / m if ea else None):>13} {loss:>10.4f}")
         elif key in compile_errors:
-            print(f"  {name:<22} FAILED in recc.compile (in the parent):")
+            print(f"  {name:<34} FAILED in recc.compile (in the parent):")
             print(_indent(compile_errors[key]))
         else:
             errs = [p["error"] for p in per_rank if p["error"]]
-            print(f"  {name:<22} FAILED during {per_rank[0]['failed_at']}:")
+            print(f"  {name:<34} FAILED during {per_rank[0]['failed_at']}:")
             for err in errs or ["(no rank reported an exception)"]:
                 print(_indent(err))
     # Memory behaviour in the timed loop: a warm training loop should neither fault nor grow.
@@ -422,7 +441,7 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
         faults = [statistics.median(p["faults"]) if p.get("faults") else float("nan") for p in per_rank]
         growth = [p.get("rss_growth_mb", float("nan")) for p in per_rank]
         flag = "  <- grows: a leak?" if max(growth) > 2 * args.rounds * args.steps else ""
-        print(f"  {per_rank[0]['name']:<22} faults/step {' '.join(f'{f:,.0f}' for f in faults):<16} "
+        print(f"  {per_rank[0]['name']:<34} faults/step {' '.join(f'{f:,.0f}' for f in faults):<16} "
               f"RSS growth MB {' '.join(f'{g:+.0f}' for g in growth)}{flag}")
 
 
