@@ -397,9 +397,10 @@ def round_stochastically(w: torch.Tensor, dtype: torch.dtype, seed: int, rows: t
     """fp32 rows ``w`` ([U, D], of weight rows ``rows``) rounded to ``dtype`` (fp16/bf16) the way
     the C kernels round them, bit for bit: random bits below the kept mantissa added, then
     truncation (fp16's normal range and bf16) — the upper neighbour with probability equal to the
-    distance from the lower over the spacing, so the rounding is unbiased; fp16 subnormals pick a
-    neighbour with that probability directly. Random bits: ``sr_bits(sr_row_key(seed, row), col)``.
-    Infinities and NaN stay; a finite value is never rounded to infinity."""
+    distance from the lower over the spacing, so the rounding is unbiased; below fp16's normal
+    range the magnitude in units of 2^-24 plus a uniform draw, floored. Random bits:
+    ``sr_bits(sr_row_key(seed, row), col)``. Infinities and NaN stay; bf16 never rounds a finite
+    value to infinity; fp16 values past 65504 convert as a plain conversion does."""
     D = w.shape[1]
     r = sr_bits(sr_row_key(seed, rows)[:, None], torch.arange(D, device=w.device))
     w = w.contiguous()
@@ -413,24 +414,17 @@ def round_stochastically(w: torch.Tensor, dtype: torch.dtype, seed: int, rows: t
     if dtype != torch.float16:
         raise ValueError(f"stochastic rounding is to float16 or bfloat16, not {dtype}")
     a = u & 0x7FFFFFFF
-    normal = (a >= 0x38800000) & (a <= 0x477FE000)
+    sign = (u >> 16) & 0x8000
     v = u + (r & 0x1FFF)
     e = ((v >> 23) & 0xFF) - 112
-    fast = ((v >> 16) & 0x8000) | ((e & 0x1F) << 10) | ((v >> 13) & 0x3FF)
-    # outside the normal range: the two neighbours of the nearest fp16
-    h = w.to(torch.float16)
-    hf = h.float()
-    bits = h.view(torch.int16).to(torch.int64) & 0xFFFF
-    away = w.abs() > hf.abs()
-    other = torch.where(away, bits + 1, bits - 1)
-    other = torch.where(((bits & 0x7FFF) == 0) & ~away, (bits ^ 0x8000) + 1, other) & 0xFFFF
-    of = _as_dtype(other, torch.float16).float()
-    lo, hi = torch.minimum(hf, of), torch.maximum(hf, of)
-    up = (r >> 8).to(torch.float32) * (1.0 / 16777216.0) < (w - lo) / (hi - lo)
-    slow = torch.where(up == (hf < of), other, bits)
-    keep = (hf == w) | torch.isnan(w) | ((bits & 0x7C00) == 0x7C00) | (w.abs() > 65504.0)
-    slow = torch.where(keep, bits, slow)
-    return _as_dtype(torch.where(normal, fast, slow), dtype)
+    normal = sign | ((e & 0x1F) << 10) | ((v >> 13) & 0x3FF)
+    # below the normal range: units of 2^-24 plus a uniform draw, floored (in fp32, as the C code)
+    units = w.abs() * 16777216.0 + (r >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    tiny = sign | units.to(torch.int64)
+    bits = torch.where(a < 0x38800000, tiny, normal)
+    # past 65504, inf, NaN: the plain conversion
+    plain = w.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    return _as_dtype(torch.where(a > 0x477FE000, plain, bits), dtype)
 
 
 class _Workspace(threading.local):

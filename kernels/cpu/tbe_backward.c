@@ -113,37 +113,20 @@ static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
 }
 
 /* fp32 -> fp16 for a value in fp16's normal range (2^-14 <= |f| <= 65504): 13 random bits added
- * below fp16's mantissa, then truncation — the same unbiased rounding as bf16's. */
+ * below fp16's mantissa, then truncation — the same unbiased rounding as bf16's (computed for
+ * every value, used for those). */
 static inline uint16_t f32_to_f16_sr_normal(uint32_t u, uint32_t r) {
     const uint32_t v = u + (r & 0x1FFFu);
     const uint32_t e = ((v >> 23) & 0xFFu) - 112u;  /* rebias 127 -> 15 */
     return (uint16_t)(((v >> 16) & 0x8000u) | (e << 10) | ((v >> 13) & 0x3FFu));
 }
 
-static inline int f16_normal(uint32_t u) {
-    const uint32_t a = u & 0x7FFFFFFFu;
-    return a >= 0x38800000u && a <= 0x477FE000u;
-}
-
-/* fp32 -> fp16 outside the normal range: zero, fp16 subnormals (the two neighbours, the upper
- * with probability (f - lo) / (hi - lo)), and past 65504, inf and NaN as a plain conversion. */
-static inline uint16_t f32_to_f16_sr_other(float f, uint32_t r) {
-    _Float16 h = (_Float16)f;  /* nearest */
-    const float hf = (float)h;
-    uint16_t bits;
-    memcpy(&bits, &h, sizeof bits);
-    if (hf == f || f != f || (bits & 0x7C00u) == 0x7C00u || fabsf(f) > 65504.0f) return bits;
-    const int away = fabsf(f) > fabsf(hf);
-    uint16_t other = (uint16_t)(away ? bits + 1 : bits - 1);
-    if ((bits & 0x7FFFu) == 0 && !away) other = (uint16_t)((bits ^ 0x8000u) + 1);  /* across zero */
-    _Float16 o;
-    memcpy(&o, &other, sizeof o);
-    const float of = (float)o;
-    const float lo = hf < of ? hf : of, hi = hf < of ? of : hf;
-    const float p_hi = (f - lo) / (hi - lo);
-    const float u01 = (float)(r >> 8) * (1.0f / 16777216.0f);
-    const int up = u01 < p_hi;
-    return up ? (hf < of ? other : bits) : (hf < of ? bits : other);
+/* |f| below fp16's normal range (zero and fp16 subnormals, spacing 2^-24): the magnitude in
+ * units of 2^-24 plus a uniform [0, 1) draw, floored — the upper neighbour with probability the
+ * fraction; 1024 units is the smallest normal, 0x0400, so the bits are the unit count. */
+static inline uint16_t f32_to_f16_sr_tiny(float f, uint32_t u, uint32_t r) {
+    const float units = fabsf(f) * 16777216.0f + (float)(int32_t)(r >> 8) * (1.0f / 16777216.0f);
+    return (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)(int32_t)units);
 }
 
 /* Row `row` of half weights from fp32 w[D], stochastically rounded (seed, row, column). */
@@ -156,20 +139,54 @@ static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D,
         for (int64_t d = 0; d < D; ++d) h[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
         return;
     }
-    int rare = 0;
-#pragma omp simd reduction(| : rare)
-    for (int64_t d = 0; d < D; ++d) {
+    int big = 0;
+    int64_t d0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* 16 at a time: the normal range as a truncating vcvtps2ph of the bits plus 13 random bits
+     * (the scalar code's integer formula), below it the unit count, blended by a mask. */
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; d0 + 16 <= D; d0 += 16) {
+        const __m512 f = _mm512_loadu_ps(w + d0);
+        const __m512i u = _mm512_castps_si512(f);
+        const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+        const __m512i col = _mm512_add_epi32(_mm512_set1_epi32((int32_t)d0), lanes);
+        __m512i r = _mm512_add_epi32(_mm512_set1_epi32((int32_t)key),
+                                     _mm512_mullo_epi32(col, _mm512_set1_epi32((int32_t)0x9E3779B9u)));
+        r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 16));
+        r = _mm512_mullo_epi32(r, _mm512_set1_epi32((int32_t)0x85EBCA6Bu));
+        r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 13));
+        r = _mm512_mullo_epi32(r, _mm512_set1_epi32((int32_t)0xC2B2AE35u));
+        r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 16));
+        const __m512i v = _mm512_add_epi32(u, _mm512_and_si512(r, _mm512_set1_epi32(0x1FFF)));
+        const __m256i normal = _mm512_cvtps_ph(_mm512_castsi512_ps(v), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m512 units = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16777216.0f)),
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)),
+                                                         _mm512_set1_ps(1.0f / 16777216.0f)));
+        const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
+        const __m256i tiny = _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_cvttps_epi32(units)));
+        const __mmask16 is_tiny = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x38800000));
+        _mm256_storeu_si256((__m256i*)(h + d0), _mm256_mask_blend_epi16(is_tiny, normal, tiny));
+        big |= _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x477FE000)) != 0;
+    }
+#endif
+#pragma omp simd reduction(| : big)
+    for (int64_t d = d0; d < D; ++d) {
         uint32_t u;
         memcpy(&u, &w[d], sizeof u);
-        const int normal = f16_normal(u);
-        h[d] = normal ? f32_to_f16_sr_normal(u, sr_bits(key, (uint32_t)d)) : 0;
-        rare |= !normal;
+        const uint32_t a = u & 0x7FFFFFFFu, r = sr_bits(key, (uint32_t)d);
+        const uint16_t normal = f32_to_f16_sr_normal(u, r), tiny = f32_to_f16_sr_tiny(w[d], u, r);
+        h[d] = a < 0x38800000u ? tiny : normal;
+        big |= a > 0x477FE000u;
     }
-    if (rare) {
+    if (big) {
+        /* past 65504, inf, NaN: as a plain conversion (nearest; inf beyond fp16's range) */
         for (int64_t d = 0; d < D; ++d) {
             uint32_t u;
             memcpy(&u, &w[d], sizeof u);
-            if (!f16_normal(u)) h[d] = f32_to_f16_sr_other(w[d], sr_bits(key, (uint32_t)d));
+            if ((u & 0x7FFFFFFFu) > 0x477FE000u) {
+                const _Float16 x = (_Float16)w[d];
+                memcpy(&h[d], &x, sizeof x);
+            }
         }
     }
 }

@@ -15,11 +15,11 @@ HALF = [torch.float16, torch.bfloat16]
 needs_c = pytest.mark.skipif(native.library() is None, reason="the C kernels cannot be built here")
 
 
-def _neighbours(dtype, n, seed):
+def _neighbours(dtype, n, seed, scale=4.0):
     """n fp32 values strictly between two adjacent representable values of ``dtype``, with the
     pair: x = lo + f * (hi - lo), f uniform in (0.05, 0.95)."""
     g = torch.Generator().manual_seed(seed)
-    lo = (torch.randn(n, generator=g) * 4).to(dtype)
+    lo = (torch.randn(n, generator=g) * scale).to(dtype)
     bits = lo.view(torch.int16)
     hi = (bits + torch.where(lo.float() >= 0, 1, -1).to(torch.int16)).view(dtype)
     frac = torch.rand(n, generator=g) * 0.9 + 0.05
@@ -27,11 +27,12 @@ def _neighbours(dtype, n, seed):
     return x, lo.float(), hi.float()
 
 
+@pytest.mark.parametrize("scale", [4.0, 1e-6], ids=["normal", "fp16_subnormal"])
 @pytest.mark.parametrize("dtype", HALF)
-def test_stochastic_rounding_is_unbiased(dtype):
+def test_stochastic_rounding_is_unbiased(dtype, scale):
     """Each value rounded under 2,000 seeds: always one of its two neighbours, and the mean of the
     roundings is the value (z < 5 for every one of 64 values; nearest rounding has z ~ 100s)."""
-    x, lo, hi = _neighbours(dtype, 64, seed=1)
+    x, lo, hi = _neighbours(dtype, 64, seed=1, scale=scale)
     seeds = 2000
     draws = torch.stack([round_stochastically(x[None, :], dtype, s, torch.tensor([0]))[0].float()
                          for s in range(seeds)])
