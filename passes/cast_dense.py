@@ -7,8 +7,8 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
 
 - matrix products (``recc.linear``, ``nn.Linear``/``nn.Conv1d`` modules left unfused, ``F.linear``,
   ``torch.mm``/``bmm``/``matmul``/``addmm``/``baddbmm``, ``@``) take bf16 inputs: every fp32 input —
-  activations, and the parameters, read by ``get_attr`` — gets one ``.to(torch.bfloat16)`` right after
-  the node that makes it, shared by all its consumers. A parameter is therefore cast once per step,
+  activations, and the parameters, read by ``get_attr`` — gets one ``.to(torch.bfloat16)``, shared by
+  all its consumers. A parameter is therefore cast once per step,
   and its gradient flows back through the cast into the fp32 master weight (the optimizer, DDP and
   ``state_dict`` see fp32). Products accumulate in fp32 inside the GEMM (oneDNN/MKL bf16 kernels).
 - ops that lose accuracy in bf16 — ``sigmoid``, losses (``binary_cross_entropy[_with_logits]``),
@@ -21,11 +21,16 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
   the sigmoid or loss reads; the bottom MLP's last layer under recc's fp32 interaction) stays
   fp32: its bf16 result would be cast straight back, and bf16 logits (8 mantissa bits) tie
   predictions, which costs AUC;
-- the model's floating outputs are returned in fp32, as the user's loss expects them.
+- the model's floating outputs are returned in fp32, as the user's loss expects them (tensors
+  returned directly or in a list/tuple/dict of the output; a tuple-valued node such as
+  ``h.chunk(2)`` returned whole keeps its dtype);
+- any other module with floating parameters of its own (``nn.MultiheadAttention``, RNNs,
+  ``nn.PReLU``, a user's leaf) runs in fp32: its parameters are fp32.
 
-Casts are inserted wherever a rule asks for one, the graph's dtypes are propagated, and every cast
-whose input already has its dtype is removed: a cast appears only where the dtype changes, once per
-value. Embedding lookups stay fp32 (their tables and fused optimizers are fp32). ``fp16`` is for
+Casts are inserted wherever a rule asks for one — right before the first node that needs it, so
+an in-place op on the value before that is included — the graph's dtypes are propagated, and every
+cast whose input already has its dtype is removed: a cast appears only where the dtype changes,
+once per value. Embedding lookups stay fp32 (their tables and fused optimizers are fp32). ``fp16`` is for
 CUDA with dynamic loss scaling and is refused here on CPU. Must not change what the graph computes
 beyond bf16 rounding of the products' inputs and outputs.
 
@@ -33,8 +38,8 @@ Before:
     bot_l_0_weight : f32[8,13] = get_attr bot_l.0.weight
     bot_l_1        : f32[8,8]  = recc.linear(dense_x, bot_l_0_weight, bot_l_0_bias, activation='relu')
 After:
-    dense_x_bf16        : bf16[8,13] = dense_x.to(torch.bfloat16)
     bot_l_0_weight      : f32[8,13]  = get_attr bot_l.0.weight
+    dense_x_bf16        : bf16[8,13] = dense_x.to(torch.bfloat16)
     bot_l_0_weight_bf16 : bf16[8,13] = bot_l_0_weight.to(torch.bfloat16)
     bot_l_1             : bf16[8,8]  = recc.linear(dense_x_bf16, bot_l_0_weight_bf16, bot_l_0_bias_bf16, activation='relu')
 """
@@ -59,7 +64,7 @@ _SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOW_FUNCTIONS = {F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm, operator.matmul,
                   F.conv1d, F.conv2d}
 _LOW_METHODS = {"mm", "bmm", "matmul", "addmm", "baddbmm"}
-_LOW_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)
+_LOW_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)   # exact classes (a subclass may have its own forward)
 # Ops kept in fp32 (autocast's fp32 list, plus sigmoid for the model's probabilities).
 _FP32_FUNCTIONS = {torch.sigmoid, F.sigmoid, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
                    F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, F.batch_norm, F.layer_norm,
@@ -81,10 +86,12 @@ def _wants(gm: fx.GraphModule, node: fx.Node, low: torch.dtype):
     if node.op == "call_method":
         return low if node.target in _LOW_METHODS else torch.float32 if node.target in _FP32_METHODS else None
     if node.op == "call_module":
+        # (Linear/Conv calls were rewritten as functions before this; the ones left — a circular
+        # padded conv, a keyword call — keep their module and so their fp32 parameters.)
         mod = gm.get_submodule(node.target)
-        if isinstance(mod, _LOW_MODULES):
-            return low
-        if isinstance(mod, _FP32_MODULES):
+        if isinstance(mod, _FP32_MODULES) or any(p.is_floating_point() for p in mod.parameters()):
+            # Any other module with weights of its own (MultiheadAttention, LSTM/GRU, PReLU, a
+            # circular-padded Conv, a user's leaf): its parameters are fp32, so its inputs are too.
             return torch.float32
     return None
 
@@ -94,21 +101,31 @@ def _is_float(node) -> bool:
     return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
 
+def _as_function(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is an unfused ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d`` call (exactly those
+    classes, zero padding) that ``_module_as_function`` rewrites."""
+    if node.op != "call_module":
+        return False
+    mod = gm.get_submodule(node.target)
+    if type(mod) not in _LOW_MODULES or len(node.args) + len(node.kwargs) != 1:
+        return False
+    return type(mod) is nn.Linear or mod.padding_mode == "zeros"
+
+
 def _module_as_function(gm: fx.GraphModule, node: fx.Node) -> None:
     """An unfused ``nn.Linear``/``nn.Conv*`` call as ``F.linear``/``F.conv*`` on its parameters read
     by ``get_attr`` (a module call would meet its fp32 parameters with a bf16 input)."""
     mod = gm.get_submodule(node.target)
     graph = gm.graph
+    x = node.args[0] if node.args else next(iter(node.kwargs.values()))
     with graph.inserting_before(node):
         w = graph.get_attr(f"{node.target}.weight")
         b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
-        if isinstance(mod, nn.Linear):
-            new = graph.call_function(F.linear, (node.args[0], w, b))
+        if type(mod) is nn.Linear:
+            new = graph.call_function(F.linear, (x, w, b))
         else:
-            if mod.padding_mode != "zeros":
-                return
-            fn = F.conv1d if isinstance(mod, nn.Conv1d) else F.conv2d
-            new = graph.call_function(fn, (node.args[0], w, b, mod.stride, mod.padding, mod.dilation, mod.groups))
+            fn = F.conv1d if type(mod) is nn.Conv1d else F.conv2d
+            new = graph.call_function(fn, (x, w, b, mod.stride, mod.padding, mod.dilation, mod.groups))
     new.meta.update(node.meta)
     name = node.name
     node.replace_all_uses_with(new)
@@ -128,7 +145,7 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
                          "dense_dtype='bf16'")
     low = DTYPES[dtype]
     graph = gm.graph
-    modules = [n for n in graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _LOW_MODULES)]
+    modules = [n for n in graph.nodes if _as_function(gm, n)]
     for node in modules:
         _module_as_function(gm, node)
     if modules:  # the parameters' new get_attr nodes need their dtypes
@@ -136,15 +153,17 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
         propagate_shapes(gm, ctx.example_inputs, ctx.abstract)
     casts: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
 
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    mine: set[fx.Node] = set()
 
-    def cast(value: fx.Node, to: torch.dtype) -> fx.Node:
+    def cast(value: fx.Node, to: torch.dtype, consumer: fx.Node) -> fx.Node:
+        # Right before the first consumer that needs it (graph order): an in-place op on the value
+        # between its producer and that consumer (h.clamp_(...)) is in the cast.
         if (value, to) not in casts:
-            # Right after the value (the inputs' casts after the last input: they stay first).
-            with graph.inserting_after(placeholders[-1] if value.op == "placeholder" else value):
+            with graph.inserting_before(consumer):
                 c = graph.call_method("to", (value, to))
             rename(c, f"{value.name}_{_SHORT[to]}")
             casts[value, to] = c
+            mine.add(c)
         return casts[value, to]
 
     for node in list(graph.nodes):
@@ -154,12 +173,12 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
         if want is None:
             continue
         for arg in node.all_input_nodes:
-            if _is_float(arg) and not _is_recc_cast(arg):
-                node.replace_input_with(arg, cast(arg, want))
+            if _is_float(arg) and arg not in mine:
+                node.replace_input_with(arg, cast(arg, want, node))
     out = next(n for n in graph.nodes if n.op == "output")
     for arg in out.all_input_nodes:
         if _is_float(arg):
-            out.replace_input_with(arg, cast(arg, torch.float32))
+            out.replace_input_with(arg, cast(arg, torch.float32, out))
     graph.lint()
     gm.recompile()
     propagate_shapes(gm, ctx.example_inputs, ctx.abstract)
@@ -197,6 +216,3 @@ def _feeds_fp32_only(gm: fx.GraphModule, node: fx.Node, low: torch.dtype) -> boo
     return True
 
 
-def _is_recc_cast(node: fx.Node) -> bool:
-    return node.op == "call_method" and node.target == "to" and len(node.args) == 2 and \
-        isinstance(node.args[1], torch.dtype)

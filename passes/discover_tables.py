@@ -209,21 +209,26 @@ _ADDS = {operator.add, torch.add}
 
 def _field_offsets(gm: fx.GraphModule, ids, rows: int):
     """``(source, starts)`` when ``ids = source + starts`` with ``starts`` a constant of the model
-    (a numpy array or buffer, not computed from the inputs): F non-decreasing row offsets from 0,
-    one per field (``source``'s last dim F) — a table shared by F fields. None otherwise."""
+    (a numpy array or buffer, not computed from the inputs): F strictly increasing row offsets
+    from 0, one per field along ``source``'s last dim F — a table shared by F fields. None
+    otherwise (also for any other way of adding: keyword arguments, offsets along another dim)."""
     if not isinstance(ids, fx.Node) or not (
             (ids.op == "call_function" and ids.target in _ADDS) or (ids.op == "call_method" and ids.target == "add")):
         return None
-    if len(ids.args) < 2 or not all(isinstance(a, fx.Node) for a in ids.args[:2]):
-        return None
-    for source, starts in (ids.args[:2], ids.args[1::-1]):
-        src = source.meta.get("val")
+    if len(ids.args) != 2 or ids.kwargs or not all(isinstance(a, fx.Node) for a in ids.args):
+        return None  # (torch.add(x, off, alpha=2) scales the offsets: not field starts)
+    for source, starts in (ids.args, ids.args[::-1]):
+        src, shaped = source.meta.get("val"), starts.meta.get("val")
         value = _constant_value(gm, starts)
-        if value is None or src is None or src.dim() == 0 or value.dtype.is_floating_point:
+        if value is None or src is None or shaped is None or src.dim() == 0 or value.dtype.is_floating_point:
+            continue
+        f = int(src.shape[-1])
+        # One start per field along ids' last dim (shape [F], [1, F], ...), strictly increasing
+        # from 0: every field owns at least one row.
+        if tuple(shaped.shape)[-1:] != (f,) or any(d != 1 for d in shaped.shape[:-1]) or shaped.dim() > src.dim():
             continue
         value = value.reshape(-1)
-        f = int(src.shape[-1])
-        if value.numel() == f > 1 and int(value[0]) == 0 and bool((value[1:] >= value[:-1]).all()) \
+        if value.numel() == f > 1 and int(value[0]) == 0 and bool((value[1:] > value[:-1]).all()) \
                 and int(value[-1]) < rows:
             return source, starts
     return None
@@ -245,12 +250,16 @@ def _constant_value(gm: fx.GraphModule, node: fx.Node):
 
 def _is_jagged(ids, batch) -> bool:
     """A gather whose ids' leading size N is not the batch B (``[B]``, ``[B, L]`` ids are fixed
-    length): a variable-length sequence (``EmbeddingCollection`` over jagged features), whose id
-    count differs from rank to rank."""
+    length), or whose ids are a ``JaggedTensor``'s values (even when the example's sequences all
+    have length 1): a variable-length sequence (``EmbeddingCollection`` over jagged features),
+    whose id count differs from rank to rank. A plain 1-D input of exactly B ids in the example is
+    taken for one id per sample; if it is not, the input dist names the mismatch at run time."""
     val = ids.meta.get("val") if isinstance(ids, fx.Node) else None
-    if val is None or batch is None or val.dim() == 0:
+    if val is None or val.dim() == 0:
         return False
-    return int(val.shape[0]) != batch
+    if val.dim() == 1 and ids.op == "call_method" and ids.target == "values":
+        return True  # a JaggedTensor's / KeyedJaggedTensor's values: jagged whatever the example's lengths
+    return batch is not None and int(val.shape[0]) != batch
 
 
 def _weight_node(node: fx.Node, wpath: str):

@@ -124,8 +124,11 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
         except Exception as e:
             raise RuntimeError(f"recc: the graph after pass '{info.name}' does not run on the example "
                                f"inputs (passes before it: {', '.join(ctx.passes_run) or '(none)'}): {e}") from e
+        # bf16 products round their inputs to 3 significant digits: the stage after cast_dense
+        # matches eager within that, not fp32 rounding.
+        loose = "cast_dense" in ctx.passes_run + [info.name] and config.dense_dtype != "fp32"
         ir.verify(gm, pass_name=info.name, passes_before=list(ctx.passes_run), level=config.verify,
-                  reference=eager_out, run_reference=lambda: got)
+                  reference=eager_out, run_reference=lambda: got, tolerance=3e-2 if loose else 1e-4)
         ctx.passes_run.append(info.name)
         text = ir.format(gm)
         key = info.name if info.name not in stages else f"{info.name}#{idx}"

@@ -263,7 +263,7 @@ def _op_name(n: fx.Node) -> Optional[str]:
 
 
 def verify(gm: fx.GraphModule, *, pass_name: str = "?", passes_before: Sequence[str] = (),
-           level: int = 1, reference: Optional[Any] = None, run_reference=None) -> None:
+           level: int = 1, reference: Optional[Any] = None, run_reference=None, tolerance: float = 1e-4) -> None:
     """Check the IR invariants; raise ``VerificationError`` naming the first one broken.
 
     Level 1: ``graph.lint()``; a value (shape) on every node; every ``*_start`` has exactly one
@@ -328,7 +328,7 @@ def verify(gm: fx.GraphModule, *, pass_name: str = "?", passes_before: Sequence[
                       f"table {n.meta['recc.table'].name} used by {n.name} has no placement (recc.shard)", n)
     if level >= 2 and reference is not None and run_reference is not None:
         got = run_reference()
-        if not _close(got, reference):
+        if not _close(got, reference, tolerance):
             out = next(n for n in gm.graph.nodes if n.op == "output")
             _fail(gm, pass_name, passes_before, "matches eager",
                   "the stage's output on the CPU reference differs from the eager model's", out)
@@ -362,9 +362,11 @@ def _codec_source(d: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def _close(a, b) -> bool:
+def _close(a, b, rtol: float = 1e-4) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+        return a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=rtol, atol=rtol / 10)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_close(x, y, rtol) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], rtol) for k in a)
     return a == b

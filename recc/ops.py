@@ -344,7 +344,9 @@ def flatten_bags(indices, offsets, per_sample_weights, tables):
     for k, o in enumerate(offs):
         if o.numel() != batch:
             raise ValueError(f"table {tables[k]}: batch of {o.numel()} bags, but table {tables[0]} has "
-                             f"{batch}; every table needs one bag per sample")
+                             f"{batch}; every table needs one bag per sample (a sequence table whose example "
+                             f"inputs had exactly one id per sample is taken for one id per sample: compile with "
+                             f"an example whose sequences vary in length)")
     sizes = [f.numel() for f in flat]
     counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
     ids = torch.cat(flat).to(torch.int64) if len(flat) > 1 else flat[0].to(torch.int64)

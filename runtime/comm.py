@@ -8,9 +8,10 @@ local batch of B bags per table:
 - input dist (``all_to_all`` of ids, two phases): rank r sends owner o, for each of o's shards
   (in o's local order), the B bag lengths of the shard's table on r's batch slice, then the ids
   (row-split shards: only the ids in [row0, row1), rebased to the shard). Phase 1 exchanges the
-  id counts, phase 2 the lengths and ids (int32 on CPU when every table has fewer than 2**31
-  rows). Owner o then holds, per local shard, W*B bags: rank 0's B bags, then rank 1's, ... —
-  the global batch in order.
+  id counts and bag counts (ranks whose bag counts differ raise, naming them), phase 2 the
+  lengths and ids (int32 on CPU when every table has fewer than 2**31 rows). Owner o then
+  holds, per local shard, W*B bags: rank 0's B bags, then rank 1's, ... — the global batch in
+  order.
 - output dist (``all_to_all`` of pooled rows): owner o's kernel output is [W*B, J_o*width];
   rows [r*B, (r+1)*B) go back to rank r, which reassembles each logical table: column blocks
   side by side, row blocks (partial sums) added. Backward is the same exchange reversed. With
@@ -117,14 +118,25 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     if wire == torch.int32 and sum(id_counts) >= 2 ** 31:
         raise ValueError(f"input dist: rank {me} sends {sum(id_counts)} ids in one batch; bag lengths are "
                          f"sent as int32, so a batch holds fewer than 2**31 ids per rank")
-    counts = torch.tensor(id_counts, dtype=torch.int64, device=dev)
-    recv_counts = torch.empty(world, dtype=torch.int64, device=dev)
+    # Phase 1: to each owner, how many ids it gets, and this rank's bags per table (every rank
+    # must have the same: the dists pair bag b of every rank's slice).
+    counts = torch.tensor([[n, b] for n in id_counts], dtype=torch.int64, device=dev).reshape(-1)
+    recv_counts = torch.empty(2 * world, dtype=torch.int64, device=dev)
     st = comm_stats.current()
     label = comm.name or "input_dist"
-    Transfer(label, [_a2a(recv_counts, counts, [1] * world, [1] * world, async_op=True)],  # phase 1: how many ids
-             8 * (world - 1), st, st.cross_node([8] * world, me)).wait()
+    Transfer(label, [_a2a(recv_counts, counts, [2] * world, [2] * world, async_op=True)],
+             16 * (world - 1), st, st.cross_node([16] * world, me)).wait()
     j_me = shards_of[me]
-    rc = recv_counts.tolist()
+    got = recv_counts.view(world, 2).tolist()
+    rc = [n for n, _ in got]
+    bags = [nb for _, nb in got]
+    if any(nb != b for nb in bags):
+        raise ValueError(
+            f"input dist ({label}): the ranks have different bag counts per table ({bags} by rank); "
+            f"every rank's slice must have the same number of samples, and a table recc took for one id per "
+            f"sample must get exactly one — a jagged sequence whose example inputs had one id per sample "
+            f"looks like that (compile with an example whose sequences vary in length, or name the batch with "
+            f"CompileConfig(batch_size=))")
     # Phase 2, one exchange: for each destination its shards' bag lengths, then their ids.
     per_dst_len = [shards_of[o] * b for o in range(world)]
     send = torch.empty(sum(per_dst_len) + sum(id_counts), dtype=wire, device=dev)
@@ -155,9 +167,9 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     sent = sum(n for o, n in enumerate(to_dst) if o != me)
     received = sum(n for s_, n in enumerate(from_src) if s_ != me)
     # Ids are exact integers: no codec, the wire carries what fp32 accounting would. Phase 1
-    # sent each peer one 8-byte count.
-    st.add_payload(label, str(wire).removeprefix("torch."), sent + 8 * (world - 1), sent + 8 * (world - 1),
-                   send_nbytes=[n + 8 for n in to_dst], me=me)
+    # sent each peer two 8-byte counts.
+    st.add_payload(label, str(wire).removeprefix("torch."), sent + 16 * (world - 1), sent + 16 * (world - 1),
+                   send_nbytes=[n + 16 for n in to_dst], me=me)
     cross = max(st.cross_node(to_dst, me), st.cross_node(from_src, me))
     return Handle((recv, recv_w, rc, j_me, b, world), Transfer(label, works, max(sent, received), st, cross), comm)
 

@@ -12,7 +12,7 @@ import torch
 from recc.ops import SparseBatch, get_op, pad_table_bags, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward,
-                          linearize_indices, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
+                          linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
                           tbe_backward_update, tbe_forward)
 
 
@@ -41,10 +41,14 @@ class TBELookup(torch.autograd.Function):
         if t == 0 or b == 0:
             # A rank may own no shard of a group; it still takes part in the collectives.
             ctx.lin, ctx.offsets, ctx.t, ctx.b = None, sparse.offsets, t, b
-            return weights.new_zeros(b, t * group.dim)
+            return weights.new_zeros(b, t * group.dim, dtype=torch.float32)  # pooled rows are fp32 (half tables too)
         lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
         offsets = sparse.offsets
         ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
+        if pooling == "max":
+            out, ctx.winners = max_pool(weights.detach(), lin, offsets, T=t, B=b)
+            ctx.version = weights._version
+            return out
         return tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
                            per_sample_weights=sparse.per_sample_weights)
 
@@ -55,17 +59,31 @@ class TBELookup(torch.autograd.Function):
         o = group.optimizer
         grad = grad.contiguous()
         lin, offsets, psw, b = ctx.lin, ctx.offsets, ctx.psw, ctx.b
+        winners = getattr(ctx, "winners", None)
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
             lin = linearize_indices(ids, offsets, group.hash_size_cumsum, ctx.t, b)
+            if ctx.pooling == "max":
+                winners = None  # the other ranks' bags: recomputed from the weights, if unchanged
+                check_max_unchanged(group, ctx.version)
         if ctx.t and b:
             tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
                                 T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw,
                                 optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
                                 weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale,
-                                weight_decay_mode=o.weight_decay_mode)
+                                weight_decay_mode=o.weight_decay_mode, winners=winners)
         return None, None, None
+
+
+def check_max_unchanged(group, version: int) -> None:
+    """A data-parallel max-pooled group recomputes the global batch's winners in backward: only
+    right if its weights did not change since forward (one lookup per backward)."""
+    if group.weights._version != version:
+        raise RuntimeError(f"table group {group.group_name}: data-parallel max pooling recomputes the winners of "
+                           f"every rank's bags in backward, but the weights changed since this lookup's forward "
+                           f"(the group was looked up twice before one backward); call backward after each "
+                           f"forward, or shard the table (table_wise/column_wise keep the winners)")
 
 
 @register_impl("tbe_lookup", "cpu")

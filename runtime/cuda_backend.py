@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from recc.kernels import cuda as cuda_kernels
-from recc.kernels import linearize_indices, tbe_backward_update_reference, tbe_forward_reference
+from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
+from recc.runtime.cpu_backend import check_max_unchanged
 from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
 
@@ -34,8 +35,9 @@ class TBELookupCUDA(torch.autograd.Function):
         ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
         ctx.ids, ctx.offsets, ctx.hsc, ctx.names = ids, offsets, hsc, names
         if pooling == "max":  # no CUDA kernel: the torch reference, on the device
-            return tbe_forward_reference(weights.detach(), linearize_indices(ids, offsets, hsc, t, b), offsets,
-                                         T=t, B=b, pooling=pooling)
+            out, ctx.winners = max_pool(weights.detach(), linearize_indices(ids, offsets, hsc, t, b), offsets, T=t, B=b)
+            ctx.version = weights._version
+            return out
         return cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
                                         per_sample_weights=sparse.per_sample_weights, table_names=names)
 
@@ -45,10 +47,14 @@ class TBELookupCUDA(torch.autograd.Function):
         group.step += 1
         o = group.optimizer
         ids, offsets, psw, b, checked = ctx.ids, ctx.offsets, ctx.psw, ctx.b, True
+        winners = getattr(ctx, "winners", None)
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
             checked = False  # other ranks' ids: the update's own bounds check reports them
+            if ctx.pooling == "max":
+                winners = None
+                check_max_unchanged(group, ctx.version)
         if group.grad_scale != 1.0:
             grad = grad * group.grad_scale
         if ctx.t and b and ctx.pooling == "max":
@@ -56,7 +62,7 @@ class TBELookupCUDA(torch.autograd.Function):
                 group.weights.detach(), group.optimizer_state(), linearize_indices(ids, offsets, ctx.hsc, ctx.t, b),
                 offsets, grad.contiguous(), T=ctx.t, B=b, pooling="max", optimizer=o.name, lr=o.lr,
                 eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
-                weight_decay_mode=o.weight_decay_mode)
+                weight_decay_mode=o.weight_decay_mode, winners=winners)
         elif ctx.t and b:
             cuda_kernels.tbe_backward_update(
                 group.weights.detach(), group.optimizer_state(), ids, offsets, ctx.hsc, grad.contiguous(),

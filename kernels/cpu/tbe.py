@@ -195,6 +195,20 @@ def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
         return pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
 
 
+def max_pool(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor, *, T: int,
+             B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max pooling's output ``[B, T*D]`` and its winners (``max_pool_winners``), in one pass: a
+    caller that runs backward later hands the winners to ``tbe_backward_update`` (the weights may
+    have changed in between, when a model looks a group up twice before one backward)."""
+    _check_call(weights, lin_indices, offsets, T, B, "max", None)
+    D = weights.shape[1]
+    with torch.no_grad():
+        pooled, _, bag_size, winners = torch.ops.aten._embedding_bag_forward_only(
+            weights.float(), lin_indices.to(torch.int64), offsets.to(torch.int64), False, 2, False, None, True, -1)
+        out = pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
+        return out, winners.masked_fill_((bag_size == 0)[:, None], -1)
+
+
 def max_pool_winners(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Max pooling's winners: ``[T*B, D]``, the row whose value each bag's column d took (the
     first of equal maxima, as ``nn.EmbeddingBag(mode='max')`` picks it), -1 for an empty bag.
@@ -280,8 +294,9 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                                   beta1: float = 0.9, beta2: float = 0.999,
                                   weight_decay: float = 0.0, step: int = 1,
                                   grad_scale: float = 1.0, weight_decay_mode: str = "l2",
-                                  seed: int | None = None) -> None:
-    """Pure-torch backward + fused optimizer: unique + index_add + one row update."""
+                                  seed: int | None = None, winners: torch.Tensor | None = None) -> None:
+    """Pure-torch backward + fused optimizer: unique + index_add + one row update. ``winners``:
+    max pooling's, from ``max_pool`` at forward (else recomputed from the current weights)."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
     R, D = weights.shape
@@ -302,9 +317,12 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
             raise IndexError(f"lin_indices has a row outside [0, {R}); run validate_inputs on "
                              f"the local ids to find the table and bag")
         if pooling == "max":
-            # Column d of a bag's gradient goes to the row that won column d (recomputed from
-            # the weights, which are unchanged since forward); every id present is a touched row.
-            winners = max_pool_winners(weights, lin, off)
+            # Column d of a bag's gradient goes to the row that won column d in forward; every
+            # id present is a touched row.
+            if winners is None:
+                winners = max_pool_winners(weights, lin, off)
+            elif tuple(winners.shape) != (T * B, D):
+                raise ValueError(f"winners has shape {tuple(winners.shape)}, expected (T*B, D) = ({T * B}, {D})")
             won = winners >= 0
             cols = torch.arange(D, device=dev).expand(T * B, D)[won]
             flat = torch.searchsorted(rows, winners[won]) * D + cols
@@ -340,8 +358,11 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
         elif optimizer == "adam":
             m1 = state["momentum1"].view(R, D)
             m2 = state["momentum2"].view(R, D)
-            m = beta1 * m1[rows] + (1 - beta1) * g
-            v = beta2 * m2[rows] + (1 - beta2) * g * g
+            # 1 - beta in fp32 arithmetic, as the C and CUDA kernels compute it
+            c1 = float(torch.tensor(1.0) - torch.tensor(beta1))
+            c2 = float(torch.tensor(1.0) - torch.tensor(beta2))
+            m = beta1 * m1[rows] + c1 * g
+            v = beta2 * m2[rows] + c2 * g * g
             m1.index_copy_(0, rows, m)
             m2.index_copy_(0, rows, v)
             bc1 = 1 - beta1 ** step
@@ -521,7 +542,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                         beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
                         step: int = 1, grad_scale: float = 1.0, weight_decay_mode: str = "l2",
-                        seed: int | None = None) -> None:
+                        seed: int | None = None, winners: torch.Tensor | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
 
     ``grad_scale`` multiplies every id's gradient (a rank's 1/world share of the global-mean
@@ -551,7 +572,13 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
     to ``per_sample_weights``.
     """
-    if pooling != "max" and native.library() is not None and _native_update_ok(weights, state, optimizer) \
+    if pooling == "max":
+        tbe_backward_update_reference(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
+                                      optimizer=optimizer, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
+                                      weight_decay=weight_decay, step=step, grad_scale=grad_scale,
+                                      weight_decay_mode=weight_decay_mode, seed=seed, winners=winners)
+        return
+    if native.library() is not None and _native_update_ok(weights, state, optimizer) \
             and weights.device.type == "cpu" and _native_sizes_ok(lin_indices, T, B):
         fn = tbe_backward_update_native
     else:

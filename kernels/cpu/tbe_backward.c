@@ -471,7 +471,7 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
             const int64_t prow = urows[s + ROW_PREFETCH];
             prefetch_span((const char*)c->weights + prow * w_bytes, w_bytes, 1);
             if (m1_bytes) prefetch_span(c->m1 + prow * m1_stride, m1_bytes, 1);
-            if (has_m2) prefetch_span(c->m2 + prow * D, w_bytes, 1);
+            if (has_m2) prefetch_span(c->m2 + prow * D, D * 4, 1);
         }
         if (s + GO_PREFETCH < U) {
             const int32_t p0 = ends[s + GO_PREFETCH - 1], p1 = ends[s + GO_PREFETCH];

@@ -408,3 +408,73 @@ def test_a_shared_tables_field_ids_are_checked_against_their_field(bad):
         assert torch.equal(v, before[k]), k
     x[5, 1] = FM_FIELD_DIMS[1] - 1                    # the field's last id is fine
     entry.loss(dmodel(x), y).backward()
+
+
+class MaxBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(4, 2, mode="max")
+        self.out = nn.Linear(2, 1)
+
+    def forward(self, ids, offsets):
+        return self.out(self.bag(ids, offsets)).squeeze(-1)
+
+
+def test_max_pooling_keeps_each_lookups_winners_across_two_forwards():
+    """Two forwards, one backward (a loss over two batches): each lookup's gradient goes to the
+    rows that won in its own forward, though the first backward has moved the weights since."""
+    model = MaxBag()
+    with torch.no_grad():
+        model.bag.weight.copy_(torch.tensor([[1.0, 1.0], [0.9, 0.9], [0.0, 0.0], [0.5, 0.5]]))
+        model.out.weight.fill_(1.0)
+    a, b = (torch.tensor([0, 1]), torch.tensor([0])), (torch.tensor([0, 1, 3]), torch.tensor([0]))
+    dmodel = recc.compile(model, example_inputs=a, config=recc.CompileConfig(lr=0.5)).instantiate()
+    (dmodel(*a).sum() + dmodel(*b).sum()).backward()
+    eager = MaxBag()
+    eager.load_state_dict(model.state_dict())
+    (eager(*a).sum() + eager(*b).sum()).backward()
+    torch.testing.assert_close(dmodel.state_dict()["bag.weight"], model.bag.weight - 0.5 * eager.bag.weight.grad)
+
+
+class Shifted(nn.Module):
+    """Constant offsets added to ids that are not one table's field starts."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(30, 4)
+        self.register_buffer("off", torch.tensor([0, 0, 0]) if how == "zeros" else torch.tensor([0, 10, 10])
+                             if how == "repeated" else torch.tensor([0, 5, 10]))
+
+    def forward(self, x):
+        ids = torch.add(x, self.off, alpha=2) if self.how == "alpha" else x + self.off
+        return self.emb(ids).sum(1)
+
+
+@pytest.mark.parametrize("how", ["zeros", "repeated", "alpha"])
+def test_offsets_that_are_not_field_starts_get_no_field_check(how):
+    x = torch.tensor([[7, 8, 9], [1, 2, 3]])
+    program = recc.compile(Shifted(how), example_inputs=(x,))
+    assert "check_field_ids" not in program.stages["discover_tables"].text
+    torch.manual_seed(0)
+    model = Shifted(how)
+    program = recc.compile(model, example_inputs=(x,))
+    torch.testing.assert_close(program.instantiate()(x), model(x))
+
+
+def _one_id_each_example(program, parts):
+    dmodel = program.instantiate()
+    dmodel(*parts[recc.rank()])
+
+
+def test_a_sequence_whose_example_had_one_id_per_sample_is_a_clear_error_across_ranks():
+    """A 1-D history whose example sequences all have length 1 looks like one id per sample; when
+    the ranks then get different id counts, packing (or, for a table alone in its group, the input
+    dist) names the mismatch instead of a gloo abort."""
+    torch.manual_seed(0)
+    program = recc.compile(History(), recc.Cluster.local(2), example_inputs=_history_batch([1, 1, 1]),
+                           config=recc.CompileConfig(sharding="table_wise"))
+    assert not program.stats["tables"]["item"].jagged
+    parts = [_history_batch([1, 2, 1]), _history_batch([1, 1, 1])]
+    with pytest.raises(Exception, match="different bag counts per table|example inputs had exactly one id per sample"):
+        recc.launch(_one_id_each_example, recc.Cluster.local(2), program, parts)

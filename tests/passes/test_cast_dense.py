@@ -20,31 +20,31 @@ lS_o_2     : i64[8]       = input
 lS_i_0     : i64[16]      = input
 lS_i_1     : i64[16]      = input
 lS_i_2     : i64[16]      = input
-dense_x_bf16 : bf16[8,13]   = dense_x.to(bf16)  # @cast_dense
 tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.1); @batch_tables
 sparse_g0  : kjt[t=3,b=8] = recc.pack_sparse([lS_i_0, lS_i_1, lS_i_2], [lS_o_0, lS_o_1, lS_o_2], None, tables=('emb_l.0', 'emb_l.1', 'emb_l.2'), rows=(10, 20, 30))  # @batch_tables
 pooled_g0  : f32[8,12]    = recc.tbe_lookup(tbe_g0, sparse_g0)  # @batch_tables
 bot_l_0_weight : f32[8,13]    = get_attr bot_l.0.weight  # @fuse_linear_act
-bot_l_0_weight_bf16 : bf16[8,13]   = bot_l_0_weight.to(bf16)  # @cast_dense
 bot_l_0_bias : f32[8]       = get_attr bot_l.0.bias  # @fuse_linear_act
+dense_x_bf16 : bf16[8,13]   = dense_x.to(bf16)  # @cast_dense
+bot_l_0_weight_bf16 : bf16[8,13]   = bot_l_0_weight.to(bf16)  # @cast_dense
 bot_l_0_bias_bf16 : bf16[8]      = bot_l_0_bias.to(bf16)  # @cast_dense
 bot_l_1    : bf16[8,8]    = recc.linear(dense_x_bf16, bot_l_0_weight_bf16, bot_l_0_bias_bf16, activation='relu')  # @fuse_linear_act
-bot_l_1_f32 : f32[8,8]     = bot_l_1.to(f32)  # @cast_dense
 bot_l_2_weight : f32[4,8]     = get_attr bot_l.2.weight  # @fuse_linear_act
 bot_l_2_bias : f32[4]       = get_attr bot_l.2.bias  # @fuse_linear_act
+bot_l_1_f32 : f32[8,8]     = bot_l_1.to(f32)  # @cast_dense
 bot_l_3    : f32[8,4]     = recc.linear(bot_l_1_f32, bot_l_2_weight, bot_l_2_bias, activation='relu')  # @fuse_linear_act
 li         : i64[6]       = get_attr li
 lj         : i64[6]       = get_attr lj
 cat        : f32[8,10]    = recc.dot_interaction(bot_l_3, [pooled_g0], li, lj, features=((0, 0), (0, 4), (0, 8)))  # @fuse_interaction
-cat_bf16   : bf16[8,10]   = cat.to(bf16)  # @cast_dense
 top_l_0_weight : f32[8,10]    = get_attr top_l.0.weight  # @fuse_linear_act
-top_l_0_weight_bf16 : bf16[8,10]   = top_l_0_weight.to(bf16)  # @cast_dense
 top_l_0_bias : f32[8]       = get_attr top_l.0.bias  # @fuse_linear_act
+cat_bf16   : bf16[8,10]   = cat.to(bf16)  # @cast_dense
+top_l_0_weight_bf16 : bf16[8,10]   = top_l_0_weight.to(bf16)  # @cast_dense
 top_l_0_bias_bf16 : bf16[8]      = top_l_0_bias.to(bf16)  # @cast_dense
 top_l_1    : bf16[8,8]    = recc.linear(cat_bf16, top_l_0_weight_bf16, top_l_0_bias_bf16, activation='relu')  # @fuse_linear_act
-top_l_1_f32 : f32[8,8]     = top_l_1.to(f32)  # @cast_dense
 top_l_2_weight : f32[1,8]     = get_attr top_l.2.weight  # @fuse_linear_act
 top_l_2_bias : f32[1]       = get_attr top_l.2.bias  # @fuse_linear_act
+top_l_1_f32 : f32[8,8]     = top_l_1.to(f32)  # @cast_dense
 top_l_2    : f32[8,1]     = recc.linear(top_l_1_f32, top_l_2_weight, top_l_2_bias, activation='none')  # @fuse_linear_act
 top_l_3    : f32[8,1]     = top_l.3(top_l_2)
 return [top_l_3]
@@ -52,7 +52,7 @@ return [top_l_3]
 
 
 def test_tiny_dlrm_ir_after_cast_dense():
-    """Each product's inputs cast once (weights right after their get_attr), the fp32 interaction
+    """Each product's inputs cast once (right before the product), the fp32 interaction
     and sigmoid fed fp32, bf16 between the products, the head (whose logit only the sigmoid
     reads) and the bottom MLP's last layer (only the fp32 interaction reads it) in fp32, no cast of
     a value already in its dtype."""
@@ -202,3 +202,38 @@ def test_two_ranks_in_bf16_train_like_eager_under_autocast():
         for k, v in eager.state_dict().items():
             assert r["state"][k].dtype == torch.float32
             torch.testing.assert_close(r["state"][k], v, atol=2e-3, rtol=0, msg=k)
+
+
+class InPlaceAndLeaves(nn.Module):
+    """What the review found: an in-place op between a value and its product, a module with its own
+    fp32 weights (GRU), a user's own .to(torch.float32), an nn.Linear called by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.l1 = nn.Linear(8, 8)
+        self.l3 = nn.Linear(8, 8)
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.l2 = nn.Linear(8, 8)
+        self.out = nn.Linear(9, 1)
+
+    def forward(self, x, ids, counts):
+        h = x + self.emb(ids)
+        h.clamp_(min=0.0)                             # must be in the cast the product reads
+        h = self.l3(torch.relu(self.l1(h)))
+        seq, _ = self.gru(h.unsqueeze(1))              # fp32 weights of its own
+        h = self.l2(input=seq.squeeze(1).unsqueeze(0)).squeeze(0)   # keyword call, 3-D
+        return torch.sigmoid(self.out(torch.cat([h, counts.to(torch.float32)[:, None]], dim=1)))
+
+
+def test_review_cases_compile_and_match_autocast_and_verify_at_level_2():
+    torch.manual_seed(0)
+    model = InPlaceAndLeaves()
+    args = (torch.randn(6, 8), torch.randint(0, 20, (6,)), torch.randint(0, 5, (6,)))
+    program = recc.compile(model, example_inputs=args, config=recc.CompileConfig(dense_dtype="bf16", verify=2))
+    with torch.autocast("cpu", torch.bfloat16):
+        want = model(*args)
+    torch.testing.assert_close(program.instantiate()(*args), want.float(), atol=2e-2, rtol=0)
+    text = program.stages["cast_dense"].text.splitlines()
+    order = [next(i for i, l in enumerate(text) if l.startswith(name)) for name in ("clamp_", "add_bf16")]
+    assert order[0] < order[1]                         # the cast reads the clamped value
