@@ -478,3 +478,19 @@ def test_a_sequence_whose_example_had_one_id_per_sample_is_a_clear_error_across_
     parts = [_history_batch([1, 2, 1]), _history_batch([1, 1, 1])]
     with pytest.raises(Exception, match="different bag counts per table|example inputs had exactly one id per sample"):
         recc.launch(_one_id_each_example, recc.Cluster.local(2), program, parts)
+
+
+class HistoryOwnGroup(History):
+    def __init__(self):
+        super().__init__()
+        self.user = nn.Embedding(20, 5)     # another dim: item is alone in its group, so the input
+        self.out = nn.Linear(9, 1)          # dist (not packing) sees the ranks' different counts
+
+
+def test_ranks_with_different_bag_counts_are_named_by_the_input_dist():
+    torch.manual_seed(0)
+    program = recc.compile(HistoryOwnGroup(), recc.Cluster.local(2), example_inputs=_history_batch([1, 1, 1]),
+                           config=recc.CompileConfig(sharding="table_wise"))
+    parts = [_history_batch([1, 2, 1]), _history_batch([1, 1, 1])]
+    with pytest.raises(Exception, match=r"the ranks have different bag counts per table \(\[4, 3\] by rank\)"):
+        recc.launch(_one_id_each_example, recc.Cluster.local(2), program, parts)
