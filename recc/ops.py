@@ -609,7 +609,7 @@ def pad_bag_offsets(sparse: SparseBatch, bags: int) -> SparseBatch:
 
 
 def _pad_bags_meta(sparse, *, comm):
-    return SparseBatch(sparse.tables, sparse.indices, sparse.offsets, sparse.per_sample_weights, sparse.batch_size)
+    return sparse  # rank 0's view: the example's count
 
 
 @define_op("pad_bags", meta=_pad_bags_meta)

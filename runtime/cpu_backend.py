@@ -37,6 +37,9 @@ class TBELookup(torch.autograd.Function):
     def forward(ctx, weights, group, sparse):
         pooling = group.pooling
         ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
+        # Max pooling keeps its winners from here; a data-parallel group, which recomputes them for
+        # every rank's bags, checks the weights are still those of this forward.
+        ctx.winners, ctx.version = None, weights._version
         t, b = sparse.num_tables, sparse.batch_size
         if t == 0 or b == 0:
             # A rank may own no shard of a group; it still takes part in the collectives.
@@ -47,7 +50,6 @@ class TBELookup(torch.autograd.Function):
         ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
         if pooling == "max":
             out, ctx.winners = max_pool(weights.detach(), lin, offsets, T=t, B=b)
-            ctx.version = weights._version
             return out
         return tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
                            per_sample_weights=sparse.per_sample_weights)
@@ -59,7 +61,7 @@ class TBELookup(torch.autograd.Function):
         o = group.optimizer
         grad = grad.contiguous()
         lin, offsets, psw, b = ctx.lin, ctx.offsets, ctx.psw, ctx.b
-        winners = getattr(ctx, "winners", None)
+        winners = ctx.winners
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)

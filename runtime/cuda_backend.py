@@ -26,6 +26,9 @@ class TBELookupCUDA(torch.autograd.Function):
     def forward(ctx, weights, group, sparse):
         pooling = group.pooling
         ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
+        # Max pooling keeps its winners from here; a data-parallel group, which recomputes them for
+        # every rank's bags, checks the weights are still those of this forward.
+        ctx.winners, ctx.version = None, weights._version
         t, b = sparse.num_tables, sparse.batch_size
         ctx.t, ctx.b = t, b
         if t == 0 or b == 0:
@@ -36,7 +39,6 @@ class TBELookupCUDA(torch.autograd.Function):
         ctx.ids, ctx.offsets, ctx.hsc, ctx.names = ids, offsets, hsc, names
         if pooling == "max":  # no CUDA kernel: the torch reference, on the device
             out, ctx.winners = max_pool(weights.detach(), linearize_indices(ids, offsets, hsc, t, b), offsets, T=t, B=b)
-            ctx.version = weights._version
             return out
         return cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
                                         per_sample_weights=sparse.per_sample_weights, table_names=names)
@@ -47,7 +49,7 @@ class TBELookupCUDA(torch.autograd.Function):
         group.step += 1
         o = group.optimizer
         ids, offsets, psw, b, checked = ctx.ids, ctx.offsets, ctx.psw, ctx.b, True
-        winners = getattr(ctx, "winners", None)
+        winners = ctx.winners
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)

@@ -21,6 +21,7 @@ FBGEMM: ``m[row] += mean(g*g)``, ``w -= lr * g / (sqrt(m[row]) + eps)``.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -195,28 +196,25 @@ def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
         return pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
 
 
-def max_pool(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor, *, T: int,
-             B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Max pooling's output ``[B, T*D]`` and its winners (``max_pool_winners``), in one pass: a
-    caller that runs backward later hands the winners to ``tbe_backward_update`` (the weights may
-    have changed in between, when a model looks a group up twice before one backward)."""
-    _check_call(weights, lin_indices, offsets, T, B, "max", None)
-    D = weights.shape[1]
+def _max_bags(weights, lin_indices, offsets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feature-major max-pooled bags ``[T*B, D]`` and their winners: the row whose value each
+    bag's column d took (the first of equal maxima, as ``nn.EmbeddingBag(mode='max')`` picks it),
+    -1 for an empty bag. Plain torch (runs on any device): max pooling is rare enough that it has
+    no C/CUDA kernel."""
     with torch.no_grad():
         pooled, _, bag_size, winners = torch.ops.aten._embedding_bag_forward_only(
             weights.float(), lin_indices.to(torch.int64), offsets.to(torch.int64), False, 2, False, None, True, -1)
-        out = pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
-        return out, winners.masked_fill_((bag_size == 0)[:, None], -1)
+        return pooled, winners.masked_fill_((bag_size == 0)[:, None], -1)
 
 
-def max_pool_winners(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Max pooling's winners: ``[T*B, D]``, the row whose value each bag's column d took (the
-    first of equal maxima, as ``nn.EmbeddingBag(mode='max')`` picks it), -1 for an empty bag.
-    Plain torch (runs on any device): max pooling is rare enough that it has no C/CUDA kernel."""
-    with torch.no_grad():
-        _, _, bag_size, winners = torch.ops.aten._embedding_bag_forward_only(
-            weights.float(), lin_indices.to(torch.int64), offsets.to(torch.int64), False, 2, False, None, True, -1)
-        return winners.masked_fill_((bag_size == 0)[:, None], -1)
+def max_pool(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor, *, T: int,
+             B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max pooling's output ``[B, T*D]`` and its winners (``[T*B, D]``), in one pass: a caller
+    that runs backward later hands the winners to ``tbe_backward_update`` (the weights may have
+    changed in between, when a model looks a group up twice before one backward)."""
+    _check_call(weights, lin_indices, offsets, T, B, "max", None)
+    pooled, winners = _max_bags(weights, lin_indices, offsets)
+    return pooled.view(T, B, -1).transpose(0, 1).reshape(B, -1), winners
 
 
 def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
@@ -232,7 +230,6 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
     R, D = weights.shape
     w = weights.detach().contiguous()
     lin = lin_indices.to(torch.int64).contiguous()
-
     off = offsets.to(torch.int64).contiguous()
     psw = None if per_sample_weights is None else \
         per_sample_weights.detach().to(torch.float32).contiguous()
@@ -254,7 +251,8 @@ def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch
     """Pooled embeddings ``[B, T*D]``: row b is [pooled(table 0, b), pooled(table 1, b), ...].
 
     ``pooling`` is 'sum', 'mean' or 'max' (an empty bag pools to 0; max has no C kernel and
-    runs the reference); ``per_sample_weights`` scale each id (sum pooling only).  No autograd: the caller wraps this in an autograd.Function.
+    runs the reference); ``per_sample_weights`` scale each id (sum pooling only).  No autograd:
+    the caller wraps this in an autograd.Function.
     """
     if pooling != "max" and native.library() is not None and weights.device.type == "cpu" and \
             _native_sizes_ok(lin_indices, T, B):
@@ -320,7 +318,7 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
             # Column d of a bag's gradient goes to the row that won column d in forward; every
             # id present is a touched row.
             if winners is None:
-                winners = max_pool_winners(weights, lin, off)
+                winners = _max_bags(weights, lin, off)[1]
             elif tuple(winners.shape) != (T * B, D):
                 raise ValueError(f"winners has shape {tuple(winners.shape)}, expected (T*B, D) = ({T * B}, {D})")
             won = winners >= 0
@@ -572,17 +570,11 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
     to ``per_sample_weights``.
     """
-    if pooling == "max":
-        tbe_backward_update_reference(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
-                                      optimizer=optimizer, lr=lr, eps=eps, beta1=beta1, beta2=beta2,
-                                      weight_decay=weight_decay, step=step, grad_scale=grad_scale,
-                                      weight_decay_mode=weight_decay_mode, seed=seed, winners=winners)
-        return
-    if native.library() is not None and _native_update_ok(weights, state, optimizer) \
+    if pooling != "max" and native.library() is not None and _native_update_ok(weights, state, optimizer) \
             and weights.device.type == "cpu" and _native_sizes_ok(lin_indices, T, B):
         fn = tbe_backward_update_native
     else:
-        fn = tbe_backward_update_reference
+        fn = functools.partial(tbe_backward_update_reference, winners=winners)
     fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
        per_sample_weights=per_sample_weights, optimizer=optimizer, lr=lr, eps=eps, beta1=beta1,
        beta2=beta2, weight_decay=weight_decay, step=step, grad_scale=grad_scale,
