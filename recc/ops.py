@@ -426,6 +426,28 @@ def tbe_lookup(group, sparse):
     return group.reference_lookup(sparse)
 
 
+def _gather_rows_meta(group, indices, *, tables, rows):
+    return tuple(_meta_like((i.numel(), group.dim)) for i in indices)
+
+
+@define_op("gather_rows", meta=_gather_rows_meta)
+def gather_rows(group, indices, *, tables, rows):
+    """recc.gather_rows(group, [ids_t...], tables=, rows=) -> tuple of f32[N_t, D]
+
+    The one-id lookups (``nn.Embedding`` gathers) of every table of ``group`` when the whole
+    tables are here (no input dist): table t's rows in its ids' order, ``[numel(ids_t), D]``
+    and contiguous, each its own tensor — no padding to a common bag count, no column block
+    to copy out (``fuse_gathers``). Ids are checked first; an error names the table. On the
+    CPU backend its backward is the group's fused optimizer update, as ``tbe_lookup``'s; this
+    reference runs one ``F.embedding`` per table and has no fused update.
+    """
+    outs = []
+    for j, (table, ids) in enumerate(zip(tables, indices)):
+        check_bags(table, ids, None, rows[j])
+        outs.append(F.embedding(ids.reshape(-1).to(torch.int64), group.table_weight(j).float()))
+    return tuple(outs)
+
+
 def _drop_padding_meta(indices, offsets, per_sample_weights=None, *, padding_idx, table, rows):
     # The kept ids' count depends on the data: the shape rule gives the upper bound.
     b = indices.shape[0] if offsets is None else offsets.shape[0]

@@ -68,6 +68,7 @@ class TableGroup(nn.Module):
         # FBGEMM metadata over this rank's shards: shard j's rows are
         # weights[hash_size_cumsum[j]:hash_size_cumsum[j+1]]; weights_offsets is the same
         # boundary in elements; D_offsets are the kernel output's column offsets.
+        self.row_starts = tuple(cum)  # hash_size_cumsum as Python ints, for the kernels' calls
         self.register_buffer("hash_size_cumsum", torch.tensor(cum, dtype=torch.int64), persistent=False)
         self.register_buffer("weights_offsets", torch.tensor(cum[:-1], dtype=torch.int64) * self.dim,
                              persistent=False)

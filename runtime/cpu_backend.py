@@ -11,8 +11,8 @@ import torch
 
 from recc.ops import SparseBatch, get_op, pad_table_bags, register_impl, use_references
 from recc.runtime.comm import gather_global_batch
-from recc.kernels import (dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward,
-                          linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
+from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
+                          linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
                           tbe_backward_update, tbe_forward)
 
 
@@ -70,12 +70,52 @@ class TBELookup(torch.autograd.Function):
                 winners = None  # the other ranks' bags: recomputed from the weights, if unchanged
                 check_max_unchanged(group, ctx.version)
         if ctx.t and b:
-            tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
-                                T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw,
-                                optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
-                                weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale,
-                                weight_decay_mode=o.weight_decay_mode, winners=winners)
+            _apply_update(group, lin, offsets, grad, ctx.t, b, ctx.pooling, psw, winners)
         return None, None, None
+
+
+def _apply_update(group, lin, offsets, grad, t, b, pooling, psw=None, winners=None, segments=None) -> None:
+    """The group's fused optimizer step for one backward: ``grad`` [b, t*D] of the bags."""
+    o = group.optimizer
+    tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
+                        T=t, B=b, pooling=pooling, per_sample_weights=psw,
+                        optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
+                        weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale,
+                        weight_decay_mode=o.weight_decay_mode, winners=winners, segments=segments)
+
+
+class GatherRows(torch.autograd.Function):
+    """Forward: each table's gathered rows, its own contiguous tensor. Backward: the fused
+    optimizer update over every table's ids, as one-id bags of one concatenated batch."""
+
+    @staticmethod
+    def forward(ctx, weights, group, indices, tables, rows):
+        lin, outs = gather_rows(weights.detach(), indices, rows, group.row_starts, tables)
+        ctx.group, ctx.lin = group, lin
+        ctx.segments = [0]
+        for o in outs:
+            ctx.segments.append(ctx.segments[-1] + o.shape[0])  # each table's ids: rows apart
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # Autograd hands zeros for a table whose rows were not used (materialised grads), as
+        # split_cols' backward does for tbe_lookup: its ids are touched rows with gradient 0.
+        group, lin = ctx.group, ctx.lin
+        group.step += 1
+        n = lin.numel()
+        if n:
+            grad = torch.cat(grads).contiguous()
+            _apply_update(group, lin, torch.arange(n + 1), grad, 1, n, "sum", segments=ctx.segments)
+        return None, None, None, None, None
+
+
+@register_impl("gather_rows", "cpu")
+def gather_rows_cpu(group, indices, *, tables, rows):
+    if not group.materialized:
+        raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
+                           f"run the model from program.instantiate()")
+    return GatherRows.apply(group.weights, group, list(indices), tuple(tables), tuple(rows))
 
 
 def check_max_unchanged(group, version: int) -> None:

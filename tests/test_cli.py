@@ -32,7 +32,7 @@ def test_compile_prints_the_final_ir_and_plan_and_dumps(tmp_path, capsys):
             "features=((0, 0), (0, 4), (0, 8)))  # @fuse_interaction\n") in out
     assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 10 passes, pipeline discover_tables,"
                      r"shard_tables\{strategy=auto\},batch_tables,insert_comm,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
-                     r"pipeline_comm\{enabled=true\},fuse_interaction,align_linear,fuse_linear_act,lower$", out, re.M)
+                     r"pipeline_comm\{enabled=true\},fuse_gathers,fuse_interaction,align_linear,fuse_linear_act,lower$", out, re.M)
     assert f"# wrote every stage's .txt/.diff/.dot and summary.tsv to {dump}" in out
     assert err == ""
     names = sorted(p.name for p in dump.iterdir())
@@ -126,7 +126,7 @@ def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
     assert " OVER" not in out
     assert re.search(r"^# compiled terabyte for zionex-16x8 in \d+\.\d\d s: 10 passes, pipeline discover_tables,"
                      r"shard_tables\{strategy=auto\},batch_tables,insert_comm,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
-                     r"pipeline_comm\{enabled=true\},fuse_interaction,align_linear,fuse_linear_act,lower$", out, re.M)
+                     r"pipeline_comm\{enabled=true\},fuse_gathers,fuse_interaction,align_linear,fuse_linear_act,lower$", out, re.M)
 
 
 def test_compile_terabyte_for_one_rank_says_it_does_not_fit():

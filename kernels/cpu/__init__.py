@@ -3,6 +3,7 @@
 from .tbe import (
     OPTIMIZERS,
     POOLINGS,
+    gather_rows,
     linearize_indices,
     max_pool,
     optimizer_state_shapes,
@@ -25,6 +26,7 @@ __all__ = [
     "dot_interaction_backward",
     "dot_interaction_forward",
     "dot_interaction_reference",
+    "gather_rows",
     "huge_page_empty",
     "pack_bags",
     "linear_backward",

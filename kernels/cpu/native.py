@@ -172,7 +172,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, p, i64, i64,               # lin_indices, offsets, T, B
         p, p, i32, f32,               # grad_output, per_sample_weights, mean, grad_scale
         i32, f32, f32, f32, f32, f32, i32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, decoupled, bc1, bc2
-        p, i32,                       # slot_map, nthreads
+        p, p, i64, i32,               # slot_map, segments (or NULL), their count, nthreads
     ]
     lib.recc_tbe_forward.restype = ctypes.c_int
     lib.recc_tbe_forward.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32, p, i32]
@@ -180,6 +180,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.recc_round_half_sr.argtypes = [p, i64, i32, ctypes.c_uint64, p]
     lib.recc_offsets_ok.restype = ctypes.c_int
     lib.recc_offsets_ok.argtypes = [p, i64, i64]
+    lib.recc_gather_rows.restype = ctypes.c_int
+    lib.recc_gather_rows.argtypes = [p, i32, i64, i64, i64, p, p, p, p, p, p, p, i32]
 
 
 def _record_build(info: dict) -> None:

@@ -21,6 +21,7 @@ FBGEMM: ``m[row] += mean(g*g)``, ``w -= lr * g / (sqrt(m[row]) + eps)``.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from collections.abc import Sequence
@@ -262,6 +263,55 @@ def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch
                                  per_sample_weights=per_sample_weights)
 
 
+def gather_rows(weights: torch.Tensor, ids: Sequence[torch.Tensor], rows: Sequence[int],
+                hash_size_cumsum: Sequence[int], tables: Sequence[str] | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One-id lookups of a group's tables: ``(lin, [rows_t])`` where ``rows_t`` is table t's
+    rows ``[ids[t].numel(), D]`` fp32, contiguous, in its ids' order (what ``F.embedding``
+    returns) and ``lin`` the linearized ids of all tables back to back (for
+    ``tbe_backward_update`` with one one-id bag per id). ``hash_size_cumsum``: table t's rows
+    start at ``hash_size_cumsum[t]`` (ints). An id outside ``[0, rows[t])`` raises
+    ``IndexError`` naming the table (``tables[t]``, else its position) and the id, before any
+    row is read. No autograd."""
+    flat = [i.reshape(-1) for i in ids]
+    lib = native.library()
+    t = len(flat)
+    if lib is None or weights.device.type != "cpu" or not weights.is_contiguous() or \
+            any(f.dtype not in _ID_DTYPES or f.device.type != "cpu" for f in flat):
+        return gather_rows_reference(weights, flat, rows, hash_size_cumsum, tables)
+    flat = [f.contiguous() for f in flat]
+    R, D = weights.shape
+    counts = [f.numel() for f in flat]
+    lin = torch.empty(sum(counts), dtype=torch.int64)
+    outs = [torch.empty(n, D, dtype=torch.float32) for n in counts]
+    arr64 = ctypes.c_int64 * t
+    rc = lib.recc_gather_rows(weights.data_ptr(), WEIGHT_DTYPES[weights.dtype], R, D, t,
+                              (ctypes.c_void_p * t)(*[f.data_ptr() for f in flat]),
+                              (ctypes.c_int32 * t)(*[f.dtype == torch.int32 for f in flat]),
+                              arr64(*counts), arr64(*rows), arr64(*hash_size_cumsum[:t]), lin.data_ptr(),
+                              (ctypes.c_void_p * t)(*[o.data_ptr() for o in outs]), _num_threads())
+    if rc > 0:
+        return gather_rows_reference(weights, flat, rows, hash_size_cumsum, tables)  # raises, naming the id
+    if rc != 0:
+        raise RuntimeError(f"recc_gather_rows failed with code {rc}")
+    return lin, outs
+
+
+def gather_rows_reference(weights, flat, rows, hsc, tables=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``gather_rows`` in plain torch (any device)."""
+    for t, (f, r) in enumerate(zip(flat, rows)):
+        if f.numel():
+            bad = ((f < 0) | (f >= r)).nonzero()
+            if bad.numel():
+                i = int(bad[0, 0])
+                name = tables[t] if tables is not None else f"{t} of the group"
+                raise IndexError(f"table {name}: id {int(f[i])} at position {i} is outside the table's rows [0, {r})")
+    with torch.no_grad():
+        lin = torch.cat([f.to(torch.int64) + h for f, h in zip(flat, hsc)]) if flat else \
+            torch.empty(0, dtype=torch.int64, device=weights.device)
+        return lin, [weights[f.to(torch.int64) + h].float() for f, h in zip(flat, hsc)]
+
+
 # ----------------------------------------------------------------------------- backward
 
 
@@ -471,6 +521,7 @@ def _bump_version(t: torch.Tensor) -> None:
 
 
 _INT32_MAX = 2**31 - 1
+_ID_DTYPES = (torch.int64, torch.int32)
 
 
 def _native_sizes_ok(lin_indices, T, B) -> bool:
@@ -493,8 +544,9 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
                                beta1: float = 0.9, beta2: float = 0.999,
                                weight_decay: float = 0.0, step: int = 1,
                                grad_scale: float = 1.0, weight_decay_mode: str = "l2",
-                               seed: int | None = None) -> None:
-    """The C fast path (same semantics as the reference); raises if it is unavailable."""
+                               seed: int | None = None, segments: Sequence[int] | None = None) -> None:
+    """The C fast path (same semantics as the reference); raises if it is unavailable.
+    ``segments``: see ``tbe_backward_update``."""
     lib = native.library()
     if lib is None:
         raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
@@ -514,13 +566,17 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     m1 = state.get("momentum1") if optimizer != "sgd" else None
     m2 = state.get("momentum2") if optimizer == "adam" else None
     slot_map = _workspace.get(R)
+    segs = None if segments is None else (ctypes.c_int64 * len(segments))(*[int(v) for v in segments])
+    if segs is not None and (len(segments) < 1 or segments[0] != 0 or segments[-1] != T * B):
+        raise ValueError(f"segments must run from 0 to T*B = {T * B}, got {list(segments)}")
     rc = lib.recc_tbe_backward_update(
         weights.data_ptr(), WEIGHT_DTYPES[weights.dtype], _seed64(step if seed is None else seed), R, D,
         None if m1 is None else m1.data_ptr(), None if m2 is None else m2.data_ptr(),
         lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(),
         None if psw is None else psw.data_ptr(), int(pooling == "mean"), grad_scale,
         _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay, int(weight_decay_mode == "decoupled"),
-        1.0 - beta1 ** step, 1.0 - beta2 ** step, slot_map.data_ptr(), _num_threads())
+        1.0 - beta1 ** step, 1.0 - beta2 ** step, slot_map.data_ptr(), segs,
+        0 if segments is None else len(segments) - 1, _num_threads())
     if rc == 1:
         raise IndexError(f"lin_indices has a row outside [0, {R}); nothing was updated; run "
                          f"validate_inputs on the local ids to find the table and bag")
@@ -540,7 +596,8 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         optimizer: str = "sgd", lr: float, eps: float = 1e-8,
                         beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
                         step: int = 1, grad_scale: float = 1.0, weight_decay_mode: str = "l2",
-                        seed: int | None = None, winners: torch.Tensor | None = None) -> None:
+                        seed: int | None = None, winners: torch.Tensor | None = None,
+                        segments: Sequence[int] | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
 
     ``grad_scale`` multiplies every id's gradient (a rank's 1/world share of the global-mean
@@ -569,10 +626,14 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     Ids must be valid rows (``validate_inputs`` on the local ids, then ``linearize_indices``);
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
     to ``per_sample_weights``.
+
+    ``segments`` (bag boundaries ``[0, ..., T*B]``) tells the C kernel which bag ranges hold
+    rows apart from one another (a gather group's tables, called with ``T=1``): it splits its
+    work along them instead of hashing every row of the batch. It changes no result.
     """
     if pooling != "max" and native.library() is not None and _native_update_ok(weights, state, optimizer) \
             and weights.device.type == "cpu" and _native_sizes_ok(lin_indices, T, B):
-        fn = tbe_backward_update_native
+        fn = functools.partial(tbe_backward_update_native, segments=segments)
     else:
         fn = functools.partial(tbe_backward_update_reference, winners=winners)
     fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,

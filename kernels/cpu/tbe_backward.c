@@ -556,8 +556,9 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
                              int64_t B, const float* go, const float* psw, int mean,
                              float grad_scale, int optimizer, float lr, float eps, float beta1, float beta2,
                              float wd, int decoupled, float bc1, float bc2, int32_t* slot_map,
-                             int nthreads) {
+                             const int64_t* segs, int64_t S, int nthreads) {
     if (D <= 0 || T < 0 || B < 0 || optimizer < 0 || optimizer > 3) return RC_BAD_ARGS;
+    if (wt != W_F32 && wt != W_F16 && wt != W_BF16) return RC_BAD_ARGS;
     if (optimizer != OPT_SGD && !m1) return RC_BAD_ARGS;
     if (optimizer == OPT_ADAM && !m2) return RC_BAD_ARGS;
     const int64_t NB = T * B;
@@ -565,32 +566,55 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
     if (N == 0) return RC_OK;
     if (N > INT32_MAX || NB > INT32_MAX) return RC_BAD_ARGS;
     if (nthreads < 1) nthreads = 1;
+    /* Segments: bag ranges [segs[s], segs[s+1]) whose rows the caller knows to be apart (its
+     * tables); NULL: the T tables of B bags. A gather group passes its tables' id counts with
+     * T = 1 (one-id bags of different counts per table). Only the work split reads them. */
+    int64_t* own_segs = NULL;
+    if (!segs) {
+        own_segs = malloc((size_t)(T + 1) * sizeof(int64_t));
+        if (!own_segs) return RC_NO_MEMORY;
+        for (int64_t t = 0; t <= T; ++t) own_segs[t] = t * B;
+        segs = own_segs;
+        S = T;
+    }
+    if (S < 0 || segs[0] != 0 || segs[S] != NB) {
+        free(own_segs);
+        return RC_BAD_ARGS;
+    }
+    for (int64_t k = 0; k < S; ++k)
+        if (segs[k + 1] < segs[k]) {
+            free(own_segs);
+            return RC_BAD_ARGS;
+        }
 
-    /* 0. Every id in [0, R), and each table's row interval: before any write. */
-    interval_t* iv = malloc((size_t)T * (size_t)nthreads * sizeof(interval_t));
-    if (!iv) return RC_NO_MEMORY;
+    /* 0. Every id in [0, R), and each segment's row interval: before any write. */
+    interval_t* iv = malloc((size_t)(S > 0 ? S : 1) * (size_t)nthreads * sizeof(interval_t));
+    if (!iv) {
+        free(own_segs);
+        return RC_NO_MEMORY;
+    }
     int team = 1;
 #pragma omp parallel num_threads(nthreads)
     {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         if (tid == 0) team = (int)nth;
         const int64_t i0 = N * tid / nth, i1 = N * (tid + 1) / nth;
-        for (int64_t t = 0; t < T; ++t) {
-            const int64_t lo = offsets[t * B] > i0 ? offsets[t * B] : i0;
-            const int64_t hi = offsets[(t + 1) * B] < i1 ? offsets[(t + 1) * B] : i1;
+        for (int64_t t = 0; t < S; ++t) {
+            const int64_t lo = offsets[segs[t]] > i0 ? offsets[segs[t]] : i0;
+            const int64_t hi = offsets[segs[t + 1]] < i1 ? offsets[segs[t + 1]] : i1;
             int64_t mn = INT64_MAX, mx = INT64_MIN;
 #pragma omp simd reduction(min : mn) reduction(max : mx)
             for (int64_t i = lo; i < hi; ++i) {
                 mn = lin[i] < mn ? lin[i] : mn;
                 mx = lin[i] > mx ? lin[i] : mx;
             }
-            iv[tid * T + t].lo = mn;
-            iv[tid * T + t].hi = mx;
+            iv[tid * S + t].lo = mn;
+            iv[tid * S + t].hi = mx;
         }
     }
     /* Combine the per-thread intervals (team: the threads the region really had). */
     int bad = 0;
-    interval_t* sorted = malloc((size_t)(T > 0 ? T : 1) * sizeof(interval_t));
+    interval_t* sorted = malloc((size_t)(S > 0 ? S : 1) * sizeof(interval_t));
     unit_t* units = NULL;
     int rc = RC_OK;
     if (!sorted) {
@@ -598,15 +622,15 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
         goto done;
     }
     int64_t n_nonempty = 0;
-    for (int64_t t = 0; t < T; ++t) {
+    for (int64_t t = 0; t < S; ++t) {
         int64_t mn = INT64_MAX, mx = INT64_MIN;
         for (int k = 0; k < team; ++k) {
             const int64_t i0 = N * k / team, i1 = N * (k + 1) / team;
-            const int64_t lo = offsets[t * B] > i0 ? offsets[t * B] : i0;
-            const int64_t hi = offsets[(t + 1) * B] < i1 ? offsets[(t + 1) * B] : i1;
+            const int64_t lo = offsets[segs[t]] > i0 ? offsets[segs[t]] : i0;
+            const int64_t hi = offsets[segs[t + 1]] < i1 ? offsets[segs[t + 1]] : i1;
             if (hi <= lo) continue;
-            if (iv[k * T + t].lo < mn) mn = iv[k * T + t].lo;
-            if (iv[k * T + t].hi > mx) mx = iv[k * T + t].hi;
+            if (iv[k * S + t].lo < mn) mn = iv[k * S + t].lo;
+            if (iv[k * S + t].hi > mx) mx = iv[k * S + t].hi;
         }
         if (mn <= mx) {
             if (mn < 0 || mx >= R) bad = 1;
@@ -623,17 +647,17 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
     int disjoint = 1;
     for (int64_t k = 1; k < n_nonempty; ++k) disjoint &= sorted[k].lo > sorted[k - 1].hi;
 
-    /* 1. Work units: a table (or the whole batch), split into parts of ~N/(2*threads) ids. */
+    /* 1. Work units: a segment (or the whole batch), split into parts of ~N/(2*threads) ids. */
     const int64_t target = (N + 2 * nthreads - 1) / (2 * nthreads);
     const int64_t max_parts = 4 * (int64_t)nthreads;
     int64_t n_units = 0, max_unit_ids = 0;
-    units = malloc((size_t)(disjoint ? T : 1) * (size_t)max_parts * sizeof(unit_t));
+    units = malloc((size_t)(disjoint && S > 0 ? S : 1) * (size_t)max_parts * sizeof(unit_t));
     if (!units) {
         rc = RC_NO_MEMORY;
         goto done;
     }
-    for (int64_t t = 0; t < (disjoint ? T : 1); ++t) {
-        const int64_t bag_lo = disjoint ? t * B : 0, bag_hi = disjoint ? (t + 1) * B : NB;
+    for (int64_t t = 0; t < (disjoint ? S : 1); ++t) {
+        const int64_t bag_lo = disjoint ? segs[t] : 0, bag_hi = disjoint ? segs[t + 1] : NB;
         const int64_t count = offsets[bag_hi] - offsets[bag_lo];
         if (count == 0) continue;
         int64_t parts = (count + target - 1) / target;
@@ -655,7 +679,6 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
     qsort(units, (size_t)n_units, sizeof(unit_t), cmp_unit_bigger_first);
 
     /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
-    if (wt != W_F32 && wt != W_F16 && wt != W_BF16) return RC_BAD_ARGS;
     const bwd_t ctx = {weights, wt, seed, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
                        psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled,
                        slot_map};
@@ -688,6 +711,7 @@ done:
     free(iv);
     free(sorted);
     free(units);
+    free(own_segs);
     return rc;
 }
 
@@ -830,4 +854,63 @@ int recc_tbe_forward(const void* weights, int wt, int64_t R, int64_t D, const in
         if (j1 > j0) bad |= fn(weights, wt, R, lin, offsets, T, B, psw, mean, out, j0, j1, D);
     }
     return bad ? RC_BAD_ID : RC_OK;
+}
+
+/* ------------------------------------------------------------------ gathers */
+
+/*
+ * One-id lookups (nn.Embedding) of T tables of a group, each table's rows written to its own
+ * contiguous [n_ids[t], D] fp32 output in its ids' order: what F.embedding returns, with no
+ * padding to a common bag count, no offsets and no column block to copy out.  First a serial
+ * pass checks every id against its table's rows and writes lin (id + hsc[t]) for the
+ * backward; nothing is gathered unless all ids are good.  Returns 0, or 1 + t for the first
+ * table holding an id outside [0, rows[t]) (the caller names the id).
+ */
+int recc_gather_rows(const void* weights, int wt, int64_t R, int64_t D, int64_t T,
+                     const void* const* ids, const int32_t* ids_is32, const int64_t* n_ids,
+                     const int64_t* rows, const int64_t* hsc, int64_t* lin, float* const* outs,
+                     int nthreads) {
+    if (D <= 0 || T < 0 || (wt != W_F32 && wt != W_F16 && wt != W_BF16)) return -1;
+    int64_t N = 0;
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = n_ids[t], base = hsc[t];
+        const uint64_t limit = (uint64_t)rows[t];
+        uint64_t bad = 0;
+        int64_t* restrict dst = lin + N;
+        if (ids_is32[t]) {
+            const int32_t* restrict src = (const int32_t*)ids[t];
+            for (int64_t i = 0; i < n; ++i) {
+                bad |= (uint64_t)(int64_t)src[i] >= limit;
+                dst[i] = (int64_t)src[i] + base;
+            }
+        } else {
+            const int64_t* restrict src = (const int64_t*)ids[t];
+            for (int64_t i = 0; i < n; ++i) {
+                bad |= (uint64_t)src[i] >= limit;
+                dst[i] = src[i] + base;
+            }
+        }
+        if (bad) return (int)(1 + t);
+        if (base < 0 || base + (int64_t)limit > R) return -1;
+        N += n;
+    }
+    if (N == 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    int64_t runs = 8 * (int64_t)nthreads;
+    if (runs > N) runs = N;
+    const int64_t esz = w_elem_bytes(wt);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t k = 0; k < runs; ++k) {
+        const int64_t i0 = N * k / runs, i1 = N * (k + 1) / runs;
+        int64_t t = 0, start = 0;  /* table t holds global ids [start, start + n_ids[t]) */
+        while (i0 >= start + n_ids[t]) start += n_ids[t++];
+        for (int64_t i = i0; i < i1; ++i) {
+            while (i >= start + n_ids[t]) start += n_ids[t++];
+            if (i + ID_PREFETCH < i1) prefetch_span((const char*)weights + lin[i + ID_PREFETCH] * D * esz, D * esz, 0);
+            float* restrict o = outs[t] + (i - start) * D;
+            if (wt == W_F32) memcpy(o, (const float*)weights + lin[i] * D, (size_t)D * sizeof(float));
+            else load_half_row(weights, wt, lin[i], D, o);
+        }
+    }
+    return 0;
 }

@@ -694,3 +694,61 @@ def test_weight_decay_modes_match_a_float64_oracle_over_steps(impl, optimizer, m
     torch.testing.assert_close(w.double(), w64, rtol=1e-5, atol=1e-6)
     for k in state:
         torch.testing.assert_close(state[k].double(), st64[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [1, 5, 16, 33])
+def test_gather_rows_are_each_tables_rows_in_id_order(impl, dtype, D):
+    """One-id lookups of a group's tables: each table's rows (fp32), back to back linearized
+    ids; int32 and int64 ids, an empty table, repeated ids, [N, 1] and 1-D ids."""
+    from recc.kernels import gather_rows
+    rows = [9, 4, 6]
+    hsc = [0, 9, 13, 19]
+    w = torch.randn(19, D).to(dtype)
+    ids = [torch.tensor([[8], [0], [8], [3]]), torch.zeros(0, dtype=torch.int32), torch.tensor([5, 0, 5], dtype=torch.int32)]
+    lin, outs = gather_rows(w, ids, rows, hsc, ["a", "b", "c"])
+    assert lin.tolist() == [8, 0, 8, 3, 13 + 5, 13, 13 + 5]
+    assert [tuple(o.shape) for o in outs] == [(4, D), (0, D), (3, D)]
+    for o, i, h in zip(outs, ids, hsc):
+        assert o.dtype == torch.float32 and o.is_contiguous()
+        assert torch.equal(o, w[i.reshape(-1).long() + h].float())
+
+
+@pytest.mark.parametrize("bad", [-1, 6])
+def test_gather_rows_bad_id_names_the_table(impl, bad):
+    from recc.kernels import gather_rows
+    ids = [torch.tensor([1, 2]), torch.tensor([0, bad, 1])]
+    with pytest.raises(IndexError, match=rf"table item: id {bad} at position 1 is outside the table's rows \[0, 6\)"):
+        gather_rows(torch.zeros(10, 3), ids, [4, 6], [0, 4, 10], ["user", "item"])
+
+
+@needs_gcc
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_segments_split_the_work_and_change_no_result(optimizer):
+    """Tables of different id counts as one T=1 batch of one-id bags: with the tables' bounds
+    as segments (the gather backward's call) the update equals the T=1 call without them;
+    segments whose rows overlap (the kernel then splits the whole batch) too."""
+    g = torch.Generator().manual_seed(5)
+    counts, rows = [7, 0, 12], [40, 3, 90]
+    hsc = [0, 40, 43, 133]
+    lin = torch.cat([torch.randint(0, r, (n,), generator=g) + h for n, r, h in zip(counts, rows, hsc)]) \
+        if sum(counts) else torch.zeros(0, dtype=torch.int64)
+    lin[3] = lin[0]   # a repeated id
+    n, D = lin.numel(), 16
+    w0 = torch.randn(133, D, generator=g)
+    grad = torch.randn(n, D, generator=g)
+    offsets = torch.arange(n + 1)
+    results = []
+    for segments in (None, [0, 7, 7, 19], [0, 10, 19]):
+        w = w0.clone()
+        state = new_state(optimizer, w)
+        tbe_backward_update_native(w, state, lin, offsets, grad, T=1, B=n, optimizer=optimizer, lr=0.1,
+                                   weight_decay=0.01, segments=segments)
+        results.append((w, state))
+    for w, state in results[1:]:
+        assert torch.equal(w, results[0][0])
+        for k in state:
+            assert torch.equal(state[k], results[0][1][k])
+    with pytest.raises(ValueError, match="segments must run from 0 to T\\*B = 19"):
+        tbe_backward_update_native(w0.clone(), new_state(optimizer, w0), lin, offsets, grad, T=1, B=n,
+                                   optimizer=optimizer, lr=0.1, segments=[0, 7])
