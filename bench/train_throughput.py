@@ -812,11 +812,14 @@ class ZooEagerSystem(_ZooSystem):
 class ZooReccSystem(_ZooSystem):
     name = "recc"
 
-    def __init__(self, case: ZooCase, batches, optimizer, lr, eps):
+    def __init__(self, case: ZooCase, batches, optimizer, lr, eps, disable=()):
         import recc
 
+        if disable:
+            self.name = f"recc without {','.join(disable)}"
         config = recc.CompileConfig(optimizer=optimizer, lr=lr, eps=eps, comm_fwd="fp32", comm_bwd="fp32")
-        program = recc.compile(copy.deepcopy(case.model), example_inputs=batches[0][0], config=config)
+        program = recc.compile(copy.deepcopy(case.model), example_inputs=batches[0][0], config=config,
+                               disable=tuple(disable))
         self.fused = list(program.stats.get("tables", {}))
         self.model = program.instantiate()
         self.optimizers = (torch.optim.SGD(list(self.model.dense_parameters()), lr=lr),)
@@ -1082,6 +1085,9 @@ def run_zoo_model(args, z, name: str, threads: int) -> None:
                     s = ZooReccSystem(case, batches, optimizer, args.lr, eps)
                     note = "" if s.fused else " (it trains every table as a dense parameter)"
                     print(f"  recc fused {len(s.fused)} of {len(tables)} embedding tables{note}")
+                    if args.recc_disable:
+                        systems.append(s)
+                        s = ZooReccSystem(case, batches, optimizer, args.lr, eps, disable=args.recc_disable)
                 elif sys_name == "torchrec":
                     if case.torchrec is None or not args.torchrec_ok:
                         if name == "torchrec_dlrm" and args.zoo_scale == "zoo":
@@ -1117,17 +1123,17 @@ def run_zoo_model(args, z, name: str, threads: int) -> None:
             continue
         timed = interleaved(ok, len(batches), warmup=0, steps=args.steps, rounds=args.rounds)
         base = {("eager" if isinstance(t.system, ZooEagerSystem) else
-                 "torchrec" if isinstance(t.system, ZooTorchRecSystem) else "recc"): t for t in timed}
+                 "torchrec" if isinstance(t.system, ZooTorchRecSystem) else t.system.name): t for t in timed}
         ea, tr = base.get("eager"), base.get("torchrec")
         print(f"\n  full training step (median of {args.rounds} rounds of {args.steps} steps)")
-        print(f"  {'system':<20} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
+        print(f"  {'system':<26} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
               f"{'vs eager':>9} {'(paired)':>9}{' vs torchrec' if tr else ''} {'last loss':>10}")
         for t in timed:
             m = t.median
             vs_e = ea.median / m if ea else None
             paired = statistics.median(a / b for a, b in zip(ea.step_times, t.step_times)) if ea else None
             vs_t = f" {fmt_ratio(tr.median / m):>11}" if tr else ""
-            print(f"  {t.system.name:<20} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
+            print(f"  {t.system.name:<26} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
                   f"{fmt_ratio(vs_e):>9} {fmt_ratio(paired):>9}{vs_t} {t.last_loss:>10.4f}")
         rc = base.get("recc")
         if ea and rc:
@@ -1201,12 +1207,16 @@ def main(argv=None) -> None:
     zoo.add_argument("--zoo-fields", type=int, default=8,
                      help="sparse features per model (the zoo's vocabularies cycled); 0: the zoo's count")
     zoo.add_argument("--zoo-width", type=int, default=8, help="MLP/CIN widths: the zoo's times this")
+    zoo.add_argument("--recc-disable", default="", metavar="PASSES",
+                     help="also time recc compiled without these passes (comma-separated, e.g. fuse_gathers), "
+                          "side by side with the default pipeline")
     args = p.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.num_batches < 1:
         p.error("--steps, --rounds and --num-batches must be >= 1, --warmup >= 0")
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.recc_disable = [s.strip() for s in args.recc_disable.split(",") if s.strip()]
     unknown = set(args.systems) - set(SYSTEM_ORDER)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEM_ORDER}")

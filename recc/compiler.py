@@ -19,6 +19,7 @@ from recc.config import CompileConfig
 from recc.graph_utils import resolve_attr
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
+from recc.tables import TableGroup
 from recc.trace import default_example_inputs, example_batch, model_is_meta, propagate_shapes, to_meta, trace, untouched
 
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,align_linear,fuse_linear_act,lower"
@@ -141,6 +142,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
 
     if dump_dir:
         dump_stages(stages, dump_dir)
+    _stages_without_tables(stages, model, ctx.stats.get("tables", {}))
 
     sig_names = [p.name for p in inspect.signature(model.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(example_inputs)]
@@ -162,6 +164,26 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
                    signature=InputSignature.of(sig_names, example_inputs, list(tables), batch), stats=ctx.stats,
                    detached_state=detached_state)
 
+
+
+def _stages_without_tables(stages, model: nn.Module, tables: dict) -> None:
+    """The stage graphs before ``batch_tables`` still hold the user's embedding modules, sharing
+    their weights: give those modules meta tensors of the same shape instead, and the later
+    stages' groups weak references, so only the final graph keeps the user's tables alive, until
+    ``instantiate()`` (the stages are for reading; their text and shapes are unchanged)."""
+    weights = {id(t): t for t in (resolve_attr(model, spec.weight_key) for spec in tables.values())
+               if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    if not weights:
+        return
+    for st in stages.values():
+        if st.graph is None:
+            continue
+        for mod in st.graph.modules():
+            if isinstance(mod, TableGroup):
+                mod.release_sources()   # a stage's groups read the user's tables only while they live
+            for name, p in list(mod._parameters.items()):
+                if p is not None and id(p) in weights:
+                    mod._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
 
 
 def _example_batch(example_inputs, config: CompileConfig, cluster: Cluster):

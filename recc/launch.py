@@ -8,7 +8,8 @@ results in rank order.
   kernels use OpenMP, whose thread pool does not survive a fork) and initialises a
   ``torch.distributed`` world over loopback (gloo on CPU, NCCL with one process per GPU).
   ``fn`` and its arguments travel with cloudpickle, so a closure over a compiled program works;
-  tensors travel through shared memory, so a model's tables are not copied once per rank.
+  each rank gets its own payload, in which a program's table groups carry that rank's blocks of
+  the user's tables only (``recc.tables.for_rank``): no rank receives rows it does not own.
 - Under ``torchrun`` (``TORCHELASTIC_RUN_ID`` set) the world already exists: ``fn`` runs on this
   rank and the result list holds this rank's value only; multi-node runs go through torchrun's
   rendezvous — recc has no launcher or transport of its own.
@@ -158,13 +159,18 @@ def launch(fn: Callable, cluster: Cluster, *args) -> list[Any]:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    payload = _dumps((fn, args))
+    from recc.tables import for_rank
     port = _free_port()
     timeout = timeout_s()
-    procs = [ctx.Process(target=_worker, args=(r, world, cluster.backend, port, payload, results, timeout),
-                         name=f"recc-rank{r}", daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs = []
+    for r in range(world):
+        with for_rank(r):
+            payload = _dumps((fn, args))
+        p = ctx.Process(target=_worker, args=(r, world, cluster.backend, port, payload, results, timeout),
+                        name=f"recc-rank{r}", daemon=True)
+        p.start()   # spawn sends the payload now: one rank's payload alive at a time
+        procs.append(p)
+        del payload, p
     got: dict[int, Any] = {}
     reports: dict[int, str] = {}
     first_problem = None

@@ -3,13 +3,24 @@
 ``batch_tables`` puts one ``TableGroup`` submodule per group into the GraphModule; graph nodes
 reach it through ``get_attr``. At compile time a group only *describes* its tables — the logical
 tables, where each of their shards lives (``placements``, the same on every rank: the graph is
-SPMD) — and keeps a reference to each source weight (the user's parameter, possibly on the
-``meta`` device): nothing is allocated, so compiling a 40M-row model is free. ``recc.runtime``
-materialises a group on a rank into one concatenated ``weights`` tensor holding *that rank's*
-shards plus the optimizer state, laid out with FBGEMM's metadata (``hash_size_cumsum``,
-``weights_offsets``, ``D_offsets``) over the rank's local shards.
+SPMD) — and a reference to each source weight (the user's parameter, possibly on the ``meta``
+device): nothing is allocated, so compiling a 40M-row model is free. The reference is strong
+until the program's first ``instantiate()`` in a process (``recc.compile(build_model(...))``
+with no other reference to the model must still instantiate) and weak after it, so neither the
+program nor the model it instantiated keeps the user's tables alive: dropping the user's model
+frees them. ``recc.runtime`` materialises a group on a rank into one concatenated ``weights`` tensor
+holding *that rank's* shards plus the optimizer state, laid out with FBGEMM's metadata
+(``hash_size_cumsum``, ``weights_offsets``, ``D_offsets``) over the rank's local shards.
+
+A program sent to the ranks of a launched world (``recc.launch``) is pickled once per rank
+(``for_rank``): each group then carries copies of that rank's own blocks of the source tables
+only, which its first ``instantiate()`` copies into ``weights`` and lets go of.
 """
 from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -18,6 +29,32 @@ import torch.nn.functional as F
 from recc.specs import OptimizerSpec, TableSpec
 
 Placement = tuple[int, int, int, int, int, int]
+Block = tuple[int, int, int, int, int]  # (table index in group, row0, row1, col0, col1)
+
+_PICKLE_RANK: Optional[int] = None
+
+
+@contextlib.contextmanager
+def for_rank(rank: int) -> Iterator[None]:
+    """Within it, a pickled ``TableGroup`` carries only ``rank``'s blocks of its source tables
+    (``recc.launch`` builds each rank's payload so)."""
+    global _PICKLE_RANK
+    old, _PICKLE_RANK = _PICKLE_RANK, rank
+    try:
+        yield
+    finally:
+        _PICKLE_RANK = old
+
+
+def _strong(t: torch.Tensor):
+    return lambda: t
+
+
+def _weak(ref):
+    """``ref`` (a source) held weakly; a meta tensor holds no memory (and may be all there is of
+    a model built on meta), so it stays."""
+    t = ref()
+    return ref if t is None or t.device.type == "meta" else weakref.ref(t)
 WEIGHT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # (table index in group, rank, row0, row1, col0, col1)
 
 
@@ -52,8 +89,12 @@ class TableGroup(nn.Module):
         # by quantize_comm); None on one rank.
         self.dp_comm = None
         # Sources are held by reference only (not registered), so the compile-time graph owns no
-        # copy of the user's tables; runtime materialisation replaces them with ``weights``.
-        self._sources = list(sources)
+        # copy of the user's tables; each is a callable returning the tensor (strong until
+        # ``release_sources``, weak after). Runtime materialisation replaces them with
+        # ``weights``. ``_blocks``: copies of one rank's blocks, in a program unpickled on that
+        # rank (see ``for_rank``).
+        self._sources = [_strong(t) for t in sources]
+        self._blocks: dict[Block, torch.Tensor] = {}
         self.materialized = False
         self.set_rank(0)
 
@@ -103,9 +144,49 @@ class TableGroup(nn.Module):
         return self.tables[self.local[j][0]]
 
     def source_block(self, j: int) -> torch.Tensor:
+        """Local shard j's block of its source table (a view of the user's weight, or this
+        rank's copy of it); an error naming the table when the source is gone."""
         k = self.local[j][0]
         r0, r1, c0, c1 = self.shards[j]
-        return self._sources[k][r0:r1, c0:c1]
+        block = self._blocks.get((k, r0, r1, c0, c1))
+        if block is not None:
+            return block
+        src = self._sources[k]() if k < len(self._sources) else None
+        if src is None:
+            why = ("the user's model holding it was freed before instantiate(); recc keeps no copy of the user's "
+                   "tables (keep the model alive until instantiate(), or load a state_dict into the instantiated "
+                   "model)") if self._sources else \
+                ("this rank's copy of the program gave its blocks to its first instantiate() (one instantiate() "
+                 "per rank of a launched world)")
+            raise RuntimeError(f"table {self.tables[k].name} (group {self.group_name}): no source values: {why}")
+        return src[r0:r1, c0:c1]
+
+    def release_sources(self) -> None:
+        """After ``instantiate()`` copied them: hold the user's tables weakly, drop this rank's
+        block copies."""
+        self._sources = [_weak(ref) for ref in self._sources]
+        self._blocks = {}
+
+    def __getstate__(self):
+        # Weak references do not pickle: ship the blocks instead — of one rank (``for_rank``),
+        # or of every placement (a plain pickle).
+        state = dict(self.__dict__)
+        blocks = dict(self._blocks)
+        if self._sources:
+            for k, rank, r0, r1, c0, c1 in self.placements:
+                if _PICKLE_RANK is not None and rank != _PICKLE_RANK:
+                    continue
+                key = (k, r0, r1, c0, c1)
+                if key not in blocks:
+                    src = self._sources[k]()
+                    if src is None:
+                        raise RuntimeError(f"table {self.tables[k].name}: the user's model holding it was freed; "
+                                           f"the program cannot be sent to the ranks without its values")
+                    whole = (r0, r1, c0, c1) == (0, src.shape[0], 0, src.shape[1])
+                    # A view pickles its whole storage: a block gets its own, so only its rows travel.
+                    blocks[key] = src.detach() if whole else src.detach()[r0:r1, c0:c1].clone()
+        state["_sources"], state["_blocks"] = [], blocks
+        return state
 
     def reference_lookup(self, sparse):
         """Plain-torch lookup (one F.embedding_bag per local shard), for stage verification."""
@@ -152,6 +233,7 @@ class TableGroup(nn.Module):
         memo[id(self)] = new
         new.__dict__ = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
         new._sources = list(self._sources)
+        new._blocks = dict(self._blocks)
         new.placements = list(self.placements)
         new.shards = list(self.shards)
         new.local = list(self.local)

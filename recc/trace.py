@@ -36,6 +36,7 @@ import operator
 import os
 import random
 import traceback
+import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -406,13 +407,17 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "arange", "rand", "randn", "rand
 @contextlib.contextmanager
 def _recording_factories(tracer: "_CaptureTracer"):
     originals = {name: getattr(torch, name) for name in _FACTORIES}
+    # Weakly: torch caches functions it finds in its namespace (torch.overrides' lru_caches)
+    # and may keep these wrappers; they must not keep the tracer, and with it the user's model.
+    tracer_ref = weakref.ref(tracer)
 
     def wrap(fn):
         def factory(*args, **kwargs):
             flat = list(args) + list(kwargs.values())
             flat += [x for a in args if isinstance(a, (list, tuple)) for x in a]
-            if any(isinstance(a, fx.Proxy) for a in flat):
-                return tracer.create_proxy("call_function", fn, args, kwargs)
+            live = tracer_ref()
+            if live is not None and any(isinstance(a, fx.Proxy) for a in flat):
+                return live.create_proxy("call_function", fn, args, kwargs)
             return fn(*args, **kwargs)
         factory.__name__ = fn.__name__
         return factory

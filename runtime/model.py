@@ -69,6 +69,7 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
     # them), so 1/W makes the update the one eager PyTorch makes for the global mean loss.
     group.grad_scale = 1.0 / group.world_size
     group._sources = []
+    group.release_sources()
     group.materialized = True
     for key in ("hash_size_cumsum", "weights_offsets", "D_offsets"):
         group.register_buffer(key, getattr(group, key).to(device), persistent=False)
@@ -322,13 +323,14 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         raise ValueError(f"instantiate: device {device} has no recc backend (cpu or cuda)")
-    sources = [s for m in program.graph.modules() if isinstance(m, TableGroup) for s in m._sources]
-    memo = {id(s): s for s in sources}
-    gm = quiet_deepcopy(program.graph, memo)
+    gm = quiet_deepcopy(program.graph)  # groups share their sources (weak) and block copies with the program's
     gen = torch.Generator().manual_seed(1234 + rank)
     for m in gm.modules():
         if isinstance(m, TableGroup):
             materialize(m, rank, device, gen)
+    for m in program.graph.modules():
+        if isinstance(m, TableGroup):
+            m.release_sources()  # a rank's copies of its blocks are in its weights now
     _materialize_dense(gm, device)
     return DistributedModel(program, gm.to(device), rank)
 

@@ -13,9 +13,11 @@ def world2() -> World:
     jobs, programs = parity_jobs(2)
     # Checkpoint round trip: 3 steps of a row-wise plan (the checkpoint), and the same plan
     # run uninterrupted for 5 steps.
+    # (Two programs: a rank's copy of a program instantiates once, then lets go of its blocks.)
     programs["ckpt"] = compile_for(tiny_model(), tiny_data(), 2, sharding=CKPT_KIND_W2)
+    programs["ckpt_full"] = compile_for(tiny_model(), tiny_data(), 2, sharding=CKPT_KIND_W2)
     jobs["ckpt/3"] = {"program": programs["ckpt"], "data": tiny_data(), "steps": (0, 3), "lr": LR["sgd"]}
-    jobs["ckpt/5"] = {"program": programs["ckpt"], "data": tiny_data(), "steps": (0, STEPS), "lr": LR["sgd"]}
+    jobs["ckpt/5"] = {"program": programs["ckpt_full"], "data": tiny_data(), "steps": (0, STEPS), "lr": LR["sgd"]}
     return World(2, jobs, programs)
 
 

@@ -64,7 +64,7 @@ def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
     _check_meta_only(program)
     groups = [m for m in program.graph.modules() if isinstance(m, TableGroup)]
     assert len(groups) == 1 and len(groups[0].logical_names) == 26
-    assert all(s.device.type == "meta" for s in groups[0]._sources)
+    assert all(s().device.type == "meta" for s in groups[0]._sources)
     # The compile-time module holds rank 0's shards: its kernel tables are its local blocks.
     local = groups[0].local_placements(0)
     assert groups[0].num_tables == len(local) >= 1
