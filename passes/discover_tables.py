@@ -60,6 +60,17 @@ def _unsupported_bag(mode, max_norm, scale_grad_by_freq):
     return None
 
 
+def _module_init(gm: fx.GraphModule, wpath: str) -> str:
+    """How the table's own module initialises it: TorchRec's default inside one of its
+    collections (``EmbeddingBagCollection``/``EmbeddingCollection``), else ``nn.Embedding``'s."""
+    classes = getattr(gm, "meta", {}).get("recc.module_classes", {})
+    parts = wpath.split(".")[:-1]
+    for i in range(len(parts), 0, -1):
+        if classes.get(".".join(parts[:i]), "").startswith("torchrec."):
+            return "torchrec"
+    return "normal"
+
+
 def _nonzero_padding_row(weight, padding_idx):
     """A gather's ``padding_idx`` ids become empty bags, which pool to zeros: exact while the
     padding row is zero, as ``nn.Embedding`` initialises it and never updates it (no gradient)."""
@@ -142,10 +153,12 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"discover_tables: table {name}: {wpath} is not a parameter")
         if weight.dim() != 2:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
-        spec = TableSpec(name=name, short=f"t{len(tables)}", rows=int(weight.shape[0]), dim=int(weight.shape[1]),
+        rows = int(weight.shape[0])
+        spec = TableSpec(name=name, short=f"t{len(tables)}", rows=rows, dim=int(weight.shape[1]),
                          pooling=mode, weight_key=wpath, weighted=psw is not None,
                          jagged=mode == "none" and _is_jagged(ids, ctx.batch),
-                         dtype=_STORED[ctx.config.table_dtype])
+                         dtype=_STORED[ctx.config.table_dtype], init=_module_init(gm, wpath),
+                         padding_idx=None if padding_idx is None else padding_idx % rows)
         tables[name] = spec
         old_name = node.name
         shared = _field_offsets(gm, ids, int(weight.shape[0]))

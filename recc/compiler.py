@@ -162,7 +162,10 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
                    pipeline=format_spec([(i.name, shown_options(i, o)) for i, o in passes]), state_keys=state_keys,
                    signature=InputSignature.of(sig_names, example_inputs, list(tables), batch), stats=ctx.stats,
-                   detached_state=detached_state)
+                   detached_state=detached_state,
+                   init_seed=config.init_seed if config.init_seed is not None else torch.initial_seed() % 2**63,
+                   tables_on_meta=any(getattr(resolve_attr(model, spec.weight_key), "is_meta", False)
+                                      for spec in tables.values()))
 
 
 

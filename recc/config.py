@@ -13,6 +13,7 @@ SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 DENSE_DTYPES = ("fp32", "bf16", "fp16")
 TABLE_DTYPES = ("fp32", "fp16", "bf16")
+TABLE_INITS = ("module", "normal", "torchrec")  # recc.runtime.table_init
 
 
 @dataclass
@@ -40,6 +41,13 @@ class CompileConfig:
     ``table_dtype`` stores the embedding tables in ``fp16``/``bf16`` (half the memory and lookup
     bytes): pooled and updated in fp32 with fp32 optimizer state, written back with stochastic
     rounding; ``state_dict()`` still returns fp32 tables.
+
+    ``table_init`` initialises tables built on the meta device, each rank its own shards, the same
+    values whatever the plan or world size for one ``init_seed`` (default: ``torch.initial_seed()``
+    at compile time, rank 0's under torchrun): ``"module"`` (what the user's module does —
+    ``nn.Embedding``'s ``N(0, 1)`` with a zero ``padding_idx`` row, TorchRec's
+    ``U(+-sqrt(1/rows))`` in its collections), ``"normal"``, ``"torchrec"``, or a callable
+    ``fn(generator, rows, dim) -> Tensor`` (see ``recc.runtime.table_init``).
     """
 
     optimizer: str = "sgd"
@@ -61,6 +69,8 @@ class CompileConfig:
     verify: int = 1
     dense_dtype: str = "fp32"
     table_dtype: str = "fp32"
+    table_init: Any = "module"
+    init_seed: Optional[int] = None
     pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -85,6 +95,11 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.adam_eps={self.adam_eps!r}: choose one of {ADAM_EPS}")
         if self.table_dtype not in TABLE_DTYPES:
             raise ValueError(f"CompileConfig.table_dtype={self.table_dtype!r}: choose one of {TABLE_DTYPES}")
+        if not (callable(self.table_init) or self.table_init in TABLE_INITS):
+            raise ValueError(f"CompileConfig.table_init={self.table_init!r}: choose one of {TABLE_INITS} or pass a "
+                             f"callable fn(generator, rows, dim) -> Tensor")
+        if self.init_seed is not None and not (isinstance(self.init_seed, int) and self.init_seed >= 0):
+            raise ValueError(f"CompileConfig.init_seed must be an int >= 0, got {self.init_seed!r}")
         if self.dense_dtype not in DENSE_DTYPES:
             raise ValueError(f"CompileConfig.dense_dtype={self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
         if self.verify not in (0, 1, 2):

@@ -106,7 +106,8 @@ class Program:
 
     def __init__(self, *, stages: "OrderedDict[str, Stage]", graph: fx.GraphModule, plan, cluster: Cluster,
                  config: CompileConfig, pipeline: str, state_keys: list[tuple[str, str]],
-                 signature: InputSignature, stats: dict, detached_state: Optional[dict] = None):
+                 signature: InputSignature, stats: dict, detached_state: Optional[dict] = None,
+                 init_seed: int = 0, tables_on_meta: bool = False):
         self.stages = stages
         self.graph = graph
         self.plan = plan
@@ -119,6 +120,10 @@ class Program:
         self.signature = signature
         self.stats = stats
         self.detached_state = detached_state or {}
+        # Tables built on meta draw their initial values from it (CompileConfig.init_seed, else
+        # torch.initial_seed() when compiled; rank 0's wins under torchrun).
+        self.init_seed = init_seed
+        self.tables_on_meta = tables_on_meta
 
     @property
     def ir(self) -> str:
@@ -176,6 +181,10 @@ def _graph_module_from_state(state: dict) -> fx.GraphModule:
     for k, (b, persistent) in state["buffers"].items():
         root.register_buffer(k, b, persistent=persistent)
     gm = fx.GraphModule(root, state["graph"], state["name"])
+    # fx rebuilds the parents of get_attr targets as plain Modules: put the graph's own children
+    # back (a layer built on meta is initialised by its own reset_parameters at instantiate).
+    for k, m in state["children"].items():
+        gm._modules[k] = m
     gm.meta.update(state.get("meta", {}))
     return gm
 

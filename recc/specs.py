@@ -42,6 +42,10 @@ class TableSpec:
     # A gather whose id count is not a fixed multiple of the batch (TorchRec's EmbeddingCollection
     # over variable-length features): each rank looks up a different number of rows.
     jagged: bool = False
+    # How the user's module initialises it (for tables built on meta, ``recc.runtime.table_init``):
+    # "normal" (nn.Embedding / nn.EmbeddingBag) or "torchrec" (a TorchRec collection's default).
+    init: str = "normal"
+    padding_idx: Optional[int] = None
 
     def __post_init__(self):
         if self.pooling not in POOLINGS:

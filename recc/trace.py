@@ -454,7 +454,12 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
                            f"{type(e).__name__}: {e}\n  at {_user_site_of(e)}") from e
     _prune_dead_reads(graph)
     _name_placeholders(graph, [p.name for p in params], example_inputs)
-    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    # Which class each of the user's modules was: fx rebuilds traced-through parents of the
+    # attributes it keeps as plain Modules (discover_tables asks whether a table sat in a
+    # TorchRec collection).
+    gm.meta["recc.module_classes"] = {path: type(m).__module__ for path, m in model.named_modules()}
+    return gm
 
 
 def _user_site_of(e: BaseException) -> str:

@@ -8,7 +8,6 @@ the user's model (logical tables), so checkpoints load into the eager model and 
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -21,6 +20,7 @@ from recc.graph_utils import resolve_attr
 from recc.program import quiet_deepcopy
 from recc.runtime import comm_stats
 from recc.runtime.pipeline import split_sparse_stage
+from recc.runtime.table_init import TableInit, initial_block
 from recc.tables import TableGroup
 
 
@@ -32,10 +32,11 @@ def _table_memory(shape, device: torch.device, dtype: torch.dtype = torch.float3
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def materialize(group: TableGroup, rank: int, device: torch.device,
-                generator: Optional[torch.Generator] = None) -> None:
+def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 0,
+                table_init: TableInit = "module") -> None:
     """Give ``group`` this rank's shards in one concatenated ``weights`` plus zeroed optimizer
-    state. Only the rank's own blocks of the source tables are read; nothing else is copied."""
+    state. Only the rank's own blocks of the source tables are read; nothing else is copied.
+    Tables built on meta get ``table_init``'s values for ``seed`` (``recc.runtime.table_init``)."""
     group.set_rank(rank)
     rows, dim = group.total_rows, group.dim
     if group.weight_dtype == torch.bfloat16 and device.type == "cuda":
@@ -48,16 +49,10 @@ def materialize(group: TableGroup, rank: int, device: torch.device,
         r0, r1 = int(group.hash_size_cumsum[j]), int(group.hash_size_cumsum[j + 1])
         src = group.source_block(j)
         if src.device.type == "meta":
-            # Tables built on the meta device get the DLRM reference initialisation here, on
-            # their owner only, so no rank ever holds a table it does not own.
-            bound = math.sqrt(1.0 / spec.rows)
-            if device.type == "cpu" and weights.dtype == torch.float32:
-                weights[r0:r1].uniform_(-bound, bound, generator=generator)
-            else:
-                # The seeded generator is a CPU one: draw there in fp32, so a GPU rank (or a half
-                # table) gets the same initial table as a CPU rank's fp32 one.
-                block = torch.empty(r1 - r0, dim, dtype=torch.float32)
-                weights[r0:r1].copy_(block.uniform_(-bound, bound, generator=generator))
+            # Tables built on the meta device are initialised here, each rank its own blocks only,
+            # drawn in fp32 on the CPU whatever the device (the same values on every plan).
+            s0, s1, c0, c1 = group.shards[j]
+            weights[r0:r1].copy_(initial_block(spec, s0, s1, c0, c1, seed, table_init))
         else:
             weights[r0:r1].copy_(src.detach())
     group.weights = nn.Parameter(weights)
@@ -324,21 +319,42 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
     elif device.type != "cpu":
         raise ValueError(f"instantiate: device {device} has no recc backend (cpu or cuda)")
     gm = quiet_deepcopy(program.graph)  # groups share their sources (weak) and block copies with the program's
-    gen = torch.Generator().manual_seed(1234 + rank)
+    seed = _init_seed(program, gm)
     for m in gm.modules():
         if isinstance(m, TableGroup):
-            materialize(m, rank, device, gen)
+            materialize(m, rank, device, seed, program.config.table_init)
     for m in program.graph.modules():
         if isinstance(m, TableGroup):
             m.release_sources()  # a rank's copies of its blocks are in its weights now
-    _materialize_dense(gm, device)
+    _materialize_dense(gm, device, seed)
     return DistributedModel(program, gm.to(device), rank)
 
 
-def _materialize_dense(gm: nn.Module, device) -> None:
+def _init_seed(program, gm) -> int:
+    """The seed tables built on meta are drawn from: the program's; under torchrun, where every
+    rank compiled its own program, rank 0's unless ``CompileConfig.init_seed`` fixed it, so
+    replicas and shards agree."""
+    seed = program.init_seed
+    if program.tables_on_meta and program.config.init_seed is None and program.cluster.world_size > 1:
+        import torch.distributed as dist
+        t = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(t, src=0)
+        seed = int(t)
+    return seed
+
+
+def _materialize_dense(gm: nn.Module, device, seed: int) -> None:
     """Dense layers built on the meta device are allocated and initialised with their own
-    ``reset_parameters``; state that no layer can initialise (e.g. a model's index buffers set
-    up in its constructor) has no values to give, which is an error naming it."""
+    ``reset_parameters``, in module order from an RNG seeded with ``seed`` (the user's global
+    RNG is left alone), so every rank and every plan starts from the same values; state that no
+    layer can initialise (e.g. a model's index buffers set up in its constructor) has no values
+    to give, which is an error naming it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _reset_meta_layers(gm, device)
+
+
+def _reset_meta_layers(gm: nn.Module, device) -> None:
     for qual, mod in gm.named_modules():
         if isinstance(mod, TableGroup):
             continue
