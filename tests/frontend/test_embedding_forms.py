@@ -15,6 +15,9 @@ import recc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from dist_support import RowwiseAdagradReference  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity_support import assert_trains_like_eager  # noqa: E402
+
 
 class Gathers(nn.Module):
     """A CTR tower: one nn.Embedding per field, ids as [B] and [B, 1] and a fixed-length [B, L]
@@ -81,18 +84,7 @@ def test_gathers_train_like_eager_at_any_batch(b):
     for m in eager.modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
             m.sparse = True
-    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    dopt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
-    for step in range(3):
-        args = _gather_inputs(b, seed=step + 1)
-        want, got = eager(*args), dmodel(*args)
-        torch.testing.assert_close(got, want)
-        want.square().mean().backward()
-        got.square().mean().backward()
-        opt.step(), dopt.step()
-        opt.zero_grad(), dopt.zero_grad()
-    for k, v in eager.state_dict().items():
-        torch.testing.assert_close(dmodel.state_dict()[k], v, msg=k)
+    assert_trains_like_eager(eager, dmodel, [_gather_inputs(b, seed=step + 1) for step in range(3)], 0.1)
 
 
 class History(nn.Module):

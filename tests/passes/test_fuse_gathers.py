@@ -2,11 +2,17 @@
 trains exactly as the generic pack/lookup/split chain does (and as eager)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 
 import recc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from parity_support import assert_trains_like_eager  # noqa: E402
 
 
 class ClickSequence(nn.Module):
@@ -150,19 +156,7 @@ def test_gather_rows_trains_like_eager():
     for m in eager.modules():
         if isinstance(m, nn.Embedding):
             m.sparse = True
-    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
-    dmodel = program.instantiate()
-    dopt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.1)
-    for step in range(4):
-        args = _batch(5 - step, 10 + step)
-        want, got = eager(*args), dmodel(*args)
-        torch.testing.assert_close(got, want, msg=f"step {step}")
-        want.square().mean().backward()
-        got.square().mean().backward()
-        opt.step(), dopt.step()
-        opt.zero_grad(), dopt.zero_grad()
-    for k, v in eager.state_dict().items():
-        torch.testing.assert_close(dmodel.state_dict()[k], v, msg=k)
+    assert_trains_like_eager(eager, program.instantiate(), [_batch(5 - step, 10 + step) for step in range(4)], 0.1)
 
 
 def test_a_bad_id_names_its_table_and_changes_no_row():
