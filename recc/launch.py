@@ -82,7 +82,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank_: int, world: int, backend: str, port: int, payload: bytes, results, timeout: float):
+def _worker(rank_: int, world: int, backend: str, port: int, payload: bytearray, results, timeout: float):
     import torch
     import torch.distributed as dist
     global _RANK, _WORLD
@@ -100,6 +100,9 @@ def _worker(rank_: int, world: int, backend: str, port: int, payload: bytes, res
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch pytree's LeafSpec notice on unpickling
             fn, args = pickle.loads(payload)
+        # The Process keeps its arguments for its whole life: empty the bytes in place, or the
+        # rank holds a second copy of its blocks while it trains.
+        payload.clear()
         value = fn(*args)
         # By value (plain cloudpickle): shared-memory handles would die with this process.
         import cloudpickle
@@ -165,7 +168,7 @@ def launch(fn: Callable, cluster: Cluster, *args) -> list[Any]:
     procs = []
     for r in range(world):
         with for_rank(r):
-            payload = _dumps((fn, args))
+            payload = bytearray(_dumps((fn, args)))
         p = ctx.Process(target=_worker, args=(r, world, cluster.backend, port, payload, results, timeout),
                         name=f"recc-rank{r}", daemon=True)
         p.start()   # spawn sends the payload now: one rank's payload alive at a time
