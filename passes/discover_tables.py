@@ -63,10 +63,10 @@ def _unsupported_bag(mode, max_norm, scale_grad_by_freq):
 def _module_init(gm: fx.GraphModule, wpath: str) -> str:
     """How the table's own module initialises it: TorchRec's default inside one of its
     collections (``EmbeddingBagCollection``/``EmbeddingCollection``), else ``nn.Embedding``'s."""
-    classes = getattr(gm, "meta", {}).get("recc.module_classes", {})
+    packages = getattr(gm, "meta", {}).get("recc.module_packages", {})
     parts = wpath.split(".")[:-1]
     for i in range(len(parts), 0, -1):
-        if classes.get(".".join(parts[:i]), "").startswith("torchrec."):
+        if packages.get(".".join(parts[:i]), "").startswith("torchrec."):
             return "torchrec"
     return "normal"
 

@@ -455,10 +455,10 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
     _prune_dead_reads(graph)
     _name_placeholders(graph, [p.name for p in params], example_inputs)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    # Which class each of the user's modules was: fx rebuilds traced-through parents of the
-    # attributes it keeps as plain Modules (discover_tables asks whether a table sat in a
-    # TorchRec collection).
-    gm.meta["recc.module_classes"] = {path: type(m).__module__ for path, m in model.named_modules()}
+    # The Python module that defines each of the user's modules' classes: fx rebuilds
+    # traced-through parents of the attributes it keeps as plain Modules (discover_tables asks
+    # whether a table sat in a TorchRec collection).
+    gm.meta["recc.module_packages"] = {path: type(m).__module__ for path, m in model.named_modules()}
     return gm
 
 

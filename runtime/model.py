@@ -319,7 +319,7 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
     elif device.type != "cpu":
         raise ValueError(f"instantiate: device {device} has no recc backend (cpu or cuda)")
     gm = quiet_deepcopy(program.graph)  # groups share their sources (weak) and block copies with the program's
-    seed = _init_seed(program, gm)
+    seed = _init_seed(program)
     for m in gm.modules():
         if isinstance(m, TableGroup):
             materialize(m, rank, device, seed, program.config.table_init)
@@ -330,7 +330,7 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
     return DistributedModel(program, gm.to(device), rank)
 
 
-def _init_seed(program, gm) -> int:
+def _init_seed(program) -> int:
     """The seed tables built on meta are drawn from: the program's; under torchrun, where every
     rank compiled its own program, rank 0's unless ``CompileConfig.init_seed`` fixed it, so
     replicas and shards agree."""
