@@ -1,9 +1,12 @@
-"""Recommendation models as users write them, their presets, and a synthetic click log.
+"""Recommendation models as users write them, their presets, a synthetic click log, readers for
+the Criteo logs (``recc.models.criteo``) and a streaming loader (``recc.models.click_log``).
 
 Nothing here depends on the rest of recc: these are the plain PyTorch models recc compiles,
 the data that feeds them, and the metrics used to check that training works.
 """
 
+from recc.models.click_log import BatchStream, ClickLog, ClickLogData, convert
+from recc.models.criteo import DataError, Hashing, ReadReport, Vocabulary, build_vocabulary
 from recc.models.data import SyntheticData, slice_batch
 from recc.models.dcnv2 import DCNv2
 from recc.models.dlrm import DLRM
@@ -18,6 +21,15 @@ __all__ = [
     "list_presets",
     "SyntheticData",
     "slice_batch",
+    "ClickLog",
+    "ClickLogData",
+    "BatchStream",
+    "convert",
+    "DataError",
+    "Hashing",
+    "Vocabulary",
+    "ReadReport",
+    "build_vocabulary",
     "log_loss",
     "auc",
     "Metrics",

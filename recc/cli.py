@@ -1,5 +1,6 @@
 """The ``recc`` command line: ``recc compile`` shows and dumps every stage; ``recc train`` trains a
-preset model on synthetic click-log data and reports loss, AUC and throughput."""
+preset model on synthetic click-log data and reports loss, AUC and throughput; ``recc data convert``
+turns Criteo click logs into the layout the streaming loader reads."""
 from __future__ import annotations
 
 import argparse
@@ -170,6 +171,54 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_data_convert(args) -> int:
+    """``recc data convert``: a click log in any reader's format -> the memory-mappable layout."""
+    import os
+    from recc.models import load_preset
+    from recc.models.click_log import convert
+    from recc.models.criteo import NUM_SPARSE, DataError
+    try:
+        if args.rows:
+            try:
+                rows = [int(r) for r in args.rows.split(",")]
+            except ValueError:
+                raise ValueError(f"--rows {args.rows!r}: expected {NUM_SPARSE} comma-separated integers") from None
+        else:
+            rows = load_preset(args.model)["num_embeddings"]
+        if len(rows) != NUM_SPARSE:
+            raise ValueError(f"{'--rows gives' if args.rows else f'preset {args.model!r} has'} {len(rows)} tables; "
+                             f"the Criteo logs have {NUM_SPARSE} categorical features")
+        progress = None
+        t0 = time.perf_counter()
+
+        def on_progress(done: int, total: int, phase: str):
+            nonlocal progress
+            mib = 1 << 20
+            if progress is None:
+                progress = _Progress(max(1, -(-total // mib)))
+            progress.update(min(progress.total, done // mib), f"MiB {phase}, {done / mib / max(time.perf_counter() - t0, 1e-9):.0f} MiB/s")
+
+        header, report = convert(args.inputs, args.out, format=args.format, num_embeddings=rows,
+                                 min_count=args.min_count, skip_bad_lines=args.skip_bad_lines,
+                                 on_progress=on_progress)
+        if progress is not None:
+            progress.update(progress.total, "done")
+            progress.close()
+    except (DataError, OSError, ValueError) as e:
+        if os.environ.get("RECC_DEBUG") == "1":
+            raise
+        print(f"recc data convert: {e}", file=sys.stderr)
+        return 2
+    dt = time.perf_counter() - t0
+    n = header["samples"]
+    print(f"recc data convert: wrote {n:,} samples ({len(header['tables'])} tables, "
+          f"{header['dense']['shape'][1]} dense features) from {len(args.inputs)} file(s) to {args.out} "
+          f"in {dt:.1f} s ({n / max(dt, 1e-9):,.0f} samples/s); ids: {header['preprocessing']['sparse']}")
+    if report.bad_lines:
+        print(f"recc data convert: skipped {report.bad_lines:,} bad line(s); first: {'; '.join(report.examples)}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="recc", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -214,6 +263,25 @@ def main(argv=None) -> int:
     t.add_argument("--steps", type=int, default=300)
     t.add_argument("--eval-batches", type=int, default=10)
     t.set_defaults(fn=cmd_train, lr=None)
+    from recc.models.criteo import FORMATS
+    d = sub.add_parser("data", help="prepare click logs for training")
+    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    dc = dsub.add_parser("convert", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                         help="convert click logs once into the layout the streaming loader memory-maps",
+                         description="Read Criteo click logs (IN, one source each: a Kaggle train.txt or a "
+                                     "Terabyte day, plain or gzip; or the preprocessed .npz/.npy formats), "
+                                     "preprocess them as the reference DLRM does, and write OUT: a directory "
+                                     "of raw arrays and a header.json (see recc.models.click_log).")
+    dc.add_argument("--format", choices=FORMATS, default="criteo-tsv", help="the inputs' format")
+    dc.add_argument("--model", default="kaggle", help="preset whose table rows the ids are hashed into")
+    dc.add_argument("--rows", help="the 26 tables' rows, comma-separated (instead of --model's)")
+    dc.add_argument("--min-count", type=int,
+                    help="map ids through a vocabulary of the values seen at least this often (one extra pass)")
+    dc.add_argument("--skip-bad-lines", action="store_true",
+                    help="leave out malformed lines and report how many (default: stop at the first)")
+    dc.add_argument("inputs", nargs="+", metavar="IN")
+    dc.add_argument("out", metavar="OUT", help="the directory to write (must not exist or be empty)")
+    dc.set_defaults(fn=cmd_data_convert)
     args = p.parse_args(argv)
     if args.cmd == "train" and args.lr is None:
         args.lr = 0.1
