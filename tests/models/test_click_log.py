@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -137,15 +138,22 @@ def test_resume_sees_the_batches_of_an_uninterrupted_run(log_dir):
     data = ClickLogData(log_dir[0], batch_size=64, shuffle_buffer=256, seed=3)
     steps = data.steps_per_epoch + 7  # crosses into the second epoch
     whole = list(data.batches(steps, rank=1, world_size=2))
-    first = data.batches(11, rank=1, world_size=2)
-    head = list(first)
+    first = data.batches(steps, rank=1, world_size=2)
+    head = [next(first) for _ in range(11)]
+    while not first._queue.full():  # the worker is batches ahead of what was handed out
+        time.sleep(0.01)
     state = first.state()
+    first.close()
     assert state["step"] == 11
     # a fresh process: the data object is pickled (no arrays in it), the position restored
     again = pickle.loads(pickle.dumps(ClickLogData(log_dir[0], batch_size=64, shuffle_buffer=256, seed=3)))
     tail = list(again.batches(steps - 11, rank=1, world_size=2, start=state))
     assert len(head + tail) == len(whole)
     assert all(batches_equal(x, y) for x, y in zip(head + tail, whole))
+    # resuming inside the second epoch, in a process that never read the first
+    later = ClickLogData(log_dir[0], batch_size=64, shuffle_buffer=256, seed=3)
+    tail = list(later.batches(4, rank=1, world_size=2, start=steps - 4))
+    assert all(batches_equal(x, y) for x, y in zip(tail, whole[-4:]))
     other = ClickLogData(log_dir[0], batch_size=64, shuffle_buffer=256, seed=4)
     with pytest.raises(ValueError, match=r"saved data position is for other data or settings: seed 3 \(now 4\)"):
         other.batches(start=state)
@@ -191,7 +199,7 @@ def test_corrupt_files_are_errors_naming_them(log_dir, tmp_path):
     out = _copy(log_dir, tmp_path)
     path = out / "sparse_01.i32"
     ids = np.fromfile(path, dtype="<i4")
-    ids[130] = ROWS[1] + 5  # an id past the table's rows
+    ids[130] = ROWS[1]  # the first id past the table's rows
     ids.tofile(path)
     with pytest.raises(DataError, match=rf"{path}: checksum .* corrupt"):
         ClickLog(out).verify()
