@@ -57,7 +57,7 @@ def bucketize_rows(ids: torch.Tensor, offsets: torch.Tensor, bounds: torch.Tenso
     import numpy as np
     _check(ids, offsets, bounds)
     dev = ids.device
-    if dev.type != "cuda" or offsets.device != dev or bounds.device != dev:
+    if not loader.kernel_device(dev) or offsets.device != dev or bounds.device != dev:
         raise ValueError("bucketize_rows needs ids, offsets and bounds on one CUDA device")
     ids, offsets, bounds = (x.to(torch.int64).contiguous() for x in (ids, offsets, bounds))
     B, K, N = offsets.numel() - 1, bounds.numel() - 1, ids.numel()

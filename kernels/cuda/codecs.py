@@ -21,7 +21,7 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
     """Flat fp32 CUDA payload -> flat uint8 wire bytes (the layout of recc.kernels.codecs)."""
     import numpy as np
     check_precision(precision)
-    if x.device.type != "cuda":
+    if not loader.kernel_device(x.device):
         raise ValueError(f"recc.kernels.cuda.codecs.encode needs a CUDA tensor, got {x.device}")
     x = x.detach().reshape(-1).to(torch.float32).contiguous()
     n = x.numel()
@@ -45,7 +45,7 @@ def decode(wire: torch.Tensor, n: int, precision: str) -> torch.Tensor:
     """Flat uint8 wire bytes of an ``n``-element payload -> flat fp32 values, on the GPU."""
     import numpy as np
     check_wire(wire, n, precision)
-    if wire.device.type != "cuda":
+    if not loader.kernel_device(wire.device):
         raise ValueError(f"recc.kernels.cuda.codecs.decode needs a CUDA tensor, got {wire.device}")
     wire = wire.contiguous()
     if wire.data_ptr() % 4:

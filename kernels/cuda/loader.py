@@ -15,6 +15,11 @@ CuPy DLPack views of them (no copies) and runs on torch's current stream
 autograd and NCCL collectives without extra synchronisation.
 
 ``nvcc_compile`` is the CI check: every source must compile with ``nvcc`` for sm_80 and sm_90.
+
+The CPU harness: inside ``recc.kernels.cuda.emulator.emulated()``, the kernels accept CPU
+tensors (``kernel_device``) and ``launch`` runs them on the harness instead of CuPy, with the same
+arguments, grid, block and shared-memory size; ``multiprocessor_count`` is then the emulated
+device's.  Outside it, CPU tensors are refused as before.
 """
 from __future__ import annotations
 
@@ -100,15 +105,37 @@ def _arg(x, cp, np):
     return x
 
 
+def kernel_device(device: torch.device) -> bool:
+    """Whether the CUDA kernels run on tensors of ``device``: a GPU, or the CPU harness while
+    ``recc.kernels.cuda.emulator.emulated()`` is active."""
+    if device.type == "cuda":
+        return True
+    from . import emulator
+    return device.type == "cpu" and emulator.active()
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """The device's SM count (what grid-stride kernels size their grids by)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    from . import emulator
+    return emulator.sm_count()
+
+
 def launch(source: str, kernel: str, device: torch.device, grid: int, block: int, args,
            shared_mem: int = 0) -> None:
     """Runs ``kernel`` of ``source`` on torch's current stream of ``device``.
 
     ``args`` are torch tensors (passed as DLPack views), ``None`` (a null pointer) or numpy
     scalars whose types match the kernel's C parameters exactly (np.int32 for ``int``,
-    np.int64 for ``long long``, np.float32, np.uint64).
+    np.int64 for ``long long``, np.float32, np.uint64).  On a CPU device (inside
+    ``emulator.emulated()``) the launch runs on the CPU harness.
     """
     if grid <= 0:
+        return
+    if device.type != "cuda":
+        from . import emulator
+        emulator.launch(source_path(source), kernel, int(grid), int(block), args, int(shared_mem))
         return
     import numpy as np
     cp = cupy()

@@ -66,7 +66,7 @@ def _suffix(weights: torch.Tensor, V: int) -> str:
 
 
 def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights):
-    if weights.device.type != "cuda":
+    if not loader.kernel_device(weights.device):
         raise ValueError(f"the CUDA TBE kernels need CUDA tensors, got weights on {weights.device}")
     if weights.dim() != 2 or weights.dtype not in (torch.float32, torch.float16):
         raise ValueError(f"weights must be a 2-D float32 or float16 tensor, got {weights.dtype} "
@@ -162,7 +162,7 @@ def tbe_forward(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Ten
 
 
 def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return loader.multiprocessor_count(device)
 
 
 def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
