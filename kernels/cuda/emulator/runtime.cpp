@@ -577,8 +577,7 @@ std::string launch(const cuda_emu::KernelEntry& k, const unsigned grid[3], const
 #if EMU_ASAN
     /* bytes past the launch's dynamic shared memory are out of bounds */
     ASAN_UNPOISON_MEMORY_REGION(cuda_emu_dynamic_shared, cuda_emu_dynamic_shared_capacity);
-    ASAN_POISON_MEMORY_REGION(cuda_emu_dynamic_shared + ((shared + 7) & ~7ull),
-                              cuda_emu_dynamic_shared_capacity - ((shared + 7) & ~7ull));
+    ASAN_POISON_MEMORY_REGION(cuda_emu_dynamic_shared + shared, cuda_emu_dynamic_shared_capacity - shared);
 #endif
     /* blocks in an order drawn from the seed: i -> (a*i + c) mod n with gcd(a, n) = 1 */
     unsigned long long a = 1, c = 0;
