@@ -9,7 +9,10 @@ results in rank order.
   ``torch.distributed`` world over loopback (gloo on CPU, NCCL with one process per GPU).
   ``fn`` and its arguments travel with cloudpickle, so a closure over a compiled program works;
   each rank gets its own payload, in which a program's table groups carry that rank's blocks of
-  the user's tables only (``recc.tables.for_rank``): no rank receives rows it does not own.
+  the user's tables only (``recc.tables.for_rank``): no rank receives rows it does not own. The
+  blocks are copied into shared memory and travel as handles (the payload bytes hold no rows);
+  the rank's ``instantiate()`` frees them chunk by chunk as it copies them into its weights, so
+  its peak is its own weights plus one chunk.
 - Under ``torchrun`` (``TORCHELASTIC_RUN_ID`` set) the world already exists: ``fn`` runs on this
   rank and the result list holds this rank's value only; multi-node runs go through torchrun's
   rendezvous — recc has no launcher or transport of its own.
@@ -19,7 +22,6 @@ Every collective has a timeout (``RECC_TIMEOUT_S``, default 120 s). If a rank fa
 """
 from __future__ import annotations
 
-import copyreg
 import io
 import os
 import pickle
@@ -62,17 +64,46 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
+def _shared_or_by_value(reduce_shared):
+    """A reducer that sends a tensor or storage already in shared memory as a handle (torch's
+    ``torch.multiprocessing`` reducer: the receiver maps the same pages) and anything else by
+    value, so pickling never moves a tensor of the caller's into shared memory behind its back."""
+    def reduce(obj):
+        base = getattr(obj, "_untyped_storage", obj)  # a TypedStorage wraps an UntypedStorage
+        if base.device.type == "cpu" and base.is_shared():
+            return reduce_shared(obj)
+        return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return reduce
+
+
+_PICKLER = None
+
+
+def _pickler_class():
+    global _PICKLER
+    if _PICKLER is None:
+        import collections
+        import cloudpickle
+        import torch
+        import torch.multiprocessing  # noqa: F401  (registers tensor reducers on ForkingPickler)
+        from multiprocessing.reduction import ForkingPickler
+        torch_types = {cls: _shared_or_by_value(red) for cls, red in ForkingPickler._extra_reducers.items()
+                       if isinstance(cls, type) and (issubclass(cls, torch.Tensor) or "Storage" in cls.__name__)
+                       and cls.__module__.startswith("torch")}
+
+        class Pickler(cloudpickle.CloudPickler):
+            # The C pickler reads ``dispatch_table`` when it is created: a class attribute, so
+            # it is seen (set on an instance after creation, it would be ignored).
+            dispatch_table = collections.ChainMap(torch_types, cloudpickle.CloudPickler.dispatch_table)
+        _PICKLER = Pickler
+    return _PICKLER
+
+
 def _dumps(obj) -> bytes:
-    """cloudpickle (closures, lambdas, __main__ functions) + torch's shared-memory tensor reducers."""
-    import cloudpickle
-    import torch.multiprocessing  # noqa: F401  (registers tensor reducers on ForkingPickler)
-    from multiprocessing.reduction import ForkingPickler
+    """cloudpickle (closures, lambdas, __main__ functions); tensors already in shared memory (a
+    rank's blocks of the tables, ``recc.tables.for_rank``) travel as handles, not bytes."""
     buf = io.BytesIO()
-    p = cloudpickle.CloudPickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-    table = copyreg.dispatch_table.copy()
-    table.update(ForkingPickler._extra_reducers)
-    p.dispatch_table = table
-    p.dump(obj)
+    _pickler_class()(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 

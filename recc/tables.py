@@ -14,11 +14,15 @@ holding *that rank's* shards plus the optimizer state, laid out with FBGEMM's me
 
 A program sent to the ranks of a launched world (``recc.launch``) is pickled once per rank
 (``for_rank``): each group then carries copies of that rank's own blocks of the source tables
-only, which its first ``instantiate()`` copies into ``weights`` and lets go of.
+only (in shared memory, sent as handles), which its first ``instantiate()`` copies into
+``weights``, freeing each chunk once copied. A user's table that only the program still holds
+(``source_block_consumable``) is freed the same way: one process never holds the tables twice
+over unless the user keeps their model.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Iterator, Optional
 
@@ -46,8 +50,29 @@ def for_rank(rank: int) -> Iterator[None]:
         _PICKLE_RANK = old
 
 
+class _Held:
+    """A source held strongly (a callable, like the weak reference it becomes)."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor = t
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
+
+
 def _strong(t: torch.Tensor):
-    return lambda: t
+    return _Held(t)
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (views, detached aliases); a large number when
+    torch cannot say, so that callers stay on the safe side."""
+    try:
+        # The storage object made here counts as one user.
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+    except (AttributeError, RuntimeError):
+        return 1 << 30
 
 
 def _weak(ref):
@@ -55,6 +80,14 @@ def _weak(ref):
     a model built on meta), so it stays."""
     t = ref()
     return ref if t is None or t.device.type == "meta" else weakref.ref(t)
+def _shared_copy(block: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``block`` in shared memory (made before it is written, so the copy
+    is written once, straight into the shared pages)."""
+    out = torch.empty(block.shape, dtype=block.dtype)
+    out.share_memory_()
+    return out.copy_(block)
+
+
 WEIGHT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # (table index in group, rank, row0, row1, col0, col1)
 
 
@@ -161,6 +194,24 @@ class TableGroup(nn.Module):
             raise RuntimeError(f"table {self.tables[k].name} (group {self.group_name}): no source values: {why}")
         return src[r0:r1, c0:c1]
 
+    def source_block_consumable(self, j: int) -> bool:
+        """True when nothing but this group can ever read local shard j's source values again,
+        so ``instantiate()`` may free them as it copies them: a rank's own copy of the block, or
+        a user's table that only the program still holds (``recc.compile(build_model(...))``,
+        or the model dropped before ``instantiate()``). A table the user still holds, or any
+        other tensor sharing its storage, is never consumed."""
+        k = self.local[j][0]
+        r0, r1, c0, c1 = self.shards[j]
+        block = self._blocks.get((k, r0, r1, c0, c1))
+        if block is not None:
+            return _storage_users(block) == 1
+        held = self._sources[k] if k < len(self._sources) else None
+        if not isinstance(held, _Held) or held.tensor.device.type == "meta":
+            return False
+        # The holder's slot and getrefcount's argument: no module, optimizer or variable of the
+        # user's refers to the tensor, and no view or alias shares its storage.
+        return sys.getrefcount(held.tensor) == 2 and _storage_users(held.tensor) == 1
+
     def release_sources(self) -> None:
         """After ``instantiate()`` copied them: hold the user's tables weakly, drop this rank's
         block copies."""
@@ -183,8 +234,14 @@ class TableGroup(nn.Module):
                         raise RuntimeError(f"table {self.tables[k].name}: the user's model holding it was freed; "
                                            f"the program cannot be sent to the ranks without its values")
                     whole = (r0, r1, c0, c1) == (0, src.shape[0], 0, src.shape[1])
-                    # A view pickles its whole storage: a block gets its own, so only its rows travel.
-                    blocks[key] = src.detach() if whole else src.detach()[r0:r1, c0:c1].clone()
+                    if _PICKLE_RANK is not None and src.device.type == "cpu":
+                        # Sent to a rank: a copy in shared memory, which the rank maps and
+                        # frees as instantiate() copies it (no bytes of it in the payload).
+                        blocks[key] = _shared_copy(src.detach()[r0:r1, c0:c1])
+                    else:
+                        # A view pickles its whole storage: a block gets its own, so only its
+                        # rows travel.
+                        blocks[key] = src.detach() if whole else src.detach()[r0:r1, c0:c1].clone()
         state["_sources"], state["_blocks"] = [], blocks
         return state
 

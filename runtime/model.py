@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.fx as fx
 
-from recc.kernels import huge_page_empty, optimizer_state_shapes
+from recc.kernels import huge_page_empty, optimizer_state_shapes, release_memory
 from recc.graph_utils import resolve_attr
 from recc.program import quiet_deepcopy
 from recc.runtime import comm_stats
@@ -30,6 +30,24 @@ def _table_memory(shape, device: torch.device, dtype: torch.dtype = torch.float3
     if device.type == "cpu":
         return huge_page_empty(shape, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_COPY_CHUNK_BYTES = 16 << 20
+
+
+def _copy_block(dst: torch.Tensor, src: torch.Tensor, consume: bool) -> None:
+    """``dst.copy_(src)``; when ``consume`` (nothing else will read ``src``), in row chunks, each
+    chunk's source pages returned to the OS once copied: the rank's peak is then its weights
+    plus one chunk, not its weights plus all of its sources."""
+    if not (consume and src.device.type == "cpu" and src.is_contiguous() and src.numel()):
+        dst.copy_(src)
+        return
+    row_bytes = src[0].numel() * src.element_size()
+    step = max(1, _COPY_CHUNK_BYTES // max(1, row_bytes))
+    for a in range(0, src.shape[0], step):
+        b = min(src.shape[0], a + step)
+        dst[a:b].copy_(src[a:b])
+        release_memory(src, a * row_bytes, b * row_bytes)
 
 
 def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 0,
@@ -47,6 +65,7 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
     for j in range(group.num_tables):
         spec = group.local_table(j)
         r0, r1 = int(group.hash_size_cumsum[j]), int(group.hash_size_cumsum[j + 1])
+        consume = group.source_block_consumable(j)   # asked before ``src``, a view, exists
         src = group.source_block(j)
         if src.device.type == "meta":
             # Tables built on the meta device are initialised here, each rank its own blocks only,
@@ -54,7 +73,8 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
             s0, s1, c0, c1 = group.shards[j]
             weights[r0:r1].copy_(initial_block(spec, s0, s1, c0, c1, seed, table_init))
         else:
-            weights[r0:r1].copy_(src.detach())
+            _copy_block(weights[r0:r1], src.detach(), consume)
+        del src
     group.weights = nn.Parameter(weights)
     for name, shape in optimizer_state_shapes(group.optimizer.name, rows, dim).items():
         group.register_buffer(name, _table_memory(shape, device).zero_())

@@ -95,3 +95,24 @@ def test_a_ranks_program_instantiates_once_then_says_why_not():
     for msg in recc.launch(_instantiate_twice, recc.Cluster.local(2), program):
         assert "no source values: this rank's copy of the program gave its blocks to its first instantiate()" in msg
         assert msg.startswith("table emb.")
+
+
+def test_a_ranks_payload_carries_its_blocks_as_shared_memory_handles():
+    """The bytes sent to a rank hold no table rows (its blocks travel as shared-memory handles,
+    which the rank frees as instantiate() copies them); pickling moves none of the caller's
+    tensors into shared memory; ordinary tensors still travel by value."""
+    from recc.launch import _dumps
+    from recc.tables import for_rank
+    torch.manual_seed(0)
+    model = FourTables()
+    program = recc.compile(model, recc.Cluster.local(2), example_inputs=_batch(4, 0),
+                           config=recc.CompileConfig(sharding="table_wise"))
+    smallest_block = min(ROWS) * DIM * 4   # table-wise: every block is a whole table
+    for rank in range(2):
+        with for_rank(rank):
+            payload = _dumps(program)
+        assert len(payload) < smallest_block, f"rank {rank}'s payload is {len(payload)} bytes"
+    assert not any(p.is_shared() for p in model.parameters())
+    assert not any(p.is_shared() for p in program.graph.parameters())
+    plain = torch.arange(100_000.0)
+    assert len(_dumps(plain)) > 400_000 and not plain.is_shared()
