@@ -139,8 +139,8 @@ def main(argv=None) -> int:
         train = time_recc_step(batches, args.steps)
     print(f"# torch threads {args.threads}; global batch {args.batch_size}; ratio = loader samples/s "
           f"/ one core's recc kaggle training samples/s at the global batch")
-    print(f"| what | shuffle buffer | world | rank batch | samples/s (one core) | ratio to training |")
-    print(f"|---|---|---|---|---|---|")
+    print("| what | shuffle buffer | world | rank batch | samples/s (one core) | ratio to training |")
+    print("|---|---|---|---|---|---|")
     print(f"| recc train step, kaggle, sgd | | 1 | {args.batch_size} | {train:,.0f} | 1.0 |")
     for name, shuffle, world, b, rate in rows_out:
         print(f"| {name} | {shuffle or 'off'} | {world} (rank 0) | {b} | {rate:,.0f} | {rate / train:.1f}x |")

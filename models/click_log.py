@@ -382,16 +382,16 @@ class ClickLogData:
                 raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
             held = max(1, round(n * val_fraction))
             return [(n - held, held)] if split == "val" else [(0, n - held)]
-        names = {Path(p).name: i for i, (p, _, _) in enumerate(log.sources)}
+        # a source is named by its index, its path as converted, or its file name
+        index = {}
+        for i, (p, _, _) in enumerate(log.sources):
+            index.update({i: i, p: i, Path(p).name: i})
         held = set()
         for day in val_days:
-            if isinstance(day, int) and 0 <= day < len(log.sources) or isinstance(day, str) and (
-                    day in names or day in {p for p, _, _ in log.sources}):
-                held.add(day if isinstance(day, int) else
-                         names.get(day, next((i for i, (p, _, _) in enumerate(log.sources) if p == day), None)))
-            else:
+            if day not in index:
                 raise ValueError(f"val_days: {day!r} is not one of the {len(log.sources)} converted sources "
                                  f"({', '.join(Path(p).name for p, _, _ in log.sources)})")
+            held.add(index[day])
         chosen = [(s, c) for i, (_, s, c) in enumerate(log.sources) if (i in held) == (split == "val") and c]
         if not chosen:
             raise ValueError(f"the {split} split holds no source (val_days={list(val_days)})")

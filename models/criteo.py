@@ -181,29 +181,26 @@ def _line_blocks(path: Path, block_bytes: int, on_progress: Callable[[int], None
     """Blocks of whole lines (each ending in ``\\n``) and the 1-based number of each block's first line."""
     stream, raw = _open(path)
     line_no, rest = 1, b""
-    try:
-        with raw, stream:
-            while True:
-                try:
-                    data = stream.read(block_bytes)
-                except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
-                    raise DataError(f"{path}: corrupt or truncated gzip stream after line {line_no - 1} "
-                                    f"({e})") from None
-                if on_progress is not None:
-                    on_progress(raw.tell())
-                if not data:
-                    break
-                data = rest + data
-                cut = data.rfind(b"\n") + 1
-                rest = data[cut:]
-                if cut:
-                    block = data[:cut]
-                    yield line_no, block
-                    line_no += block.count(b"\n")
-            if rest:  # a last line without its newline
-                yield line_no, rest + b"\n"
-    except UnicodeError as e:  # pragma: no cover - bytes are never decoded
-        raise DataError(f"{path}: {e}") from None
+    with raw, stream:
+        while True:
+            try:
+                data = stream.read(block_bytes)
+            except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
+                raise DataError(f"{path}: corrupt or truncated gzip stream after line {line_no - 1} "
+                                f"({e})") from None
+            if on_progress is not None:
+                on_progress(raw.tell())
+            if not data:
+                break
+            data = rest + data
+            cut = data.rfind(b"\n") + 1
+            rest = data[cut:]
+            if cut:
+                block = data[:cut]
+                yield line_no, block
+                line_no += block.count(b"\n")
+        if rest:  # a last line without its newline
+            yield line_no, rest + b"\n"
 
 
 def _explain(line: bytes) -> str:
