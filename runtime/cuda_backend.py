@@ -79,7 +79,7 @@ def tbe_lookup_cuda(group, sparse):
     if not group.materialized:
         raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
                            f"run the model from program.instantiate()")
-    if group.weights.device.type != "cuda":
+    if not cuda_kernels.loader.kernel_device(group.weights.device):
         raise RuntimeError(f"table group {group.group_name} is lowered for CUDA but its weights are on "
                            f"{group.weights.device}; instantiate the program on a GPU")
     return TBELookupCUDA.apply(group.weights, group, sparse)

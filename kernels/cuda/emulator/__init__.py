@@ -34,6 +34,7 @@ compiler): the first build of a source takes ~10-30 s, later processes reuse it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -89,6 +90,7 @@ class _Mode:
 
 
 _state = _Mode()
+launches: collections.Counter = collections.Counter()  # kernel name -> launches run (for tests)
 
 
 def active() -> bool:
@@ -414,6 +416,7 @@ def launch(source: str | Path, kernel: str, grid, block, args, shared_mem: int =
     replies = _server(Path(source)).request(b"".join(out), [hi - lo for lo, hi, _ in buffers])
     for (lo, hi, _), data in zip(buffers, replies):
         ctypes.memmove(lo, data, hi - lo)
+    launches[kernel] += 1
 
 
 def kernels_of(source: str | Path) -> list[str]:

@@ -1,0 +1,381 @@
+"""Every CUDA kernel, run by the CPU harness (``recc.kernels.cuda.emulator``) through the same
+Python launch code a GPU uses, against the CPU reference: TBE forward and the fused backward
+with every optimizer, pooling and weight type; fp16 stochastic rounding; bounds; every codec;
+row bucketization.  The harness runs under ASan/UBSan, so a read past a tensor fails here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recc.kernels import codecs as ref_codecs
+from recc.kernels import linearize_indices, optimizer_state_shapes
+from recc.kernels.cpu import tbe as cpu
+from recc.kernels.cuda import bucketize, codecs, emulator
+from recc.kernels.cuda import tbe as gpu
+
+pytestmark = [pytest.mark.cuda_emulated,
+              pytest.mark.skipif(emulator.compiler() is None, reason="the CUDA emulator needs g++")]
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+DIMS = (1, 3, 4, 17, 64, 128, 260, 1024)  # 1024: the backward's largest (D % 4 == 0)
+
+
+@pytest.fixture(autouse=True)
+def _emulated():
+    with emulator.emulated(sm_count=2):
+        yield
+
+
+def bags(T, B, rows, mean_len, g, hot=0, empty_every=3):
+    """Feature-major local ids/offsets with duplicates, empty bags, and ``hot`` extra ids of row
+    0 of table 0 in its first bag (a run long enough for the block-per-row update)."""
+    lengths = torch.randint(0, 2 * mean_len + 1, (T, B), generator=g)
+    lengths.view(-1)[::empty_every] = 0
+    lengths[0, 0] += hot
+    ids = []
+    for t in range(T):
+        n = int(lengths[t].sum())
+        x = torch.where(torch.rand(n, generator=g) < 0.3, torch.randint(0, min(rows[t], 5), (n,), generator=g),
+                        torch.randint(0, rows[t], (n,), generator=g))
+        if t == 0 and hot:
+            x[:hot] = 0
+        ids.append(x)
+    offsets = torch.zeros(T * B + 1, dtype=torch.int64)
+    torch.cumsum(lengths.reshape(-1), 0, out=offsets[1:])
+    return torch.cat(ids), offsets
+
+
+def hsc_of(rows):
+    return torch.tensor([0] + list(rows), dtype=torch.int64).cumsum(0)
+
+
+def rel(got, want):
+    assert got.shape == want.shape
+    assert not bool(torch.isnan(got).any()), "NaN: a value the kernel never wrote"
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return float((got.float() - want.float()).abs().max()) / max(scale, 1e-30) if want.numel() else 0.0
+
+
+def case(T, D, B, wdtype, seed, hot=0, weighted=False, mean_len=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = [int(r) for r in torch.randint(8, 60, (T,), generator=g)]
+    ids, offsets = bags(T, B, rows, mean_len, g, hot=hot)
+    hsc = hsc_of(rows)
+    w = (torch.randn(int(hsc[-1]), D, generator=g) * 0.1).to(wdtype)
+    psw = torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None
+    return g, rows, ids, offsets, hsc, w, psw
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("D", DIMS + (1031,))
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", False), ("sum", True)])
+def test_forward_matches_the_reference(D, pooling, weighted):
+    for wdtype in (torch.float32, torch.float16):
+        T, B = 3, 7
+        g, rows, ids, offsets, hsc, w, psw = case(T, D, B, wdtype, D, weighted=weighted)
+        got = gpu.tbe_forward(w, ids, offsets, hsc, T=T, B=B, pooling=pooling, per_sample_weights=psw)
+        want = cpu.tbe_forward_reference(w.float(), linearize_indices(ids, offsets, hsc, T, B), offsets, T=T, B=B,
+                                         pooling=pooling, per_sample_weights=psw)
+        assert rel(got, want) <= 1e-6, (D, wdtype)
+        empty = (offsets[1:] == offsets[:-1]).view(T, B).t()  # [B, T]
+        assert bool(got.view(B, T, D)[empty].eq(0).all()), "an empty bag pools to 0"
+
+
+def test_forward_of_a_bag_longer_than_512_ids_and_unaligned_rows():
+    T, B, D = 2, 5, 64
+    g, rows, ids, offsets, hsc, w, psw = case(T, D, B, torch.float32, 7, hot=700)
+    lin = linearize_indices(ids, offsets, hsc, T, B)
+    want = cpu.tbe_forward_reference(w, lin, offsets, T=T, B=B)
+    assert rel(gpu.tbe_forward(w, ids, offsets, hsc, T=T, B=B), want) <= 1e-6
+    # a weight view that starts one float into its storage cannot take 16-byte loads: V = 1
+    base = torch.zeros(w.numel() + 1)
+    shifted = base[1:].view_as(w)
+    shifted.copy_(w)
+    assert gpu._vector_width(D, shifted) == 1
+    assert rel(gpu.tbe_forward(shifted, ids, offsets, hsc, T=T, B=B), want) <= 1e-6
+
+
+def test_forward_with_no_ids_or_no_bags():
+    w = torch.randn(10, 8)
+    hsc = torch.tensor([0, 4, 10])
+    out = gpu.tbe_forward(w, torch.zeros(0, dtype=torch.int64), torch.zeros(7, dtype=torch.int64), hsc, T=2, B=3)
+    assert torch.equal(out, torch.zeros(3, 16))
+    assert gpu.tbe_forward(w, torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), hsc,
+                           T=2, B=0).shape == (0, 16)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _update_both(T, D, B, wdtype, opt, pooling, weighted, *, hot=0, seed=0, wd=0.01, wd_mode="l2", step=3):
+    g, rows, ids, offsets, hsc, w, psw = case(T, D, B, wdtype, seed * 7919 + D, hot=hot, weighted=weighted)
+    R = int(hsc[-1])
+    grad = torch.randn(B, T * D, generator=g)
+    state = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
+    if opt == "rowwise_adagrad":
+        state["momentum1"][::2] = 0.0  # a zero state tells sqrt(m)+eps from sqrt(m+eps)
+    w_ref, s_ref = w.float().clone(), {k: v.clone() for k, v in state.items()}
+    kw = dict(T=T, B=B, pooling=pooling, per_sample_weights=psw, optimizer=opt, lr=0.05, eps=0.1,
+              weight_decay=wd, weight_decay_mode=wd_mode, step=step)
+    cpu.tbe_backward_update_reference(w_ref, s_ref, linearize_indices(ids, offsets, hsc, T, B), offsets, grad, **kw)
+    w_got = w.clone()
+    gpu.tbe_backward_update(w_got, state, ids, offsets, hsc, grad, **kw)
+    return w, w_got, w_ref, state, s_ref
+
+
+@pytest.mark.parametrize("D", DIMS)
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_backward_matches_the_reference(D, opt):
+    # sum, mean and weighted sum; a run above LONG_RUN ids (the block-per-row kernel)
+    for pooling, weighted in (("sum", False), ("mean", False), ("sum", True)):
+        w, w_got, w_ref, state, s_ref = _update_both(3, D, 9, torch.float32, opt, pooling, weighted,
+                                                     hot=gpu.LONG_RUN + 40)
+        assert rel(w_got, w_ref) <= 2e-5, (pooling, weighted)
+        for k in s_ref:
+            assert rel(state[k], s_ref[k]) <= 2e-5, k
+        untouched = (w_ref == w.float()).all(1)
+        assert torch.equal(w_got[untouched], w[untouched]), "rows absent from the batch are not written"
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+@pytest.mark.parametrize("D", (3, 64, 260))
+def test_backward_fp16_weights(D, opt):
+    w, w_got, w_ref, state, s_ref = _update_both(2, D, 9, torch.float16, opt, "sum", True, hot=gpu.LONG_RUN + 1)
+    assert w_got.dtype == torch.float16
+    # stochastic rounding moves a value by less than one fp16 step (2^-10 relative)
+    assert bool(((w_got.float() - w_ref).abs() <= w_ref.abs() * 2 ** -10 + 2 ** -24).all())
+    for k in s_ref:
+        assert rel(state[k], s_ref[k]) <= 2e-5, k
+
+
+@pytest.mark.parametrize("wd_mode", ["l2", "decoupled"])
+def test_weight_decay_modes(wd_mode):
+    for opt in OPTIMIZERS:
+        _, w_got, w_ref, state, s_ref = _update_both(2, 16, 6, torch.float32, opt, "sum", False, wd=0.1,
+                                                     wd_mode=wd_mode)
+        assert rel(w_got, w_ref) <= 2e-5, opt
+
+
+def test_backward_dim_limits():
+    w = torch.zeros(4, 257)
+    ids, offsets, hsc = torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0, 4])
+    with pytest.raises(ValueError, match="D=257 is above its limit"):
+        gpu.tbe_backward_update(w, {}, ids, offsets, hsc, torch.ones(1, 257), T=1, B=1, lr=0.1)
+    with pytest.raises(ValueError, match="D=1028 is above its limit"):
+        gpu.tbe_backward_update(torch.zeros(4, 1028), {}, ids, offsets, hsc, torch.ones(1, 1028), T=1, B=1, lr=0.1)
+
+
+def test_several_long_runs_share_a_block_in_any_thread_order():
+    # three rows with > LONG_RUN ids each and an SM count of 1: the block kernel's grid has 2
+    # blocks, so a block updates two runs one after the other (shared memory reused).
+    g = torch.Generator().manual_seed(5)
+    T, B, D, R = 1, 4, 32, 40
+    ids = torch.cat([torch.full((600,), 3), torch.full((530,), 7), torch.full((700,), 11),
+                     torch.randint(0, R, (50,), generator=g)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    offsets = torch.tensor([0, 500, 1000, 1500, ids.numel()])
+    hsc = torch.tensor([0, R])
+    w0 = torch.randn(R, D, generator=g)
+    grad = torch.randn(B, D, generator=g)
+    for opt in ("sgd", "rowwise_adagrad"):
+        state0 = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
+        w_ref, s_ref = w0.clone(), {k: v.clone() for k, v in state0.items()}
+        cpu.tbe_backward_update_reference(w_ref, s_ref, ids, offsets, grad, T=T, B=B, optimizer=opt, lr=0.1, eps=0.1)
+        results = []
+        for seed in (None, 1, 2, 3):
+            w, state = w0.clone(), {k: v.clone() for k, v in state0.items()}
+            with emulator.emulated(seed=seed, sm_count=1):
+                gpu.tbe_backward_update(w, state, ids, offsets, hsc, grad, T=T, B=B, optimizer=opt, lr=0.1, eps=0.1)
+            assert rel(w, w_ref) <= 2e-5, (opt, seed)
+            results.append(w)
+        # the block kernel sums partials in a fixed order: the same bits whatever the schedule
+        assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_results_do_not_depend_on_the_thread_order(seed):
+    for opt in OPTIMIZERS:
+        with emulator.emulated(seed=None, sm_count=3):
+            _, w_a, w_ref, state_a, _ = _update_both(3, 20, 11, torch.float32, opt, "mean", False, hot=600)
+        with emulator.emulated(seed=seed, sm_count=3):
+            _, w_b, _, state_b, _ = _update_both(3, 20, 11, torch.float32, opt, "mean", False, hot=600)
+        assert torch.equal(w_a, w_b), opt
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+# ----------------------------------------------------------------------------- fp16 rounding
+
+
+def test_fp16_stochastic_rounding_is_unbiased():
+    # One sgd step of lr*g far below half an fp16 step of 1.0 on 256k values: round-to-nearest
+    # would move none; stochastic rounding moves each down with probability frac, so the mean
+    # moves by lr*g within a few standard deviations of the binomial count.
+    R, D, lr = 4096, 64, 1e-4
+    w = torch.ones(R, D, dtype=torch.float16)
+    ids = torch.arange(R)
+    offsets = torch.arange(R + 1)
+    hsc = torch.tensor([0, R])
+    gpu.tbe_backward_update(w, {}, ids, offsets, hsc, torch.ones(R, D), T=1, B=R, optimizer="sgd", lr=lr, step=1)
+    ulp = 2.0 ** -11  # fp16 spacing just below 1.0
+    frac = lr / ulp
+    lowered = (w != 1.0)
+    assert bool((w[lowered].float() == 1.0 - ulp).all()), "only the two neighbouring halves"
+    n = R * D
+    p = float(lowered.float().mean())
+    sigma = (frac * (1 - frac) / n) ** 0.5
+    assert abs(p - frac) < 5 * sigma, (p, frac, sigma)
+    # the rounding is keyed by (seed, row, column): another step draws other bits, the same
+    # seed the same ones
+    w2 = torch.ones(R, D, dtype=torch.float16)
+    gpu.tbe_backward_update(w2, {}, ids, offsets, hsc, torch.ones(R, D), T=1, B=R, optimizer="sgd", lr=lr, step=2)
+    w3 = torch.ones(R, D, dtype=torch.float16)
+    gpu.tbe_backward_update(w3, {}, ids, offsets, hsc, torch.ones(R, D), T=1, B=R, optimizer="sgd", lr=lr, step=1)
+    assert not torch.equal(w, w2) and torch.equal(w, w3)
+
+
+def test_fp16_small_updates_accumulate_over_steps():
+    D, steps, lr = 64, 60, 1e-4
+    w = torch.ones(8, D, dtype=torch.float16)
+    ids, offsets, hsc = torch.arange(8), torch.arange(9), torch.tensor([0, 8])
+    for s in range(steps):
+        gpu.tbe_backward_update(w, {}, ids, offsets, hsc, torch.ones(8, D), T=1, B=8, optimizer="sgd", lr=lr,
+                                step=s + 1)
+    moved = 1.0 - float(w.float().mean())
+    assert abs(moved - steps * lr) / (steps * lr) < 0.1
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def _bad_batch():
+    w = torch.randn(30, 8)
+    hsc = torch.tensor([0, 10, 30])
+    ids = torch.tensor([1, 2, 15, 3])  # 15 >= table 0's 10 rows
+    offsets = torch.tensor([0, 2, 3, 3, 4])
+    return w, hsc, ids, offsets
+
+
+def test_a_bad_id_is_the_cpu_paths_index_error_and_writes_nothing():
+    w, hsc, ids, offsets = _bad_batch()
+    with pytest.raises(IndexError) as cuda_err:
+        gpu.tbe_forward(w, ids, offsets, hsc, T=2, B=2, table_names=["user", "item"])
+    with pytest.raises(IndexError) as cpu_err:
+        cpu.validate_inputs(ids, offsets, hsc, 2, 2, ["user", "item"])
+    assert str(cuda_err.value) == str(cpu_err.value)
+    assert "'user'" in str(cuda_err.value) and "id 15" in str(cuda_err.value)
+    for opt in OPTIMIZERS:
+        state = {k: torch.rand(s) for k, s in optimizer_state_shapes(opt, 30, 8).items()}
+        before = w.clone(), {k: v.clone() for k, v in state.items()}
+        with pytest.raises(IndexError, match="'user'"):
+            gpu.tbe_backward_update(w, state, ids, offsets, hsc, torch.ones(2, 16), T=2, B=2, lr=1.0, optimizer=opt,
+                                    table_names=["user", "item"], checked=False)
+        assert torch.equal(before[0], w), "a bad batch writes no row"
+        assert all(torch.equal(before[1][k], state[k]) for k in state)
+    neg = torch.tensor([1, 2, -1, 3])
+    with pytest.raises(IndexError, match="id -1"):
+        gpu.tbe_forward(w, neg, offsets, hsc, T=2, B=2)
+
+
+def test_a_table_that_claims_rows_past_the_weight_is_never_read_past_it():
+    # hash_size_cumsum says 40 rows, the weight has 30: the ids past row 30 are reported and
+    # neither read (the sanitizer would stop the kernel) nor written.
+    w = torch.randn(30, 8)
+    hsc = torch.tensor([0, 10, 40])
+    ids = torch.tensor([1, 2, 3, 25])  # table 1 row 25 = weight row 35
+    offsets = torch.tensor([0, 2, 3, 3, 4])
+    with pytest.raises(IndexError, match="does hash_size_cumsum claim more rows"):
+        gpu.tbe_forward(w, ids, offsets, hsc, T=2, B=2)
+    before = w.clone()
+    with pytest.raises(IndexError, match="does hash_size_cumsum claim more rows"):
+        gpu.tbe_backward_update(w, {}, ids, offsets, hsc, torch.ones(2, 16), T=2, B=2, lr=1.0)
+    assert torch.equal(w, before)
+
+
+@pytest.mark.parametrize("offsets", [[0, 2, 1, 3, 4], [0, 2, 3, 3, 9], [1, 2, 3, 3, 4]])
+def test_malformed_offsets_are_a_value_error(offsets):
+    w, hsc, ids, _ = _bad_batch()
+    ids = torch.tensor([1, 2, 5, 3])
+    with pytest.raises(ValueError, match="offsets"):
+        gpu.tbe_forward(w, ids, torch.tensor(offsets), hsc, T=2, B=2)
+    before = w.clone()
+    with pytest.raises(ValueError, match="offsets"):
+        gpu.tbe_backward_update(w, {}, ids, torch.tensor(offsets), hsc, torch.ones(2, 16), T=2, B=2, lr=1.0)
+    assert torch.equal(w, before)
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_codecs_match_the_cpu_bytes(precision):
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 63, 64, 65, 1000, 4097):
+        x = torch.randn(n, generator=g) * torch.pow(10.0, torch.randint(-3, 4, (n,), generator=g).float())
+        if n > 100:
+            x[5], x[70], x[200] = float("nan"), float("inf"), -3.0e38
+            x[300:364] = 0.0  # an all-zero block
+        want = ref_codecs.encode(x, precision)
+        got = codecs.encode(x, precision)
+        assert got.shape == want.shape
+        if precision in ("fp16", "bf16"):  # a NaN's payload is not part of the contract
+            dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+            nan = torch.isnan(x)
+            assert torch.equal(got.view(dtype).view(torch.int16)[~nan], want.view(dtype).view(torch.int16)[~nan])
+            assert bool(torch.isnan(got.view(dtype)[nan]).all())
+        else:
+            assert torch.equal(got, want), (precision, n)
+        for wire in (want, torch.cat([torch.zeros(1, dtype=torch.uint8), want])[1:]):  # aligned, and not
+            dec = codecs.decode(wire, n, precision)
+            dref = ref_codecs.decode(want, n, precision)
+            assert torch.equal(torch.isnan(dec), torch.isnan(dref))
+            assert torch.equal(dec[~torch.isnan(dref)], dref[~torch.isnan(dref)])
+
+
+# ----------------------------------------------------------------------------- bucketization
+
+
+def _check_bucketize(ids, offsets, bounds):
+    got = bucketize.bucketize_rows(ids, offsets, bounds)
+    want = bucketize.bucketize_rows_reference(ids, offsets, bounds)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_bucketization_of_uneven_row_blocks_at_their_edges():
+    # ids at r0-1, r0, r1-1, r1 of every block, blocks of uneven (and zero) size, empty bags
+    bounds = torch.tensor([0, 1, 7, 7, 40, 41, 100])
+    edges = sorted({v for r0, r1 in zip(bounds[:-1].tolist(), bounds[1:].tolist())
+                    for v in (r0 - 1, r0, r1 - 1, r1) if 0 <= v < 100})
+    ids = torch.tensor(edges * 3)
+    g = torch.Generator().manual_seed(0)
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    cuts = torch.sort(torch.randint(0, ids.numel() + 1, (9,), generator=g)).values
+    offsets = torch.cat([torch.tensor([0]), cuts, torch.tensor([ids.numel()])])
+    _check_bucketize(ids, offsets, bounds)
+
+
+@pytest.mark.parametrize("B,K", [(1, 1), (1, 2), (100, 3), (333, 8), (60, 70)])
+def test_bucketization_matches_the_reference(B, K):
+    g = torch.Generator().manual_seed(B * 100 + K)
+    rows = 5000
+    lengths = torch.randint(0, 9, (B,), generator=g)
+    lengths[::4] = 0
+    offsets = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    ids = torch.randint(0, rows, (int(offsets[-1]),), generator=g)
+    cuts = torch.sort(torch.randint(1, rows, (K - 1,), generator=g)).values
+    bounds = torch.cat([torch.tensor([0]), cuts, torch.tensor([rows])])
+    _check_bucketize(ids, offsets, bounds)
+
+
+def test_bucketization_errors():
+    bounds = torch.tensor([0, 5, 10])
+    with pytest.raises(IndexError, match=r"id 12 in bag 1 \(position 2\)"):
+        bucketize.bucketize_rows(torch.tensor([1, 2, 12]), torch.tensor([0, 2, 3]), bounds)
+    with pytest.raises(ValueError, match="malformed at bag"):
+        bucketize.bucketize_rows(torch.tensor([1, 2, 3]), torch.tensor([0, 3, 2]), bounds)
+    lengths, out, perm = bucketize.bucketize_rows(torch.zeros(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64),
+                                                  bounds)
+    assert lengths.shape == (2, 3) and not bool(lengths.any()) and out.numel() == 0
