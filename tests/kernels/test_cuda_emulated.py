@@ -20,9 +20,12 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 DIMS = (1, 3, 4, 17, 64, 128, 260, 1024)  # 1024: the backward's largest (D % 4 == 0)
 
 
-@pytest.fixture(autouse=True)
-def _emulated():
-    with emulator.emulated(sm_count=2):
+@pytest.fixture(autouse=True, params=[(None, 2), (7, 1)], ids=["in-order", "seeded"])
+def _emulated(request):
+    """Every test twice: threads in index order on 2 SMs, and in a seeded order on 1 SM (the
+    grid-stride kernels then take more turns per thread)."""
+    seed, sms = request.param
+    with emulator.emulated(seed=seed, sm_count=sms):
         yield
 
 

@@ -303,3 +303,30 @@ def test_fp16_conversions_are_the_gpus(src):
     codes = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
     assert torch.equal(torch.isnan(back), torch.isnan(codes))
     assert torch.equal(back[~torch.isnan(codes)], codes[~torch.isnan(codes)])
+
+
+STATIC_SHARED = r"""
+extern "C" __global__ void reverse64(const float* x, float* y) {
+    __shared__ float buf[64];
+    const int i = threadIdx.x, base = blockIdx.x * 64;
+    buf[i] = x[base + i];
+    __syncthreads();
+    y[base + i] = buf[63 - i];
+}
+"""
+
+
+def test_static_shared_memory_is_per_block(tmp_path):
+    path = tmp_path / "static_shared.cu"
+    path.write_text(STATIC_SHARED)
+    x = torch.arange(4 * 64, dtype=torch.float32)
+    y = torch.zeros_like(x)
+    run(path, "reverse64", 4, 64, x, y, seed=3)
+    assert torch.equal(y, x.view(4, 64).flip(1).reshape(-1))
+
+
+def test_a_source_mixing_static_and_dynamic_shared_memory_is_refused(tmp_path):
+    path = tmp_path / "mixed_shared.cu"
+    path.write_text(STATIC_SHARED + 'extern "C" __global__ void k(float* y) { extern __shared__ float d[]; y[0] = d[0]; }\n')
+    with pytest.raises(emulator.EmulatorError, match="both static and extern __shared__"):
+        emulator.build(path)
