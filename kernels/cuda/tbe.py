@@ -196,9 +196,18 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     if N == 0 or T * B == 0:
         return
     go = _f32(grad_output)
+    if D % 4 == 0 and go.data_ptr() % 16:
+        # A contiguous view that starts off a 16-byte boundary would force 1-wide loads, and
+        # with them the 256-column limit on a D that is supported: it is only read, so an
+        # aligned copy keeps 4-wide loads.
+        go = go.clone()
     V = _vector_width(D, weights, go)
     lanes = _lanes(D, V)
     if -(-D // (lanes * V)) > MAX_CHUNKS:
+        if D % 4 == 0 and D <= 32 * 4 * MAX_CHUNKS:
+            raise ValueError(f"the CUDA TBE backward needs 16-byte aligned weight rows for D={D} > "
+                             f"{32 * MAX_CHUNKS} (the weight is a view at a byte offset of "
+                             f"{weights.data_ptr() % 16} mod 16); pass a tensor that owns its storage")
         raise ValueError(f"the CUDA TBE backward keeps a row in registers: D={D} is above its "
                          f"limit of {32 * 4 * MAX_CHUNKS} (D % 4 == 0) or {32 * MAX_CHUNKS}")
     np = _np()

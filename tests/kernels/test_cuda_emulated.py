@@ -161,6 +161,25 @@ def test_weight_decay_modes(wd_mode):
         assert rel(w_got, w_ref) <= 2e-5, opt
 
 
+def test_backward_of_a_wide_row_with_a_gradient_view_off_16_bytes():
+    # Found by the harness: a contiguous gradient view at a 4-byte offset forced 1-wide loads,
+    # and D=260 (supported) was refused as "above its limit"; it is now copied aligned.
+    D, R = 260, 10
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(R, D, generator=g)
+    ids, offsets, hsc = torch.tensor([1, 2, 3, 1]), torch.tensor([0, 2, 4]), torch.tensor([0, R])
+    grad = torch.randn(2 * D + 1, generator=g)[1:].view(2, D)
+    assert grad.data_ptr() % 16
+    want = w.clone()
+    cpu.tbe_backward_update_reference(want, {}, ids, offsets, grad, T=1, B=2, lr=0.1)
+    got = w.clone()
+    gpu.tbe_backward_update(got, {}, ids, offsets, hsc, grad, T=1, B=2, lr=0.1)
+    assert rel(got, want) <= 2e-5
+    with pytest.raises(ValueError, match="needs 16-byte aligned weight rows for D=260"):
+        view = torch.zeros(R * D + 1)[1:].view(R, D)
+        gpu.tbe_backward_update(view, {}, ids, offsets, hsc, grad, T=1, B=2, lr=0.1)
+
+
 def test_backward_dim_limits():
     w = torch.zeros(4, 257)
     ids, offsets, hsc = torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0, 4])
