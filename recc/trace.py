@@ -212,11 +212,20 @@ class _CaptureTracer(fx.Tracer):
         self._evaluating += 1
         try:
             with torch.no_grad():
+                # A model partly on meta (its tables, as TorchRec users build them, its dense part
+                # on the CPU): where a meta value meets real tensors, the op runs on meta copies
+                # (shapes are all the capture needs from it).
+                mixed = _has_meta((args, kwargs))
+                if mixed and (node.op == "call_module" or _is_tensor_op(node, args)):
+                    args, kwargs = to_meta(args), to_meta(kwargs)
                 if node.op == "call_function":
                     return node.target(*args, **kwargs)
                 if node.op == "call_method":
                     return getattr(args[0], node.target)(*args[1:], **kwargs)
-                return _MODULE_CALL(self.root.get_submodule(node.target), *args, **kwargs)
+                module = self.root.get_submodule(node.target)
+                if mixed:
+                    return _call_on_meta(module, args, kwargs)
+                return _MODULE_CALL(module, *args, **kwargs)
         except CaptureError:
             raise
         except Exception as e:
@@ -460,6 +469,16 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
     # whether a table sat in a TorchRec collection).
     gm.meta["recc.module_packages"] = {path: type(m).__module__ for path, m in model.named_modules()}
     return gm
+
+
+def _call_on_meta(module: nn.Module, args, kwargs):
+    """``module(*args, **kwargs)`` with its real parameters and buffers swapped for meta ones."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    state = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    stand_ins = {k: to_meta(v) for k, v in state.items() if v.device.type != "meta"}
+    with _reparametrize_module(module, stand_ins):
+        return _MODULE_CALL(module, *args, **kwargs)
 
 
 def _user_site_of(e: BaseException) -> str:

@@ -8,6 +8,7 @@ the user's model (logical tables), so checkpoints load into the eager model and 
 """
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -71,7 +72,10 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
             # Tables built on the meta device are initialised here, each rank its own blocks only,
             # drawn in fp32 on the CPU whatever the device (the same values on every plan).
             s0, s1, c0, c1 = group.shards[j]
-            weights[r0:r1].copy_(initial_block(spec, s0, s1, c0, c1, seed, table_init))
+            if weights.dtype == torch.float32:
+                initial_block(spec, s0, s1, c0, c1, seed, table_init, out=weights[r0:r1])
+            else:
+                weights[r0:r1].copy_(initial_block(spec, s0, s1, c0, c1, seed, table_init))
         else:
             _copy_block(weights[r0:r1], src.detach(), consume)
         del src
@@ -338,6 +342,9 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         raise ValueError(f"instantiate: device {device} has no recc backend (cpu or cuda)")
+    # A model the user dropped may still be waiting in a reference cycle for the collector; its
+    # tables can be freed as they are copied only once it is gone (source_block_consumable).
+    gc.collect()
     gm = quiet_deepcopy(program.graph)  # groups share their sources (weak) and block copies with the program's
     seed = _init_seed(program)
     for m in gm.modules():

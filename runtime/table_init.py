@@ -48,9 +48,12 @@ def _chunk_seed(seed: int, name: str, chunk: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(name.encode()) * 0xBF58476D1CE4E5B9 + chunk) % (2**63)
 
 
-def initial_block(spec: TableSpec, r0: int, r1: int, c0: int, c1: int, seed: int, how: TableInit) -> torch.Tensor:
-    """Rows ``[r0, r1)``, columns ``[c0, c1)`` of table ``spec``'s initial values (fp32, CPU)."""
-    out = torch.empty(r1 - r0, c1 - c0)
+def initial_block(spec: TableSpec, r0: int, r1: int, c0: int, c1: int, seed: int, how: TableInit,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[r0, r1)``, columns ``[c0, c1)`` of table ``spec``'s initial values (fp32, CPU), or
+    written into ``out`` (a table's weights: then only one chunk's draw exists beside them)."""
+    if out is None:
+        out = torch.empty(r1 - r0, c1 - c0)
     for chunk in range(r0 // CHUNK, -(-r1 // CHUNK)):
         lo, hi = chunk * CHUNK, min((chunk + 1) * CHUNK, spec.rows)
         gen = torch.Generator().manual_seed(_chunk_seed(seed, spec.name, chunk))
