@@ -134,3 +134,41 @@ def test_meta_compile_matches_real_compile_text():
     meta = recc.compile(build_model("tiny", device="meta"))
     for name in real.stages:
         assert meta.stages[name].text == real.stages[name].text, name
+
+
+class _TablesOnMeta(torch.nn.Module):
+    """As TorchRec users build a model bigger than one machine: the tables on meta, the dense
+    part on the CPU (its own initial values), ids in a dict keyed by feature."""
+
+    def __init__(self, rows=(5000, 300), dim=8):
+        super().__init__()
+        self.tables = torch.nn.ModuleDict({f"f{k}": torch.nn.EmbeddingBag(r, dim, mode="sum", device="meta")
+                                           for k, r in enumerate(rows)})
+        self.over = torch.nn.Sequential(torch.nn.Linear(13 + dim * len(rows), 16), torch.nn.ReLU(),
+                                        torch.nn.Linear(16, 1))
+
+    def forward(self, dense, ids: dict, offsets: dict):
+        pooled = [self.tables[k](ids[k], offsets[k]) for k in self.tables]
+        return torch.sigmoid(self.over(torch.cat([dense] + pooled, dim=1)))
+
+
+def test_tables_on_meta_with_a_dense_part_on_the_cpu_compile_and_train():
+    torch.manual_seed(0)
+    model = _TablesOnMeta()
+    dense_before = {k: v.clone() for k, v in model.over.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    b = 16
+    batch = (torch.randn(b, 13, generator=g),
+             {"f0": torch.randint(0, 5000, (2 * b,), generator=g), "f1": torch.randint(0, 300, (b,), generator=g)},
+             {"f0": torch.arange(0, 2 * b, 2), "f1": torch.arange(b)})
+    program = recc.compile(model, example_inputs=batch, config=recc.CompileConfig(optimizer="sgd", lr=0.1))
+    dm = program.instantiate()
+    sd = dm.state_dict()
+    for k, v in dense_before.items():   # the user's dense values, not re-drawn
+        assert torch.equal(sd[f"over.{k}"], v), k
+    w = sd["tables.f0.weight"]
+    assert w.shape == (5000, 8) and 0.9 < float(w.std()) < 1.1   # nn.EmbeddingBag's N(0, 1)
+    out = dm(*batch)
+    assert out.shape == (b, 1)
+    out.sum().backward()
+    assert not torch.equal(dm.state_dict()["tables.f1.weight"], sd["tables.f1.weight"])  # trained
