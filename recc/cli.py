@@ -1,6 +1,8 @@
 """The ``recc`` command line: ``recc compile`` shows and dumps every stage; ``recc train`` trains a
-preset model on synthetic click-log data and reports loss, AUC and throughput; ``recc data convert``
-turns Criteo click logs into the layout the streaming loader reads."""
+preset model on synthetic click-log data, or on a converted click log (``--data``: evaluation,
+a log file, sharded checkpoints, ``--resume``), and reports loss, AUC and throughput; ``recc data
+convert`` turns Criteo click logs into the layout the streaming loader reads; ``recc export``
+writes a checkpoint as the user's plain model's ``state_dict``."""
 from __future__ import annotations
 
 import argparse
@@ -77,9 +79,142 @@ class _Progress:
             print(file=sys.stderr)
 
 
+def _user_error(command: str, e: BaseException) -> int:
+    """A user error: one line on stderr, exit 2 (``RECC_DEBUG=1``: the traceback)."""
+    import os
+    if os.environ.get("RECC_DEBUG") == "1":
+        raise e
+    print(f"recc {command}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    return 2
+
+
 def cmd_train(args) -> int:
+    from recc.launch import RankFailed
+    from recc.models import DataError
+    from recc.runtime.checkpoint import CheckpointError
+    try:
+        if args.data:
+            return _train_data(args)
+        for flag in ("eval_every", "log", "checkpoint_dir", "resume"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} needs --data (a click log from `recc data convert`)")
+        return _train_synthetic(args)
+    except RankFailed as e:
+        import os
+        if os.environ.get("RECC_DEBUG") == "1":
+            raise
+        head = str(e).splitlines()[0]
+        dead, _, peers = head.partition("; the other ranks then failed: ")
+        if peers and all(any(k in p.lower() for k in ("connection reset", "connection closed", "broken pipe",
+                                                      "timed out", "terminated"))
+                         for p in peers.split("; rank ")):
+            head = dead  # the survivors' broken connections only echo the dead rank
+        hint = ""
+        if args.data and args.checkpoint_dir:
+            from recc.runtime.checkpoint import latest_checkpoint
+            latest = latest_checkpoint(args.checkpoint_dir)
+            hint = (f"; the newest complete checkpoint is {latest}: continue with --resume" if latest else
+                    "; no checkpoint was completed yet")
+        print(f"recc train: {head}{hint}", file=sys.stderr)
+        user = any(f"failed: {k}:" in head for k in ("DataError", "CheckpointError", "ValueError", "FileNotFoundError"))
+        return 2 if user else 1
+    except (DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+        return _user_error("train", e)
+
+
+def _train_data(args) -> int:
+    """``recc train --data``: the preset trained on a converted click log."""
+    import recc
+    from recc.models import ClickLogData, slice_batch
+    from recc.training import DataJob, train_on_data
+    if args.resume and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    model, cfg = _build(args)
+    config = _config(args)
+    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
+    world = cluster.world_size
+    batch = args.batch_size or cfg["batch_size"]
+    config.batch_size = batch
+    val_days = None
+    if args.val_days:
+        val_days = [int(d) if d.isdigit() else d for d in args.val_days.split(",")]
+    if args.eval_every and args.val_fraction is None and not val_days:
+        raise ValueError("--eval-every needs a held-out split: --val-fraction F or --val-days D,...")
+    job = DataJob(data=args.data, batch_size=batch, steps=0, lr=args.lr, val_fraction=args.val_fraction,
+                  val_days=val_days, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
+                  eval_every=args.eval_every or 0, log=args.log, log_every=args.log_every or 0,
+                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
+                  keep_checkpoints=args.keep_checkpoints or 0, resume=args.resume, model=args.model)
+    train = job.train_data()   # opens and checks the click log here, before any rank starts
+    if train.num_embeddings != list(cfg["num_embeddings"]):
+        raise ValueError(f"{args.data}: its {train.num_tables} tables have {train.num_embeddings} rows; preset "
+                         f"{args.model!r} has {len(cfg['num_embeddings'])} with {list(cfg['num_embeddings'])} "
+                         f"(convert the log with `recc data convert --model {args.model}`)")
+    if train.dense_features != cfg["dense_features"]:
+        raise ValueError(f"{args.data}: {train.dense_features} dense features; preset {args.model!r} takes "
+                         f"{cfg['dense_features']}")
+    if batch % world:
+        raise ValueError(f"batch {batch} does not split evenly over {world} ranks")
+    if job.val_data() is not None and args.eval_every:
+        job.val_data()  # the held-out split exists and holds a batch
+    job.steps = args.steps if args.steps is not None else train.steps_per_epoch
+    if args.resume:
+        from recc.runtime.checkpoint import latest_checkpoint
+        if latest_checkpoint(args.checkpoint_dir) is None:
+            print(f"recc train: no complete checkpoint in {args.checkpoint_dir}: starting at step 0", file=sys.stderr)
+    example = slice_batch(train.batch(0), 0, world)[:3]
+    program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir, example_inputs=example)
+    epoch = train.steps_per_epoch
+    print(f"recc train: {args.model} on {args.data} ({train.num_samples:,} training samples, {epoch} steps per "
+          f"epoch), global batch {batch}, {job.steps} steps, sparse optimizer {config.optimizer} lr={config.lr:g}, "
+          f"{world} rank(s) ({cluster.name})", file=sys.stderr)
+    results = recc.launch(train_on_data, cluster, program, job)
+    r = results[0]
+    done = r["steps"] - r["start"]
+    rate = r["samples"] / max(r["seconds"], 1e-9)
+    what = f"resumed from step {r['start']}, " if r["resumed"] else ""
+    loss = f"last logged training loss {r['loss']:.4f}" if r["loss"] is not None else "no step logged"
+    print(f"recc train: {what}trained steps {r['start']}..{r['steps']} ({done} steps, {r['samples']:,} samples, "
+          f"{r['seconds']:.1f} s, {rate:,.0f} samples/s); {loss}")
+    if r["eval"]:
+        e = r["eval"]
+        print(f"held-out (step {e['step']}): AUC {e['auc']:.4f}, log loss {e['log_loss']:.4f} over {e['samples']:,} samples")
+    if r["checkpoints"]:
+        print(f"checkpoints: {len(r['checkpoints'])} written, newest {r['checkpoints'][-1]}")
+    if args.log:
+        print(f"log: {args.log}")
+    if r["comm"]:
+        print(f"rank 0 {r['comm']}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """``recc export CKPT OUT.pt``: a checkpoint (any world size and plan) as the plain model's state_dict."""
+    from recc.models import build_model
+    from recc.runtime.checkpoint import CheckpointError, load_into_module, read_manifest
+    try:
+        manifest = read_manifest(args.checkpoint)
+        name = args.model or manifest.get("extra", {}).get("model")
+        if not name:
+            raise ValueError(f"{manifest['path']}: the checkpoint does not say which model it is; give --model")
+        model = build_model(name, device="meta").to_empty(device="cpu")   # every value comes from the checkpoint
+        info = load_into_module(model, manifest["path"])
+        torch.save(model.state_dict(), args.out)
+    except (CheckpointError, ValueError, OSError) as e:
+        return _user_error("export", e)
+    n = sum(t.numel() for t in model.state_dict().values())
+    print(f"recc export: {info.path} (step {info.step}) -> {args.out}: the {name} model's state_dict, "
+          f"{len(model.state_dict())} tensors, {n:,} values; torch.load it into {type(model).__name__}")
+    return 0
+
+
+def _train_synthetic(args) -> int:
     import recc
     from recc.models import Metrics, SyntheticData
+    if args.steps is None:
+        args.steps = 300
     model, cfg = _build(args)
     config = _config(args)
     batch = args.batch_size or cfg["batch_size"]
@@ -260,9 +395,27 @@ def main(argv=None) -> int:
     t = sub.add_parser("train", help="train a preset model on synthetic data")
     common(t, "small")
     t.add_argument("--cluster", help="cluster YAML (default: a local world of --world-size)")
-    t.add_argument("--steps", type=int, default=300)
-    t.add_argument("--eval-batches", type=int, default=10)
+    t.add_argument("--steps", type=int, help="training steps (default: 300 synthetic; one epoch of --data)")
+    t.add_argument("--eval-batches", type=int, default=10, help="synthetic data: held-out batches scored at the end")
+    t.add_argument("--data", help="a click log from `recc data convert` to train on (instead of synthetic data)")
+    t.add_argument("--val-fraction", type=float, help="--data: hold out the last this fraction of the samples")
+    t.add_argument("--val-days", help="--data: hold out these converted sources (indices or file names, comma-separated)")
+    t.add_argument("--shuffle-buffer", type=int, default=0, help="--data: shuffle within windows of this many samples")
+    t.add_argument("--eval-every", type=int, help="--data: score the held-out split every K steps (exact AUC, log loss)")
+    t.add_argument("--log", help="--data: write one JSON row per logging step (and per evaluation) to this file")
+    t.add_argument("--log-every", type=int, help="--data: steps per logging step (default: steps/20)")
+    t.add_argument("--checkpoint-dir", help="--data: save sharded checkpoints here (and the last step's at the end)")
+    t.add_argument("--checkpoint-every", type=int, help="--data: save a checkpoint every N steps")
+    t.add_argument("--keep-checkpoints", type=int, help="--data: keep only the newest K checkpoints (default: all)")
+    t.add_argument("--resume", action="store_true",
+                   help="--data: continue from the newest complete checkpoint in --checkpoint-dir (its step, data "
+                        "position, tables, optimizer state)")
     t.set_defaults(fn=cmd_train, lr=None)
+    e = sub.add_parser("export", help="write a checkpoint as the plain model's state_dict (torch.save) for serving")
+    e.add_argument("checkpoint", metavar="CKPT", help="a checkpoint, or a checkpoint directory (its newest is taken)")
+    e.add_argument("out", metavar="OUT.pt")
+    e.add_argument("--model", help="the preset it was trained as (default: the one the checkpoint names)")
+    e.set_defaults(fn=cmd_export)
     from recc.models.criteo import FORMATS
     d = sub.add_parser("data", help="prepare click logs for training")
     dsub = d.add_subparsers(dest="data_cmd", required=True)

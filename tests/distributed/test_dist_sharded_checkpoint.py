@@ -297,8 +297,8 @@ def killed_mid_save(program, data, root, victim):
     return "saved"
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, victim):
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    victim = 0  # the rank that would rename the finished save into place
     monkeypatch.setenv("RECC_TIMEOUT_S", TIMEOUT_S)
     root = tmp_path / "ckpt"
     program = compile_for(tiny_model(), tiny_data(), 2, sharding="row_wise")

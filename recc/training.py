@@ -1,0 +1,271 @@
+"""Training a compiled program on a converted click log, on every rank: what ``recc train --data``
+runs.
+
+``train_on_data(program, job)`` is the loop each rank runs (inside ``recc.launch``): this rank's
+slice of every global batch from ``ClickLogData``, the dense optimizer, a progress bar and a JSONL
+log on rank 0 (losses averaged over the ranks), an exact evaluation on the held-out split every
+``eval_every`` steps, sharded checkpoints every ``checkpoint_every`` steps, and a resume from the
+newest complete checkpoint: its step, its data position (checked against the data's settings),
+its tables, optimizer state and dense optimizer state, so the run goes on as if it had never
+stopped. Collectives happen at the same steps on every rank (logging, evaluation, checkpoints are
+functions of the step), so a rank never waits for one that another rank skips.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class DataJob:
+    """What ``recc train --data`` asks each rank to do."""
+    data: str
+    batch_size: int
+    steps: int
+    lr: float
+    val_fraction: Optional[float] = None
+    val_days: Optional[list] = None
+    shuffle_buffer: int = 0
+    seed: int = 0
+    eval_every: int = 0
+    log: Optional[str] = None
+    log_every: int = 0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 0
+    resume: bool = False
+    model: str = ""
+
+    def train_data(self):
+        from recc.models import ClickLogData
+        return ClickLogData(self.data, batch_size=self.batch_size, split="train", val_fraction=self.val_fraction,
+                            val_days=self.val_days, shuffle_buffer=self.shuffle_buffer, seed=self.seed)
+
+    def val_data(self):
+        from recc.models import ClickLogData
+        if self.val_fraction is None and not self.val_days:
+            return None
+        return ClickLogData(self.data, batch_size=self.batch_size, split="val", val_fraction=self.val_fraction,
+                            val_days=self.val_days)
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency; redraws in place on a terminal, a line
+    every few seconds otherwise)."""
+
+    def __init__(self, total: int, width: int = 30, start: int = 0):
+        self.total, self.width = max(1, total), width
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, done: int, text: str, force: bool = False):
+        now = time.perf_counter()
+        if not force and done < self.total and now - self.last < (0.2 if self.tty else 5.0):
+            return
+        self.last = now
+        filled = int(self.width * min(done, self.total) / self.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] {done}/{self.total} {text}"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def note(self, text: str):
+        """A line of its own (an evaluation, a checkpoint), not overwritten by the bar."""
+        print(("\r" if self.tty else "") + text, file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def _world():
+    import recc
+    return recc.rank(), recc.world_size()
+
+
+def _all_sum(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _pad(batch, n: int, bag_sizes: list[int]):
+    """``batch`` (a rank's slice, possibly empty) padded to ``n`` samples with zero-id samples:
+    every rank then runs the same batch size through the collectives; the padding's outputs are
+    dropped."""
+    dense_x, lS_o, lS_i, y = batch
+    m = dense_x.shape[0]
+    if m == n:
+        return batch
+    extra = n - m
+    dense_x = torch.cat([dense_x, dense_x.new_zeros(extra, dense_x.shape[1])])
+    lS_o = [torch.arange(0, n * bag, bag, dtype=torch.long) for bag in bag_sizes]
+    lS_i = [torch.cat([ids, ids.new_zeros(extra * bag)]) for ids, bag in zip(lS_i, bag_sizes)]
+    return dense_x, lS_o, lS_i, torch.cat([y, y.new_zeros(extra, 1)])
+
+
+@torch.no_grad()
+def evaluate(dmodel, val) -> Optional[dict]:
+    """Exact AUC and log loss over the whole held-out split, across the ranks: each rank scores
+    its slice of every batch (the last batch's slices may be uneven or empty: padded to one size,
+    the padding dropped), rank 0 gathers every score and computes both over all samples. Returns
+    the metrics on rank 0, ``None`` on the others."""
+    import torch.distributed as dist
+    from recc.models import Metrics
+    rank, world = _world()
+    preds, labels = [], []
+    n_args = len(dmodel._program.signature.names)
+    for step in range(val.steps_per_epoch):
+        size = min(val.batch_size, val.num_samples - step * val.batch_size)
+        batch = val.rank_batch(step, rank, world)
+        m = batch[0].shape[0]
+        padded = _pad(batch, -(-size // world), val.bag_sizes)
+        out = dmodel(*padded[:n_args])
+        preds.append(out[:m].reshape(-1).float().cpu())
+        labels.append(batch[3].reshape(-1).to(torch.uint8))
+    mine = (torch.cat(preds), torch.cat(labels))
+    if world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if rank != 0:
+        return None
+    metrics = Metrics()
+    for p, y in gathered:
+        metrics.update(p, y)
+    out = metrics.compute()
+    out["samples"] = sum(len(p) for p, _ in gathered)
+    return out
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """On resume: keep the log's rows up to the checkpoint's step (a dead run may have logged past it)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a row cut short when the run died
+    path.write_text("".join(k + "\n" for k in keep))
+
+
+def train_on_data(program, job: DataJob) -> dict:
+    """One rank's training loop (runs on every rank of the world); rank 0's result is the summary."""
+    import recc
+    from recc.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    rank, world = _world()
+    dmodel = program.instantiate()
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=job.lr)
+    train = job.train_data()
+    val = job.val_data() if job.eval_every else None
+    start, resumed, position = 0, None, 0
+    if job.resume:
+        latest = latest_checkpoint(job.checkpoint_dir)
+        if latest is not None:
+            info = load_checkpoint(dmodel, opt, latest)
+            position = info.extra.get("data")
+            if position is None:
+                raise recc.CheckpointError(f"{latest}: no data position in it (not saved by recc train --data)")
+            start, resumed = int(position["step"]), str(latest)
+            if info.step != start:
+                raise recc.CheckpointError(f"{latest}: saved at step {info.step} with the data at step {start}")
+    log_path = Path(job.log) if job.log and rank == 0 else None
+    if log_path is not None:
+        if resumed:
+            _trim_log(log_path, start)
+        elif log_path.exists():
+            log_path.unlink()
+    log = open(log_path, "a") if log_path is not None else None
+    progress = Progress(job.steps) if rank == 0 else None
+    if progress and resumed:
+        progress.note(f"recc train: resumed from {resumed} (step {start})")
+    log_every = job.log_every or max(1, job.steps // 20)
+    win_loss = win_n = 0.0
+    win_t = time.perf_counter()
+    t0 = win_t
+    seen = 0
+    last_loss = last_eval = None
+    saved = []
+
+    def row(values: dict):
+        if log is not None:
+            log.write(json.dumps(values) + "\n")
+            log.flush()
+
+    def checkpoint(step: int):
+        position = {"step": step, "data": train.fingerprint()}
+        path = save_checkpoint(dmodel, opt, job.checkpoint_dir, step=step, keep=job.keep_checkpoints or None,
+                               extra={"data": position, "model": job.model, "world_size": world})
+        saved.append(str(path))
+        if progress:
+            progress.note(f"recc train: step {step}: checkpoint {path}")
+
+    def run_eval(step: int):
+        nonlocal last_eval
+        m = evaluate(dmodel, val)
+        if rank == 0:
+            last_eval = dict(m, step=step)
+            row({"step": step, "eval_auc": m["auc"], "eval_log_loss": m["log_loss"], "eval_samples": m["samples"]})
+            progress.note(f"recc train: step {step}: held-out AUC {m['auc']:.4f}, log loss {m['log_loss']:.4f} "
+                          f"({m['samples']:,} samples)")
+
+    if start > job.steps:
+        raise ValueError(f"--steps {job.steps}: the checkpoint {resumed} is already at step {start}")
+    # A saved position is checked against the data's settings: other data, batch size, split,
+    # seed or shuffle is an error saying what differs.
+    stream = train.batches(job.steps - start, rank=rank, world_size=world, start=position)
+    step = start
+    try:
+        for (dense_x, lS_o, lS_i, y), out in dmodel.train_pipeline(stream):
+            loss = F.binary_cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            n = y.shape[0]
+            seen += n
+            win_loss += float(loss.detach()) * n
+            win_n += n
+            if step % log_every == 0 or step == job.steps:
+                total_loss, total_n = _all_sum([win_loss, win_n])
+                now = time.perf_counter()
+                rate = total_n / max(now - win_t, 1e-9)
+                last_loss = total_loss / max(total_n, 1)
+                if rank == 0:
+                    row({"step": step, "loss": last_loss, "samples_per_s": rate, "samples": int(total_n),
+                         "elapsed_s": round(now - t0, 3)})
+                    progress.update(step, f"loss {last_loss:.4f} {rate:,.0f} samples/s", force=step == job.steps)
+                win_loss = win_n = 0.0
+                win_t = now
+            if val is not None and step % job.eval_every == 0:
+                run_eval(step)
+            if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
+                checkpoint(step)
+    finally:
+        stream.close()
+        if log is not None:
+            log.close()
+    if val is not None and step % job.eval_every != 0:
+        run_eval(step)  # the run's final model is always scored
+    if job.checkpoint_dir and (not saved or not saved[-1].endswith(f"{step:08d}")) and step > start:
+        checkpoint(step)  # the run's last step is always resumable
+    if progress:
+        progress.close()
+    seconds = time.perf_counter() - t0
+    total_seen, = _all_sum([seen])
+    return {"steps": step, "start": start, "resumed": resumed, "seconds": seconds, "samples": int(total_seen),
+            "loss": last_loss, "eval": last_eval, "checkpoints": saved,
+            "comm": dmodel.comm_report().summary() if world > 1 and rank == 0 else None}

@@ -1,0 +1,230 @@
+"""``recc train --data``: training on a converted click log with evaluation, a JSONL log, sharded
+checkpoints and ``--resume``; ``recc export``; and the faults of a real run: a rank killed
+mid-training (the run fails naming it, ``--resume`` carries on from the last checkpoint), a
+truncated or corrupt data file (an error naming the file), user errors in one line.
+
+The click log is ``tiny``-shaped (3 tables of 10/20/30 rows, bags of 3), written by the test:
+490 samples, the last 10% (49) held out, so at a global batch of 16 the held-out split ends in a
+batch of one sample and rank 0's slice of it is empty."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recc.cli import main
+from recc.models import ClickLogData, Metrics, build_model, criteo
+from recc.models.click_log import write_click_log
+from recc.runtime.checkpoint import latest_checkpoint, list_checkpoints, load_into_module
+
+ROWS = [10, 20, 30]
+SAMPLES, VAL = 490, 49
+COMMON = ["--model", "tiny", "--world-size", "2", "--batch-size", "16", "--optimizer", "sgd", "--val-fraction", "0.1",
+          "--shuffle-buffer", "64", "--comm-fwd", "fp32", "--comm-bwd", "fp32"]
+TIMEOUT_S = 60
+WELL_WITHIN = 30
+
+
+def write_log(out: Path, n: int = SAMPLES, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    dense = np.log1p(rng.integers(0, 100, (n, 13))).astype(np.float32)
+    sparse = [rng.integers(0, r, (n, 3)) for r in ROWS]
+    logit = dense[:, 0] - 2 + (sparse[0][:, 0] % 3)
+    labels = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.uint8)
+    write_click_log(out, [("day_0", iter([criteo.Chunk(dense, sparse, labels)]))], ROWS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return write_log(tmp_path_factory.mktemp("data") / "tiny-log")
+
+
+@pytest.fixture(autouse=True)
+def short_timeout(monkeypatch):
+    monkeypatch.setenv("RECC_TIMEOUT_S", str(TIMEOUT_S))
+
+
+def rows(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def curve(log: Path) -> list[tuple]:
+    """The log's rows without its timings: (step, loss) per logging step, (step, auc, log loss) per evaluation."""
+    return [(r["step"], r["loss"]) if "loss" in r else (r["step"], r["eval_auc"], r["eval_log_loss"], r["eval_samples"])
+            for r in rows(log)]
+
+
+def eager_from(checkpoint: Path) -> torch.nn.Module:
+    model = build_model("tiny")
+    load_into_module(model, checkpoint)
+    return model
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    """8 steps in one run, scored every 4, a checkpoint every 4, a row every 2 steps."""
+    d = tmp_path_factory.mktemp("run-a")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RECC_TIMEOUT_S", str(TIMEOUT_S))
+        assert main(["train", *COMMON, "--data", str(data), "--steps", "8", "--eval-every", "4", "--log-every", "2",
+                     "--log", str(d / "log.jsonl"), "--checkpoint-dir", str(d / "ckpt"), "--checkpoint-every", "4"]) == 0
+    return d
+
+
+def test_train_on_data_logs_scores_and_checkpoints(uninterrupted, data, capfd):
+    d = uninterrupted
+    assert [s for s, _ in list_checkpoints(d / "ckpt")] == [4, 8]
+    log = rows(d / "log.jsonl")
+    assert [r["step"] for r in log] == [2, 4, 4, 6, 8, 8]
+    train_rows = [r for r in log if "loss" in r]
+    assert all(r["samples"] == 32 and r["samples_per_s"] > 0 and 0 < r["loss"] < 5 for r in train_rows)
+    # the evaluation is exact over every held-out sample: the eager model from the same step agrees
+    final = [r for r in log if "eval_auc" in r][-1]
+    assert final["eval_samples"] == VAL
+    eager = eager_from(d / "ckpt" / "step_00000008")
+    val = ClickLogData(data, batch_size=16, split="val", val_fraction=0.1)
+    m = Metrics()
+    with torch.no_grad():
+        for s in range(val.steps_per_epoch):
+            dense_x, lS_o, lS_i, y = val.batch(s)
+            m.update(eager(dense_x, lS_o, lS_i), y)
+    want = m.compute()
+    assert abs(final["eval_auc"] - want["auc"]) < 1e-6 and abs(final["eval_log_loss"] - want["log_loss"]) < 1e-5, \
+        (final, want)
+
+
+def test_resume_continues_the_same_run(uninterrupted, data, tmp_path, capfd):
+    """4 steps, stop; --resume to 8: same data position, same loss curve, same final parameters (SGD)."""
+    run = ["train", *COMMON, "--data", str(data), "--eval-every", "4", "--log-every", "2",
+           "--log", str(tmp_path / "log.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"]
+    assert main(run + ["--steps", "4"]) == 0
+    # a dead run's rows past the checkpoint must not stay in the log
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write(json.dumps({"step": 6, "loss": 123.0}) + "\n")
+    capfd.readouterr()
+    assert main(run + ["--steps", "8", "--resume"]) == 0
+    out, err = capfd.readouterr()
+    assert f"recc train: resumed from {tmp_path / 'ckpt' / 'step_00000004'} (step 4)" in err
+    assert out.startswith("recc train: resumed from step 4, trained steps 4..8 (4 steps, 64 samples")
+    assert curve(tmp_path / "log.jsonl") == curve(uninterrupted / "log.jsonl")
+    got = eager_from(tmp_path / "ckpt").state_dict()
+    want = eager_from(uninterrupted / "ckpt").state_dict()
+    assert list(got) == list(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # export: the plain model's state_dict, for serving
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "model.pt")]) == 0
+    exported = torch.load(tmp_path / "model.pt")
+    model = build_model("tiny")
+    model.load_state_dict(exported)
+    assert all(torch.equal(model.state_dict()[k], want[k]) for k in want)
+
+
+def _rank_pids(parent: int) -> list[int]:
+    """The spawned rank processes of ``parent`` (in start order: rank order)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "spawn_main" in cmd and "resource_tracker" not in cmd:
+            pids.append(int(p.name))
+    return sorted(pids)
+
+
+def test_rank_killed_mid_training_fails_the_run_naming_it_then_resume_continues(data, tmp_path, capfd):
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, RECC_TIMEOUT_S=str(TIMEOUT_S), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "recc.cli", "train", *COMMON, "--data", str(data), "--steps", "100000",
+                             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--keep-checkpoints", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list_checkpoints(ckpt)) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint after 90 s"
+            time.sleep(0.05)
+        ranks = _rank_pids(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=TIMEOUT_S + 30)
+        elapsed = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    latest = latest_checkpoint(ckpt)
+    assert last == (f"recc train: recc.launch: rank 1 of 2 was killed by signal 9 before returning a result; the "
+                    f"newest complete checkpoint is {latest}: continue with --resume"), err
+    assert "Traceback" not in err
+    assert elapsed < WELL_WITHIN, f"the run took {elapsed:.1f} s to fail (timeout {TIMEOUT_S} s)"
+    assert len(list_checkpoints(ckpt)) <= 3  # --keep-checkpoints 2 (plus one mid-rename at the kill)
+    step = int(latest.name.split("_")[1])
+    capfd.readouterr()
+    assert main(["train", *COMMON, "--data", str(data), "--steps", str(step + 3), "--checkpoint-dir", str(ckpt),
+                 "--resume"]) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith(f"recc train: resumed from step {step}, trained steps {step}..{step + 3} (3 steps"), out
+    assert latest_checkpoint(ckpt).name == f"step_{step + 3:08d}"
+
+
+def test_corrupt_data_file_fails_naming_it(data, tmp_path, capfd):
+    bad = tmp_path / "log"
+    write_log(bad)
+    ids = np.memmap(bad / "sparse_01.i32", dtype="<i4", mode="r+", shape=(SAMPLES, 3))
+    ids[100, 1] = 20  # table 1 has 20 rows; checksums are not read while training
+    ids.flush()
+    del ids
+    # (one rank, in this process: a rank's error travelling through recc.launch is the kill test's)
+    one_rank = [a if a != "2" else "1" for a in COMMON]
+    assert main(["train", *one_rank, "--data", str(bad), "--steps", "40"]) == 2
+    err = capfd.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last == f"recc train: {bad / 'sparse_01.i32'}: sample 100 has an id outside the table's 20 rows: corrupt", err
+    assert "Traceback" not in err
+
+    with open(bad / "dense.f32", "r+b") as f:
+        f.truncate(1000)
+    assert main(["train", *COMMON, "--data", str(bad)]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines() == [f"recc train: {bad / 'dense.f32'}: 1000 bytes, expected {SAMPLES * 13 * 4} "
+                                        f"({SAMPLES} x 13 float32): truncated"], err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--eval-every", "2", "--val-fraction", "drop"], "--eval-every needs a held-out split"),
+    (["--model", "small"], "its 3 tables have [10, 20, 30] rows; preset 'small' has 8"),
+    (["--data", "/nonexistent/log"], "/nonexistent/log: no such directory"),
+    (["--checkpoint-dir", "/nonexistent/ckpt", "--resume", "--steps", "2", "--model", "nope"], "unknown preset 'nope'"),
+])
+def test_user_errors_are_one_line(data, capfd, argv, message):
+    base = ["train", *COMMON, "--data", str(data)]
+    if "drop" in argv:  # leave the held-out split out
+        del base[base.index("--val-fraction"):base.index("--val-fraction") + 2]
+        argv = argv[:-2]
+    assert main(base + argv) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("recc train: ") and message in err, err
+
+
+def test_export_of_another_model_is_refused_naming_the_table(uninterrupted, tmp_path, capfd):
+    assert main(["export", str(uninterrupted / "ckpt"), str(tmp_path / "m.pt"), "--model", "small"]) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "table emb_l.0 is 10 x 4 there, 100000 x 64 here" in err, err
+    assert not (tmp_path / "m.pt").exists()
