@@ -49,7 +49,8 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
   latency (inter-node when N > 1): TW, CW, RW 4 (ids in two phases, output forward, gradient
   backward), TWRW 6 (its output dist is two-level), DP ``2 ceil(log2 W)`` (a tree all-reduce).
 - Memory per rank: weights ``rows_r * cols * e`` + optimizer state (sgd none, rowwise_adagrad one
-  fp32 per row, adagrad one per element, adam two per element) + buffers (the ids a shard
+  fp32 per row, adagrad one per element, adam two per element) + on CPU ranks one int32 per row
+  (the fused backward's row -> slot map) + buffers (the ids a shard
   receives and its output and gradient, or a DP table's dense gradient). The cap is the device
   memory less ``RESERVED_FRACTION`` for the dense model, activations and the runtime.
 
@@ -98,6 +99,7 @@ DP_MAX_BYTES = 1 << 20     # auto considers data-parallel only for tables smalle
 REFINE_STEPS = 256         # bound on refinement moves (deterministic: a count, never a clock)
 REFINE_UNITS = 8           # tables on the slowest rank tried per refinement step
 REFINE_SWAPS = 4           # screened swaps evaluated exactly per refinement step
+SLOT_MAP_BYTES = 4         # per weight row on CPU ranks: the fused backward's row -> slot map
 GIB = 2 ** 30
 CONSTRAINT_KEYS = ("kinds", "rank", "node", "together", "plan")
 
@@ -233,6 +235,9 @@ class CostModel:
         self.ie = 1.0 / (cluster.inter_node.bw_gbps * 1e9) if self.N > 1 else 0.0
         self.S = (self.G - 1) * self.ii + (self.W - self.G) * self.ie
         self.cap = cluster.device.memory_gb * GIB * (1 - RESERVED_FRACTION)
+        # The CPU backward finds each id's slot among the step's unique rows through a map with
+        # one int32 per weight row (kernels/cpu/tbe.py); the CUDA backward sorts instead.
+        self.slot_bytes = SLOT_MAP_BYTES if cluster.device_type == "cpu" else 0
         self.node = [r // self.G for r in range(self.W)]
         if self.W == 1:
             lat = 0.0
@@ -260,6 +265,10 @@ class CostModel:
     def table_bytes(self, p: _Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:
         return rows * (cols * p.elem + state_row_bytes(optimizer or self.optimizer, cols))
 
+    def resident_bytes(self, p: _Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:
+        """What a shard of ``rows`` x ``cols`` holds on its rank: weights, state, the slot map."""
+        return self.table_bytes(p, rows, cols, optimizer) + rows * self.slot_bytes
+
     def inv(self, q: int, r: int) -> float:
         if q == r:
             return 0.0
@@ -269,7 +278,7 @@ class CostModel:
         """``(lookup_s, per-peer bytes, memory)`` of a table-wise block of ``cols`` columns."""
         c = self.lookup_s(p, self.B * p.bag, cols)
         peer = self.ids(p, self.b, p.bag) + 2 * self.out(p, self.b, cols)
-        mem = (self.table_bytes(p, p.rows, cols, optimizer) + self.ids(p, self.B, p.bag)
+        mem = (self.resident_bytes(p, p.rows, cols, optimizer) + self.ids(p, self.B, p.bag)
                + 2 * self.out(p, self.B, cols))
         return c, peer, mem
 
@@ -299,7 +308,7 @@ class CostModel:
             for i, r0, r1 in row_blocks(p.rows, parts):
                 f = (r1 - r0) / p.rows
                 comp[base + i] = self.lookup_s(p, self.B * p.bag * f, p.dim)
-                mem[base + i] = (self.table_bytes(p, r1 - r0, p.dim, optimizer) + self.ids(p, self.B * f, p.bag)
+                mem[base + i] = (self.resident_bytes(p, r1 - r0, p.dim, optimizer) + self.ids(p, self.B * f, p.bag)
                                  + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
             if kind == RW:
                 pair = 2 * idb + (4 * self.out(p, self.b, p.dim) * (1.0 if p.pooled else 1.0 / W))
@@ -328,7 +337,7 @@ class CostModel:
             upd = (3 * p.rows * p.dim * p.elem + 2 * p.rows * state_row_bytes(optimizer or self.optimizer, p.dim))
             c = self.lookup_s(p, self.b * p.bag, p.dim) + upd / self.mem_bw
             ar = 2 * (W - 1) / W * p.rows * p.dim * OUT_BYTES * self.i_slow
-            m = self.table_bytes(p, p.rows, p.dim, optimizer) + p.rows * p.dim * OUT_BYTES
+            m = self.resident_bytes(p, p.rows, p.dim, optimizer) + p.rows * p.dim * OUT_BYTES
             comp, comm, mem = [c] * W, [ar] * W, [m] * W
         return comp, comm, mem
 
