@@ -49,6 +49,42 @@ class LinkSpec:
             raise ValueError(f"link: bw_gbps must be > 0 and latency_us >= 0, got {self.bw_gbps}, {self.latency_us}")
 
 
+# The descriptions shipped with the package (the repository's clusters/ folder).
+_SHIPPED_DIR = Path(__file__).resolve().parent.parent / "clusters"
+try:  # installed: the recc.clusters package
+    from recc import clusters as _clusters_pkg
+    _SHIPPED_DIR = Path(_clusters_pkg.__file__).parent
+except ImportError:
+    pass
+
+# Fields of a cluster description and what each must be.
+_TOP_FIELDS = {"name": "str", "nodes": "int", "devices_per_node": "int", "single_host": "bool",
+               "device": "section", "intra_node": "section", "inter_node": "section"}
+_SECTION_FIELDS = {"device": {"kind": "str", "memory_gb": "number", "mem_bw_gbps": "number", "tflops": "number"},
+                   "intra_node": {"bw_gbps": "number", "latency_us": "number"},
+                   "inter_node": {"bw_gbps": "number", "latency_us": "number"}}
+
+
+def _check_keys(d: dict, known: dict, source: str, prefix: str) -> None:
+    unknown = sorted(str(k) for k in d if k not in known)
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {[prefix + k for k in unknown]}; known: "
+                         f"{[prefix + k for k in known]}")
+
+
+def _field(d: dict, key: str, kind: str, source: str, prefix: str):
+    v = d[key]
+    ok = {"str": isinstance(v, str),
+          "int": isinstance(v, int) and not isinstance(v, bool),
+          "bool": isinstance(v, bool),
+          "number": isinstance(v, (int, float)) and not isinstance(v, bool)}[kind]
+    if not ok:
+        want = {"str": "a string", "int": "an integer", "bool": "true or false", "number": "a number"}[kind]
+        hint = " (no units: the field's name says them)" if kind == "number" and isinstance(v, str) else ""
+        raise ValueError(f"{source}: {prefix}{key}: expected {want}, got {v!r}{hint}")
+    return float(v) if kind == "number" else v
+
+
 @dataclass(frozen=True)
 class Cluster:
     name: str = "local-1"
@@ -109,27 +145,58 @@ class Cluster:
                    single_host=True)
 
     @classmethod
-    def from_dict(cls, d: dict, *, name: str | None = None) -> "Cluster":
-        d = dict(d)
-        known = {"name", "nodes", "devices_per_node", "device", "intra_node", "inter_node", "single_host"}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"cluster description: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        return cls(
-            name=d.get("name", name or "cluster"),
-            nodes=int(d.get("nodes", 1)),
-            devices_per_node=int(d.get("devices_per_node", 1)),
-            device=DeviceSpec(**d.get("device", {})),
-            intra_node=LinkSpec(**d.get("intra_node", {})),
-            inter_node=LinkSpec(**d.get("inter_node", {})),
-            single_host=bool(d.get("single_host", False)),
-        )
+    def from_dict(cls, d: dict, *, name: str | None = None, source: str = "cluster description") -> "Cluster":
+        """A cluster from its description (what a YAML file holds). A missing key takes its
+        default; an unknown key, a wrong type or a bad value is a ValueError naming ``source``
+        (the file) and the field, with the keys that are known."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a mapping of cluster fields, got {type(d).__name__}")
+        _check_keys(d, _TOP_FIELDS, source, "")
+        fields = {k: _field(d, k, kind, source, "") for k, kind in _TOP_FIELDS.items() if k in d and kind != "section"}
+        sections = {}
+        for key, spec_cls in (("device", DeviceSpec), ("intra_node", LinkSpec), ("inter_node", LinkSpec)):
+            sub = d.get(key, {})
+            if not isinstance(sub, dict):
+                raise ValueError(f"{source}: {key}: expected a mapping of {sorted(_SECTION_FIELDS[key])}, "
+                                 f"got {sub!r}")
+            _check_keys(sub, _SECTION_FIELDS[key], source, f"{key}.")
+            kw = {k: _field(sub, k, kind, source, f"{key}.") for k, kind in _SECTION_FIELDS[key].items() if k in sub}
+            try:
+                sections[key] = spec_cls(**kw)
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}" if key == "device" else f"{source}: {key}: {e}") from None
+        try:
+            return cls(name=fields.get("name", name or "cluster"), nodes=fields.get("nodes", 1),
+                       devices_per_node=fields.get("devices_per_node", 1), single_host=fields.get("single_host", False),
+                       **sections)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "Cluster":
+        """A cluster from a YAML file, or one of the descriptions shipped with recc by name
+        (``"zionex-16x8"``, see ``Cluster.shipped()``), found from any directory."""
         p = Path(path)
-        with open(p) as f:
-            return cls.from_dict(yaml.safe_load(f) or {}, name=p.stem)
+        if not p.exists() and p.suffix == "" and p.name == str(path):
+            shipped = _SHIPPED_DIR / f"{p.name}.yaml"
+            if not shipped.exists():
+                raise ValueError(f"cluster {str(path)!r}: no such file, and no cluster of that name ships with recc "
+                                 f"(shipped: {', '.join(cls.shipped())})")
+            p = shipped
+        if not p.is_file():
+            raise ValueError(f"cluster file {str(path)!r} does not exist (or give a shipped cluster's name: "
+                             f"{', '.join(cls.shipped())})")
+        try:
+            with open(p) as f:
+                data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{p}: not valid YAML: " + " ".join(str(e).split())) from None
+        return cls.from_dict(data or {}, name=p.stem, source=str(p))
+
+    @staticmethod
+    def shipped() -> list[str]:
+        """Names of the cluster descriptions that ship with recc."""
+        return sorted(q.stem for q in _SHIPPED_DIR.glob("*.yaml"))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -245,3 +246,34 @@ def test_optimizer_conventions_are_validated_and_reach_the_groups():
     spec = cfg.sparse_optimizer
     assert spec.eps_at(1) == pytest.approx(cfg.eps / (1 - cfg.beta2) ** 0.5)
     assert recc.CompileConfig(optimizer="adam").sparse_optimizer.eps_at(1) == cfg.eps
+
+
+@pytest.mark.parametrize("text, message", [
+    ("device: {memory_gb: 40GB}", r"device\.memory_gb: expected a number, got '40GB' \(no units"),
+    ("device: {memroy_gb: 4}", r"unknown keys \['device\.memroy_gb'\]; known: \['device\.kind', 'device\.memory_gb'"),
+    ("nodes: two", r"nodes: expected an integer, got 'two'"),
+    ("nodes: 1.5", r"nodes: expected an integer, got 1\.5"),
+    ("intra_node: 5", r"intra_node: expected a mapping of \['bw_gbps', 'latency_us'\], got 5"),
+    ("inter_node: {bw_gbps: 0}", r"inter_node: link: bw_gbps must be > 0"),
+    ("single_host: yes please", r"single_host: expected true or false"),
+    ("nodes: [", r"not valid YAML: "),
+    ("- 1\n- 2", r"expected a mapping of cluster fields, got list"),
+])
+def test_cluster_yaml_errors_name_the_file_and_the_field(tmp_path, text, message):
+    path = tmp_path / "lab.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message) as e:
+        recc.Cluster.from_yaml(path)
+    assert "\n" not in str(e.value)
+
+
+def test_shipped_clusters_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert {"zionex-16x8", "dgx-h100-4x8", "local-2", "local-4"} <= set(recc.Cluster.shipped())
+    c = recc.Cluster.from_yaml("zionex-16x8")
+    assert (c.name, c.world_size, c.device.kind) == ("zionex-16x8", 128, "a100")
+    with pytest.raises(ValueError, match=r"cluster 'zionex-16x9': no such file, and no cluster of that name ships "
+                                         r"with recc \(shipped: dgx-h100-4x8, local-2, local-4, zionex-16x8\)"):
+        recc.Cluster.from_yaml("zionex-16x9")
+    with pytest.raises(ValueError, match=r"cluster file 'sub/lab.yaml' does not exist"):
+        recc.Cluster.from_yaml("sub/lab.yaml")
