@@ -114,6 +114,10 @@ def test_resume_continues_the_same_run(uninterrupted, data, tmp_path, capfd):
     assert main(run + ["--steps", "8", "--resume"]) == 0
     out, err = capfd.readouterr()
     assert f"recc train: resumed from {tmp_path / 'ckpt' / 'step_00000004'} (step 4)" in err
+    # only rank 0 reports: each line once, the bar's lines in order
+    assert err.count("recc train: step 8: checkpoint") == 1 and err.count("recc train: resumed from") == 1, err
+    bars = [int(line.split("] ")[1].split("/")[0]) for line in err.splitlines() if line.startswith("[")]
+    assert bars == sorted(set(bars)) and bars[-1] == 8, err
     assert out.startswith("recc train: resumed from step 4, trained steps 4..8 (4 steps, 64 samples")
     assert curve(tmp_path / "log.jsonl") == curve(uninterrupted / "log.jsonl")
     got = eager_from(tmp_path / "ckpt").state_dict()

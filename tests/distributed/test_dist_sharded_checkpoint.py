@@ -328,3 +328,25 @@ def test_no_complete_checkpoint_is_an_error_naming_the_directory(tmp_path):
         recc.load_checkpoint(dmodel, None, tmp_path)
     with pytest.raises(recc.CheckpointError, match="no such checkpoint"):
         recc.load_checkpoint(dmodel, None, tmp_path / "nope")
+
+
+def test_half_precision_tables_save_as_stored_and_load_into_fp32(tmp_path):
+    """bf16 tables are written as stored (half the bytes) and load exactly into an fp32 plan and the eager model."""
+    data = tiny_data()
+    example = slice_batch(data.batch(0), 0, 1)[:3]
+    half = recc.compile(tiny_model(), recc.Cluster.local(1), example_inputs=example,
+                        config=recc.CompileConfig(optimizer="sgd", lr=0.1, table_dtype="bf16", batch_size=GLOBAL_BATCH))
+    dmodel = half.instantiate()
+    opt = _dense_opt(dmodel)
+    _steps(dmodel, opt, data, 0, 2)
+    path = recc.save_checkpoint(dmodel, opt, tmp_path, step=2)
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(path).read_metadata()
+    assert md.state_dict_metadata["model/emb_l.0.weight"].properties.dtype == torch.bfloat16
+    want = dmodel.state_dict()  # fp32 views of the bf16 tables
+    full = compile_for(tiny_model(), data, 1).instantiate()
+    recc.load_checkpoint(full, _dense_opt(full), tmp_path)
+    _same(full.state_dict(), want, exact=True)
+    eager = tiny_model()
+    recc.load_checkpoint(eager, None, tmp_path)
+    _same(eager.state_dict(), want, exact=True)
