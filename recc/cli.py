@@ -173,11 +173,12 @@ def _train_data(args) -> int:
     results = recc.launch(train_on_data, cluster, program, job)
     r = results[0]
     done = r["steps"] - r["start"]
-    rate = r["samples"] / max(r["seconds"], 1e-9)
+    rate = r["samples"] / max(r["seconds"] - r["side_seconds"], 1e-9)
     what = f"resumed from step {r['start']}, " if r["resumed"] else ""
     loss = f"last logged training loss {r['loss']:.4f}" if r["loss"] is not None else "no step logged"
     print(f"recc train: {what}trained steps {r['start']}..{r['steps']} ({done} steps, {r['samples']:,} samples, "
-          f"{r['seconds']:.1f} s, {rate:,.0f} samples/s); {loss}")
+          f"{r['seconds']:.1f} s of which {r['side_seconds']:.1f} s evaluating and checkpointing; training "
+          f"{rate:,.0f} samples/s); {loss}")
     if r["eval"]:
         e = r["eval"]
         print(f"held-out (step {e['step']}): AUC {e['auc']:.4f}, log loss {e['log_loss']:.4f} over {e['samples']:,} samples")

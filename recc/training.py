@@ -205,17 +205,24 @@ def train_on_data(program, job: DataJob) -> dict:
             log.write(json.dumps(values) + "\n")
             log.flush()
 
+    side = 0.0  # seconds spent evaluating and checkpointing (left out of the training rates)
+
     def checkpoint(step: int):
+        nonlocal side
+        t = time.perf_counter()
         position = {"step": step, "data": train.fingerprint()}
         path = save_checkpoint(dmodel, opt, job.checkpoint_dir, step=step, keep=job.keep_checkpoints or None,
                                extra={"data": position, "model": job.model, "world_size": world})
         saved.append(str(path))
+        side += time.perf_counter() - t
         if progress:
-            progress.note(f"recc train: step {step}: checkpoint {path}")
+            progress.note(f"recc train: step {step}: checkpoint {path} ({time.perf_counter() - t:.1f} s)")
 
     def run_eval(step: int):
-        nonlocal last_eval
+        nonlocal last_eval, side
+        t = time.perf_counter()
         m = evaluate(dmodel, val)
+        side += time.perf_counter() - t
         if rank == 0:
             last_eval = dict(m, step=step)
             row({"step": step, "eval_auc": m["auc"], "eval_log_loss": m["log_loss"], "eval_samples": m["samples"]})
@@ -250,10 +257,12 @@ def train_on_data(program, job: DataJob) -> dict:
                     progress.update(step, f"loss {last_loss:.4f} {rate:,.0f} samples/s", force=step == job.steps)
                 win_loss = win_n = 0.0
                 win_t = now
+            before = side
             if val is not None and step % job.eval_every == 0:
                 run_eval(step)
             if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
                 checkpoint(step)
+            win_t += side - before  # the next logged rate is the training's alone
     finally:
         stream.close()
         if log is not None:
@@ -266,6 +275,7 @@ def train_on_data(program, job: DataJob) -> dict:
         progress.close()
     seconds = time.perf_counter() - t0
     total_seen, = _all_sum([seen])
-    return {"steps": step, "start": start, "resumed": resumed, "seconds": seconds, "samples": int(total_seen),
+    return {"steps": step, "start": start, "resumed": resumed, "seconds": seconds, "side_seconds": side,
+            "samples": int(total_seen),
             "loss": last_loss, "eval": last_eval, "checkpoints": saved,
             "comm": dmodel.comm_report().summary() if world > 1 and rank == 0 else None}
