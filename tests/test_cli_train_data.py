@@ -233,6 +233,16 @@ def test_user_errors_are_one_line(data, capfd, argv, message):
     assert len(err.strip().splitlines()) == 1 and err.startswith("recc train: ") and message in err, err
 
 
+def test_resume_with_other_data_settings_is_refused(uninterrupted, data, capfd):
+    """The saved data position holds for the same data and settings only."""
+    one_rank = [a if a != "2" else "1" for a in COMMON]
+    assert main(["train", *one_rank, "--data", str(data), "--steps", "8", "--checkpoint-dir", str(uninterrupted / "ckpt"),
+                 "--resume", "--shuffle-buffer", "128"]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines()[-1] == ("recc train: the saved data position is for other data or settings: "
+                                            "shuffle_buffer 64 (now 128)"), err
+
+
 def test_export_of_another_model_is_refused_naming_the_table(uninterrupted, tmp_path, capfd):
     assert main(["export", str(uninterrupted / "ckpt"), str(tmp_path / "m.pt"), "--model", "small"]) == 2
     err = capfd.readouterr().err
