@@ -27,6 +27,8 @@ every rank's chunks, DCP's metadata and the manifest are on disk: a rank killed 
 save leaves the previous checkpoints as they were, and ``latest_checkpoint`` never sees the
 partial one (the next save removes it). The manifest names each table with its shape, stored
 dtype and optimizer, so a checkpoint of another model is refused naming the table that differs.
+``ROOT`` must be one directory every rank sees (a shared filesystem on several nodes): rank 0
+creates the temporary directory and renames it, every rank writes its chunks into it.
 """
 from __future__ import annotations
 
