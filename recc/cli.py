@@ -125,7 +125,7 @@ def cmd_train(args) -> int:
 def _train_data(args) -> int:
     """``recc train --data``: the preset trained on a converted click log."""
     import recc
-    from recc.models import ClickLogData, slice_batch
+    from recc.models import slice_batch
     from recc.training import DataJob, train_on_data
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
