@@ -920,17 +920,19 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
         return {n: specs[n] for n in tables}
 
     notes = []
+    reasons = {}
     if strategy == "auto":
         shards = search("auto")
         best = estimate_shards(tables, shards, model, bag_sizes)[3]
         notes.append(f"auto: greedy + refinement {fmt_ms(best * 1e3)} ms")
-        tried, uniform = [], None
+        tried, uniform, alternatives = [], None, {}
         for kind in SHARDING_KINDS:
             try:
                 alt = search(kind)
             except ValueError:
                 tried.append(f"{kind} -")
                 continue
+            alternatives[kind] = alt
             obj = estimate_shards(tables, alt, model, bag_sizes)[3]
             tried.append(f"{kind} {fmt_ms(obj * 1e3)}")
             if uniform is None or obj < uniform[0] * (1 - 1e-9):
@@ -946,10 +948,57 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
                          (f", refined to {fmt_ms(robj * 1e3)} ms" if robj < obj * (1 - 1e-9) else "") + ", kept")
         if cluster.world_size > 1:
             notes.append("uniform strategies (ms; - does not fit): " + ", ".join(tried))
+            reasons = _table_reasons(tables, shards, alternatives, model, bag_sizes, check_memory, cons)
+            notes.append("why = the kind that would come next for that table, and how much slower the plan "
+                         "would be with only that table moved to it (its placement in that kind's uniform plan)")
     else:
         shards = search(strategy)
-    return build_plan(tables, shards, cluster, model, bag_sizes, strategy=strategy,
+    plan = build_plan(tables, shards, cluster, model, bag_sizes, strategy=strategy,
                       dense_flops_per_sample=dense_flops_per_sample, notes=notes)
+    plan.table_reasons = reasons
+    return plan
+
+
+def _table_reasons(tables, shards, alternatives, model: CostModel, bag_sizes, check_memory: bool,
+                   cons: dict) -> dict[str, str]:
+    """Per table: its runner-up kind and what moving only this table there would cost the plan
+    (a kind's placement of it taken from that kind's uniform plan; row_wise and data_parallel,
+    which have one placement, also where their uniform plan did not fit), or why no kind could
+    take it instead."""
+    W = model.W
+    comp, comm, mem, base, _ = estimate_shards(tables, shards, model, bag_sizes)
+    kinds_now = {spec.kind for spec in shards.values()}
+    out = {}
+    for name, spec in shards.items():
+        t = tables[name]
+        p = model.profile(t, (bag_sizes or {}).get(name, 1.0))
+        c0, m0, me0 = model.delta(p, placement_of(t, spec, model.cluster))
+        rest_kinds = {s.kind for n, s in shards.items() if n != name}
+        options = []
+        allowed = cons["kinds"].get(name, SHARDING_KINDS)
+        for kind in SHARDING_KINDS:
+            if kind == spec.kind or kind not in allowed:
+                continue
+            if kind in alternatives:
+                placement = placement_of(t, alternatives[kind][name], model.cluster)
+            elif kind == DP or (kind == RW and t.splits_rows_ok):
+                placement = (kind,)
+            else:
+                continue
+            c1, m1, me1 = model.delta(p, placement)
+            memory = [mem[r] - me0[r] + me1[r] for r in range(W)]
+            if check_memory and max(memory) > model.cap:
+                options.append((math.inf, kind, "over memory"))
+                continue
+            lat = model.latency(rest_kinds | {kind}) - model.latency(kinds_now)
+            obj = max(comp[r] - c0[r] + c1[r] + comm[r] - m0[r] + m1[r] for r in range(W)) + lat
+            options.append((obj - base, kind, f"+{fmt_ms(max(0.0, obj - base) * 1e3)} ms"))
+        if not options:
+            continue
+        options.sort(key=lambda o: (o[0], KIND_INDEX[o[1]]))
+        cost, kind, what = options[0]
+        out[name] = f"{kind} {what}" if math.isfinite(cost) else "every other kind: over memory"
+    return out
 
 
 def estimate_shards(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], model: CostModel,

@@ -264,6 +264,9 @@ class Plan:
     memory_cap_bytes: Optional[float] = None                      # per rank, after the reserve
     estimate: Optional[StepEstimate] = None
     notes: list[str] = field(default_factory=list)               # how the planner chose, caveats
+    # Why each table got its kind: the runner-up kind and how much slower the plan would be
+    # with only this table moved to it (or why that kind cannot take it).
+    table_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def slowest_rank_ms(self) -> Optional[float]:
@@ -271,12 +274,13 @@ class Plan:
         return None if self.estimate is None else self.estimate.sparse_ms
 
     def __str__(self) -> str:
-        rows = [("table", "rows x dim", "kind", "ranks", "shards", "est ms")]
+        why = bool(self.table_reasons)
+        rows = [("table", "rows x dim", "kind", "ranks", "shards", "est ms") + (("why (next best kind)",) if why else ())]
         for name, spec in self.shards.items():
             t = self.tables[name]
             cost = self.table_cost_ms.get(name)
             rows.append((name, f"{t.rows}x{t.dim}", spec.kind, compress_ranks(spec.ranks), shard_shapes(spec),
-                         "-" if cost is None else fmt_ms(cost)))
+                         "-" if cost is None else fmt_ms(cost)) + ((self.table_reasons.get(name, ""),) if why else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"# sharding plan: {len(self.shards)} tables over {self.world_size} rank(s), strategy={self.strategy}"]
         for i, r in enumerate(rows):

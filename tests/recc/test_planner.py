@@ -381,10 +381,11 @@ def test_plan_prints_tables_ranks_and_the_step_estimate():
     text = str(plan)
     lines = text.splitlines()
     assert lines[0] == "# sharding plan: 3 tables over 4 rank(s), strategy=auto"
-    assert re.match(r"table\s+rows x dim\s+kind\s+ranks\s+shards\s+est ms$", lines[1])
+    assert re.match(r"table\s+rows x dim\s+kind\s+ranks\s+shards\s+est ms\s+why \(next best kind\)$", lines[1])
     for name, t in tables.items():
         spec = plan.shards[name]
-        assert re.search(rf"^{name}\s+{t.rows}x{t.dim}\s+{spec.kind}\s+[\d,-]+\s+r\d.*\d\s+[\d.e+-]+$", text, re.M), name
+        assert re.search(rf"^{name}\s+{t.rows}x{t.dim}\s+{spec.kind}\s+[\d,-]+\s+r\d.*\d\s+[\d.e+-]+\s+"
+                         rf"(\w+ \+[\d.e+-]+ ms|\w+ over memory)$", text, re.M), name
     assert "# cluster 2x2: 4 rank(s), global batch 1024, optimizer sgd; memory cap 3.60 GiB per rank" in text
     for r in range(4):
         assert re.search(rf"^rank {r}: table weights [\d.]+ MiB, memory [\d.]+ / 3\.60 GiB, est [\d.e+-]+ ms "
@@ -413,3 +414,24 @@ def test_dense_flops_and_preset_tables():
     cfg = load_preset("dlrmv2")
     tables, bags = tables_from_preset(cfg)
     assert bags["emb_l.20"] == 100.0 and tables["emb_l.20"].rows == 25641295
+
+
+def test_each_tables_reason_is_what_moving_it_alone_would_cost():
+    """The plan's "why" column: the runner-up kind for each table, and the objective's growth if
+    that table alone moved there — checked for the placement-free kinds by recomputing it."""
+    from recc.planner import CostModel, estimate_shards, spec_for
+    c = two_by_two()
+    tables = tables_of(T("user", 50_000, 16), T("item", 3000, 16), T("tiny", 4, 4), T("ctx", 20, 8))
+    plan = plan_tables(tables, c, batch_size=1024)
+    model = CostModel(c, 1024)
+    base = estimate_shards(tables, plan.shards, model)[3]
+    checked = 0
+    for name, why in plan.table_reasons.items():
+        kind, plus = re.fullmatch(r"(\w+) \+([\d.e+-]+) ms", why).groups()
+        assert kind != plan.shards[name].kind
+        if kind in ("data_parallel", "row_wise"):
+            moved = dict(plan.shards, **{name: spec_for(tables[name], (kind,), c)})
+            grown = estimate_shards(tables, moved, model)[3] - base
+            assert float(plus) == pytest.approx(grown * 1e3, rel=0.01, abs=1e-6), (name, why)
+            checked += 1
+    assert checked >= 1 and set(plan.table_reasons) == set(tables)
