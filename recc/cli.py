@@ -56,27 +56,7 @@ def cmd_compile(args) -> int:
     return 0
 
 
-class _Progress:
-    """A one-line progress bar on stderr (no dependency; redraws in place on a terminal)."""
-
-    def __init__(self, total: int, width: int = 30):
-        self.total, self.width = total, width
-        self.tty = sys.stderr.isatty()
-        self.last = 0.0
-
-    def update(self, done: int, text: str):
-        now = time.perf_counter()
-        if done < self.total and now - self.last < (0.2 if self.tty else 5.0):
-            return
-        self.last = now
-        filled = int(self.width * done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = f"[{bar}] {done}/{self.total} {text}"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self):
-        if self.tty:
-            print(file=sys.stderr)
+from recc.training import Progress as _Progress  # noqa: E402  (one progress bar for every command)
 
 
 def _user_error(command: str, e: BaseException) -> int:

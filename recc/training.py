@@ -60,7 +60,7 @@ class Progress:
     """A one-line progress bar on stderr (no dependency; redraws in place on a terminal, a line
     every few seconds otherwise)."""
 
-    def __init__(self, total: int, width: int = 30, start: int = 0):
+    def __init__(self, total: int, width: int = 30):
         self.total, self.width = max(1, total), width
         self.tty = sys.stderr.isatty()
         self.last = 0.0
