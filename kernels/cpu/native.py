@@ -172,7 +172,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, p, i64, i64,               # lin_indices, offsets, T, B
         p, p, i32, f32,               # grad_output, per_sample_weights, mean, grad_scale
         i32, f32, f32, f32, f32, f32, i32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, decoupled, bc1, bc2
-        p, p, i64, i32,               # slot_map, segments (or NULL), their count, nthreads
+        p, p, i64, i32,               # slot_map (or NULL: hashed), segments (or NULL), their count, nthreads
     ]
     lib.recc_tbe_forward.restype = ctypes.c_int
     lib.recc_tbe_forward.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32, p, i32]

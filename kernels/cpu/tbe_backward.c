@@ -212,9 +212,6 @@ enum {
 #ifndef GO_PREFETCH
 #define GO_PREFETCH 4    /* rows ahead: grad_output rows, backward apply loop */
 #endif
-#ifndef SLOT_PREFETCH
-#define SLOT_PREFETCH 32 /* ids ahead: slot map entries, backward slot assignment */
-#endif
 #ifndef ID_PREFETCH
 #define ID_PREFETCH 24   /* ids ahead, forward pooling */
 #endif
@@ -247,20 +244,30 @@ typedef struct {
     float scale;
 } contrib_t;
 
+/* One entry of a unit's row -> slot map; stale entries (an older gen) read as empty, so the
+ * map is never cleared between units. */
+typedef struct {
+    int64_t row;
+    int32_t slot;
+    uint32_t gen;
+} slot_entry_t;
+
 typedef struct {
     pending_t* pend;
     contrib_t* contrib;
     int64_t* urows;
     int32_t* ends;
     float* acc;
-    size_t cap, dcap;
+    slot_entry_t* hmap; /* open-addressing map row -> slot over one unit's rows */
+    uint32_t gen;       /* an entry belongs to the current unit iff its gen is this */
+    size_t cap, dcap, hcap;
 } workspace_t;
 
 /* Grow-only and per OS thread: OpenMP teams of concurrent callers never share one, and
  * steady-state calls take no page faults. */
 static __thread workspace_t tls_ws;
 
-static int ws_reserve(workspace_t* ws, size_t n, size_t D) {
+static int ws_reserve(workspace_t* ws, size_t n, size_t D, int hashed) {
     if (n > ws->cap) {
         size_t cap = n + n / 4 + 1024;
         free(ws->pend);
@@ -284,6 +291,20 @@ static int ws_reserve(workspace_t* ws, size_t n, size_t D) {
             return 0;
         }
         ws->cap = cap;
+    }
+    /* The row -> slot map holds at most n rows at load <= 1/2: memory per unit's ids, not
+     * per weight row (a per-row map would cost 4 bytes for every row of every table). */
+    size_t h = 16;
+    while (h < 2 * n) h <<= 1;
+    if (hashed && h > ws->hcap) {
+        free(ws->hmap);
+        ws->hmap = calloc(h, sizeof(slot_entry_t));  /* gen 0: never a live unit's */
+        ws->gen = 0;
+        if (!ws->hmap) {
+            ws->hcap = 0;
+            return 0;
+        }
+        ws->hcap = h;
     }
     if (D > ws->dcap) {
         free(ws->acc);
@@ -315,7 +336,7 @@ typedef struct {
     float grad_scale; /* every id's gradient is multiplied by it (the loss's 1/world share) */
     float lr, eps, beta1, beta2, wd, bc1, bc2;
     int decoupled; /* weight decay: 0 L2 (wd * w added to g), 1 decoupled (w *= 1 - lr * wd, AdamW) */
-    int32_t* slot_map;
+    int32_t* slot_map; /* [R] row -> slot, all -1 between calls; NULL: each unit hashes its rows */
 } bwd_t;
 
 typedef struct {
@@ -394,6 +415,13 @@ static inline v16f load16(const float* p) {
 
 static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof(v)); }
 
+#define SLOT_PREFETCH 32 /* ids ahead: their row -> slot map entries */
+
+/* Fibonacci hashing of a row into a map of 2^(64 - shift) entries. */
+static inline uint64_t slot_hash(int64_t row, int shift) {
+    return ((uint64_t)row * 0x9E3779B97F4A7C15ull) >> shift;
+}
+
 static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
                                                                const unit_t* u,
                                                                workspace_t* ws,
@@ -405,13 +433,24 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
     const int mean = c->mean;
     const float gs = c->grad_scale;
     const uint32_t parts = u->parts, part = u->part;
-    int32_t* restrict slot_map = c->slot_map;
     pending_t* restrict pend = ws->pend;
     contrib_t* restrict contrib = ws->contrib;
     int64_t* restrict urows = ws->urows;
     int32_t* restrict ends = ws->ends;
     const int64_t i_lo = offsets[u->bag_lo], i_hi = offsets[u->bag_hi];
     memset(ends, 0, (size_t)(i_hi - i_lo) * sizeof(int32_t));
+    /* The unit's row -> slot map: the smallest power of two >= twice its ids (load <= 1/2). */
+    int hbits = 4;
+    while (((int64_t)1 << hbits) < 2 * (i_hi - i_lo)) ++hbits;
+    const uint64_t hmask = ((uint64_t)1 << hbits) - 1;
+    const int hshift = 64 - hbits;
+    int32_t* restrict slot_map = c->slot_map;
+    slot_entry_t* restrict hmap = ws->hmap;
+    if (!slot_map && ++ws->gen == 0) {  /* wrapped: every entry would look live again */
+        memset(hmap, 0, ws->hcap * sizeof(slot_entry_t));
+        ws->gen = 1;
+    }
+    const uint32_t gen = ws->gen;
 
     /* 1. First-seen slots for the unit's rows; count each slot's ids. */
     int64_t n = 0, U = 0;
@@ -421,14 +460,32 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
         const int64_t lo = offsets[j], hi = offsets[j + 1];
         const float inv_len = (mean && hi > lo) ? gs / (float)(hi - lo) : gs;
         for (int64_t i = lo; i < hi; ++i) {
-            if (i + SLOT_PREFETCH < i_hi)
-                __builtin_prefetch(slot_map + lin[i + SLOT_PREFETCH], 1, 3);
+            if (i + SLOT_PREFETCH < i_hi) {
+                const int64_t ahead = lin[i + SLOT_PREFETCH];
+                __builtin_prefetch(slot_map ? (const void*)(slot_map + ahead)
+                                            : (const void*)(hmap + slot_hash(ahead, hshift)), 1, 3);
+            }
             const int64_t row = lin[i];
             if (parts > 1 && row_part(row, parts) != part) continue;
-            int32_t s = slot_map[row];
-            const int is_new = s < 0;
-            s = is_new ? (int32_t)U : s;
-            slot_map[row] = s;
+            int is_new;
+            int32_t s;
+            if (slot_map) {
+                s = slot_map[row];
+                is_new = s < 0;
+                s = is_new ? (int32_t)U : s;
+                slot_map[row] = s;
+            } else {
+                /* Linear probing: the map is at most half full. */
+                uint64_t h = slot_hash(row, hshift);
+                while (hmap[h].gen == gen && hmap[h].row != row) h = (h + 1) & hmask;
+                is_new = hmap[h].gen != gen;
+                if (is_new) {
+                    hmap[h].row = row;
+                    hmap[h].slot = (int32_t)U;
+                    hmap[h].gen = gen;
+                }
+                s = hmap[h].slot;
+            }
             urows[U] = row;
             U += is_new;
             ends[s] += 1;
@@ -515,7 +572,7 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
             apply_row(c, row, wtmp, acc, D);
             store_half_row(c->weights, c->wt, row, D, wtmp, c->seed);
         }
-        slot_map[row] = -1;
+        if (slot_map) slot_map[row] = -1;
     }
 }
 
@@ -549,7 +606,8 @@ static int cmp_unit_bigger_first(const void* a, const void* b) {
  * weights [R, D]; m1/m2: optimizer state (NULL when unused; rowwise_adagrad m1 is [R]);
  * lin [N]; offsets [T*B+1]; go [B, T*D]; psw [N] or NULL; mean: 1 for mean pooling;
  * grad_scale: multiplies every id's gradient (folded into its per-id scale, no pass over go);
- * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return.
+ * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return, or
+ * NULL: each unit then maps its rows to slots through a hash map sized by its ids.
  */
 int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, int64_t D, float* m1, float* m2,
                              const int64_t* lin, const int64_t* offsets, int64_t T,
@@ -692,7 +750,7 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
 #pragma omp parallel num_threads(nthreads)
     {
         workspace_t* ws = &tls_ws;
-        if (!ws_reserve(ws, (size_t)max_unit_ids, (size_t)D)) {
+        if (!ws_reserve(ws, (size_t)max_unit_ids, (size_t)D, slot_map == NULL)) {
 #pragma omp atomic write
             no_mem = 1;
         }

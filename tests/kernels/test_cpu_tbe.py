@@ -326,10 +326,39 @@ def _both(c, optimizer, *, pooling="sum", psw=None, lin=None, **kw):
 needs_gcc = pytest.mark.skipif(not HAVE_GCC, reason="gcc not available")
 
 
+@pytest.fixture(params=["direct", "hashed"])
+def row_map(request, monkeypatch):
+    """The backward's row -> slot map: the direct per-row map (weights that fit half the
+    last-level cache), or the per-unit hash map bigger weights get."""
+    import recc.kernels.cpu.tbe as tbe_mod
+    if request.param == "hashed":
+        monkeypatch.setattr(tbe_mod, "direct_map_rows", lambda: 0)
+    return request.param
+
+
+@needs_gcc
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_hashed_row_map_is_bit_identical_to_the_direct_one(optimizer, monkeypatch):
+    import recc.kernels.cpu.tbe as tbe_mod
+    c = Case(T=4, B=64, D=16, rows=(1000, 7, 3000, 64), max_len=12, seed=5, dup_pool=40)
+    out = []
+    for rows_limit in (1 << 40, 0):
+        monkeypatch.setattr(tbe_mod, "direct_map_rows", lambda n=rows_limit: n)
+        for step in (1, 2):   # the second call reuses the thread's map (stale entries must read as empty)
+            w = c.weights.clone() if step == 1 else w
+            state = new_state(optimizer, w) if step == 1 else state
+            tbe_backward_update_native(w, state, c.lin, c.offsets, c.grad, T=4, B=c.B, optimizer=optimizer,
+                                       lr=0.1, step=step)
+        out.append((w, state))
+    assert torch.equal(out[0][0], out[1][0])
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]), k
+
+
 @needs_gcc
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 @pytest.mark.parametrize("D", [1, 16, 32, 64, 128, 13])
-def test_native_matches_reference(optimizer, D):
+def test_native_matches_reference(optimizer, D, row_map):
     c = Case(T=4, B=16, D=D, rows=(100, 7, 300, 64), max_len=12, seed=20 + D, dup_pool=9)
     for pooling, psw in (("sum", None), ("mean", None), ("sum", c.psw)):
         (wn, sn), (wr, sr) = _both(c, optimizer, pooling=pooling, psw=psw, weight_decay=0.01)
@@ -339,7 +368,7 @@ def test_native_matches_reference(optimizer, D):
 
 
 @needs_gcc
-def test_native_rows_shared_across_tables():
+def test_native_rows_shared_across_tables(row_map):
     # Linearized ids of different tables hitting the same rows (not what linearize_indices
     # produces, but the kernel must still sum them and update each row once).
     c = Case(T=3, B=8, D=8, rows=(20, 20, 20), max_len=6, seed=30)
@@ -353,7 +382,7 @@ def test_native_rows_shared_across_tables():
 
 @needs_gcc
 @pytest.mark.parametrize("T", [1, 5])
-def test_native_is_deterministic_across_thread_counts(T):
+def test_native_is_deterministic_across_thread_counts(T, row_map):
     c = Case(T=T, B=64, D=32, rows=(500,) * T, max_len=20, seed=31, dup_pool=50)
     results = []
     old = torch.get_num_threads()
