@@ -34,6 +34,7 @@ Like the rest of ``recc.models`` this imports nothing of recc's compiler.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import re
 import zipfile
@@ -425,25 +426,29 @@ def _check_tables(num_embeddings: Sequence[int]) -> list[int]:
     return [int(n) for n in num_embeddings]
 
 
+@contextlib.contextmanager
+def _npz_errors(path: Path):
+    """Reading ``path`` with ``np.load``: a broken or truncated archive is a DataError naming it."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, zlib.error, ValueError) as e:
+        raise DataError(f"{path}: not a readable .npz, or truncated ({e})") from None
+
+
 def read_dlrm_npz(path: str | Path, num_embeddings: Sequence[int], *, report: ReadReport | None = None,
                   chunk_rows: int = _NPY_CHUNK) -> Iterator[Chunk]:
     """The reference DLRM's preprocessed ``.npz`` (``X_int``, ``X_cat``, ``y``)."""
     path, rows = Path(path), _check_tables(num_embeddings)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    try:
-        with np.load(path) as npz:
-            missing = [k for k in ("X_int", "X_cat", "y") if k not in npz.files]
-            if missing:
-                raise DataError(f"{path}: no {', '.join(missing)} array (it has {', '.join(npz.files) or 'none'}); "
-                                "not the reference DLRM's preprocessed .npz")
-            x_int, x_cat, y = npz["X_int"], npz["X_cat"], npz["y"]
-    except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:
-        raise DataError(f"{path}: not a readable .npz, or truncated ({e})") from None
-    except ValueError as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{path}: not a readable .npz, or truncated ({e})") from None
+    with _npz_errors(path), np.load(path) as npz:
+        missing = [k for k in ("X_int", "X_cat", "y") if k not in npz.files]
+        if missing:
+            raise DataError(f"{path}: no {', '.join(missing)} array (it has {', '.join(npz.files) or 'none'}); "
+                            "not the reference DLRM's preprocessed .npz")
+        x_int, x_cat, y = npz["X_int"], npz["X_cat"], npz["y"]
     n = len(y)
     if x_int.shape != (n, NUM_DENSE) or x_cat.shape != (n, NUM_SPARSE) or x_int.dtype.kind not in "iuf" \
             or x_cat.dtype.kind not in "iu":
@@ -501,20 +506,13 @@ def read_mlperf_multihot(path: str | Path, num_embeddings: Sequence[int], *, rep
     labels = _load_npy(labels_p, ndim=2, width=1, kinds="iu", what="labels")
     if not sparse_p.is_file():
         raise FileNotFoundError(f"{sparse_p}: no such file (multi-hot sparse)")
-    try:
-        with np.load(sparse_p) as npz:
-            names = [str(k) for k in range(NUM_SPARSE)]
-            missing = [k for k in names if k not in npz.files]
-            if missing:
-                raise DataError(f"{sparse_p}: no array for feature(s) {', '.join(missing)} (it has "
-                                f"{', '.join(npz.files) or 'none'}); expected arrays '0'..'25'")
-            sparse = [npz[k] for k in names]
-    except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as e:
-        raise DataError(f"{sparse_p}: not a readable .npz, or truncated ({e})") from None
-    except ValueError as e:
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{sparse_p}: not a readable .npz, or truncated ({e})") from None
+    with _npz_errors(sparse_p), np.load(sparse_p) as npz:
+        names = [str(k) for k in range(NUM_SPARSE)]
+        missing = [k for k in names if k not in npz.files]
+        if missing:
+            raise DataError(f"{sparse_p}: no array for feature(s) {', '.join(missing)} (it has "
+                            f"{', '.join(npz.files) or 'none'}); expected arrays '0'..'25'")
+        sparse = [npz[k] for k in names]
     for k, a in enumerate(sparse):
         if a.ndim != 2 or a.dtype.kind not in "iu" or a.shape[1] < 1:
             raise DataError(f"{sparse_p}: feature {k} has shape {list(a.shape)} {a.dtype}, "
