@@ -236,7 +236,7 @@ class CostModel:
         self.S = (self.G - 1) * self.ii + (self.W - self.G) * self.ie
         self.cap = cluster.device.memory_gb * GIB * (1 - RESERVED_FRACTION)
         # The CPU backward finds each id's slot among the step's unique rows through a map with
-        # one int32 per weight row while a group fits half the last-level cache, a hash map
+        # one int32 per weight row while a group fits a quarter of the last-level cache, a hash map
         # sized by the step's ids past it (kernels/cpu/tbe.py): counted for every row, an upper
         # bound. The CUDA backward sorts instead.
         self.slot_bytes = SLOT_MAP_BYTES if cluster.device_type == "cpu" else 0
