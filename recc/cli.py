@@ -419,7 +419,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "train" and args.lr is None:
         args.lr = 0.1
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        # An unknown preset, a table that does not fit, a missing file, a YAML typo: one line.
+        return _user_error(args.cmd, e)
 
 
 if __name__ == "__main__":
