@@ -33,7 +33,7 @@ def _table_memory(shape, device: torch.device, dtype: torch.dtype = torch.float3
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-_COPY_CHUNK_BYTES = 16 << 20
+_COPY_CHUNK_BYTES = 4 << 20
 
 
 def _copy_block(dst: torch.Tensor, src: torch.Tensor, consume: bool) -> None:
