@@ -22,6 +22,7 @@ over unless the user keeps their model.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import weakref
 from typing import Iterator, Optional
@@ -80,11 +81,29 @@ def _weak(ref):
     a model built on meta), so it stays."""
     t = ref()
     return ref if t is None or t.device.type == "meta" else weakref.ref(t)
+_SHM_DIR = "/dev/shm"
+_SHM_HEADROOM = 64 << 20
+
+
+def _shm_has_room(nbytes: int) -> bool:
+    """Whether the shared-memory filesystem can take ``nbytes`` more with room to spare: a
+    container's /dev/shm is often 64 MiB, and writing past a full tmpfs kills the writer with
+    SIGBUS instead of raising."""
+    try:
+        st = os.statvfs(_SHM_DIR)
+    except OSError:
+        return False
+    free = st.f_bavail * st.f_frsize
+    return nbytes + _SHM_HEADROOM + free // 10 <= free
+
+
 def _shared_copy(block: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``block`` in shared memory (made before it is written, so the copy
-    is written once, straight into the shared pages)."""
+    is written once, straight into the shared pages); a plain copy, which then travels by value
+    in the payload, when shared memory has no room for it."""
     out = torch.empty(block.shape, dtype=block.dtype)
-    out.share_memory_()
+    if _shm_has_room(out.numel() * out.element_size()):
+        out.share_memory_()
     return out.copy_(block)
 
 

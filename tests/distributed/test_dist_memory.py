@@ -116,3 +116,24 @@ def test_a_ranks_payload_carries_its_blocks_as_shared_memory_handles():
     assert not any(p.is_shared() for p in program.graph.parameters())
     plain = torch.arange(100_000.0)
     assert len(_dumps(plain)) > 400_000 and not plain.is_shared()
+
+
+def test_blocks_travel_by_value_when_shared_memory_is_full(monkeypatch):
+    """A container's /dev/shm is often 64 MiB, and a full tmpfs kills its writer with SIGBUS: a
+    block shared memory cannot take travels in the payload instead, and the ranks still train."""
+    import recc.tables as tables
+    from recc.launch import _dumps
+    from recc.tables import for_rank
+    monkeypatch.setattr(tables, "_shm_has_room", lambda nbytes: False)
+    torch.manual_seed(0)
+    model = FourTables()
+    program = recc.compile(model, recc.Cluster.local(2), example_inputs=_batch(4, 0),
+                           config=recc.CompileConfig(sharding="table_wise", optimizer="sgd"))
+    with for_rank(0):
+        payload = _dumps(program)
+    assert len(payload) > min(ROWS) * DIM * 4   # the rows are in the bytes
+    results = recc.launch(_what_a_rank_holds, recc.Cluster.local(2), program)
+    for rank, (_, after) in enumerate(results):
+        own = sum((r1 - r0) * (c1 - c0) * 4 for spec in program.plan.shards.values()
+                  for r, r0, r1, c0, c1 in spec.shards if r == rank)
+        assert after == [own]
