@@ -20,6 +20,7 @@ from recc.graph_utils import resolve_attr
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.tables import TableGroup
+from recc.kernels import trim_heap
 from recc.trace import default_example_inputs, example_batch, model_is_meta, propagate_shapes, to_meta, trace, untouched
 
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,align_linear,fuse_linear_act,lower"
@@ -122,6 +123,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
                 n.meta["recc.pass"] = info.name
         try:
             got = propagate_shapes(gm, example_inputs, abstract)
+            trim_heap()   # else each stage's freed activations stay mapped, ~20 MB a stage on `small`
         except Exception as e:
             raise RuntimeError(f"recc: the graph after pass '{info.name}' does not run on the example "
                                f"inputs (passes before it: {', '.join(ctx.passes_run) or '(none)'}): {e}") from e
@@ -143,6 +145,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     if dump_dir:
         dump_stages(stages, dump_dir)
     _stages_without_tables(stages, model, ctx.stats.get("tables", {}))
+    trim_heap()   # the stages' example runs' activations, freed but still mapped
 
     sig_names = [p.name for p in inspect.signature(model.forward).parameters.values()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:len(example_inputs)]
