@@ -34,6 +34,8 @@ def _config(args):
             setattr(config, flag, getattr(args, flag))
     if getattr(args, "no_pipelining", False):
         config.pipelining = False
+    if getattr(args, "sharding", None):
+        config.sharding = args.sharding
     config.__post_init__()  # validate what the flags set
     return config
 
@@ -271,8 +273,6 @@ def cmd_plan(args) -> int:
     from recc.models import SyntheticData, load_preset, slice_batch
     model = build_model(args.model, device="meta")
     config = _config(args)
-    if args.sharding:
-        config.sharding = args.sharding
     t0 = time.perf_counter()
     # Plan for the preset's global batch and bag sizes: rank 0's slice of one synthetic batch.
     config.batch_size = args.batch_size or load_preset(args.model)["batch_size"]
@@ -335,6 +335,16 @@ def cmd_data_convert(args) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, where it has one and its help does not already say it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS \
+                or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="recc", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -342,13 +352,15 @@ def main(argv=None) -> int:
     def common(sp, model_default):
         sp.add_argument("--model", default=model_default, help="preset: tiny, small, kaggle, terabyte, dlrmv2")
         sp.add_argument("--config", help="CompileConfig YAML")
-        sp.add_argument("--optimizer", choices=["sgd", "rowwise_adagrad", "adagrad", "adam"])
-        sp.add_argument("--lr", type=float)
-        sp.add_argument("--batch-size", type=int)
-        sp.add_argument("--world-size", type=int, default=2 if sp.prog.endswith("train") else 1)
+        sp.add_argument("--optimizer", choices=["sgd", "rowwise_adagrad", "adagrad", "adam"],
+                        help="the tables' fused optimizer (default: the config's, sgd)")
+        sp.add_argument("--lr", type=float, help="learning rate (default: the config's; train: 0.1)")
+        sp.add_argument("--batch-size", type=int, help="global batch (default: the preset's)")
+        sp.add_argument("--world-size", type=int, default=2 if sp.prog.endswith("train") else 1,
+                        help="ranks of the local world, without --cluster")
         sp.add_argument("--nodes", type=int, default=1,
                         help="without --cluster: emulate this many nodes of the local world (e.g. 4 ranks as 2x2)")
-        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--seed", type=int, default=0, help="torch's seed for the model's initial values")
         sp.add_argument("--dump-dir", help="write every stage's IR, diff, DOT and a summary here")
         sp.add_argument("--comm-fwd", choices=["fp32", "fp16", "bf16", "int8", "fp8"],
                         help="wire precision of the embedding all-to-all's forward payload (default fp16)")
@@ -357,25 +369,25 @@ def main(argv=None) -> int:
         sp.add_argument("--comm-allreduce", choices=["fp32", "fp16", "bf16"],
                         help="wire precision of the dense gradient all-reduce (default fp32)")
         sp.add_argument("--no-pipelining", action="store_true", help="leave out pipeline_comm")
+        sp.add_argument("--cluster", help="cluster YAML file, or a shipped cluster's name (dgx-h100-4x8, "
+                                          "zionex-16x8, local-2, local-4); default: a local world of --world-size")
+        sp.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                                               "data_parallel"], help="force one sharding kind on every table "
+                                                                      "(default: the config's, auto)")
 
-    c = sub.add_parser("compile", help="compile a preset model and print/dump every stage")
+    c = sub.add_parser("compile", formatter_class=_Help, help="compile a preset model and print/dump every stage")
     common(c, "small")
-    c.add_argument("--cluster", help="cluster YAML (default: a local world of --world-size)")
     c.add_argument("--pipeline", help="pass spec, e.g. 'discover_tables,shard_tables,batch_tables,lower'")
     c.add_argument("--print-after", help="'all' or comma-separated pass names")
     c.add_argument("--meta", action="store_true", help="build the model on the meta device (no allocation)")
     c.set_defaults(fn=cmd_compile)
 
-    pl = sub.add_parser("plan", help="plan a preset model's sharding for a cluster (nothing is allocated)")
+    pl = sub.add_parser("plan", formatter_class=_Help, help="plan a preset model's sharding for a cluster (nothing is allocated)")
     common(pl, "terabyte")
-    pl.add_argument("--cluster", help="cluster YAML, e.g. clusters/zionex-16x8.yaml")
-    pl.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
-                                           "data_parallel"])
     pl.set_defaults(fn=cmd_plan)
 
-    t = sub.add_parser("train", help="train a preset model on synthetic data")
+    t = sub.add_parser("train", formatter_class=_Help, help="train a preset model on synthetic data")
     common(t, "small")
-    t.add_argument("--cluster", help="cluster YAML (default: a local world of --world-size)")
     t.add_argument("--steps", type=int, help="training steps (default: 300 synthetic; one epoch of --data)")
     t.add_argument("--eval-batches", type=int, default=10, help="synthetic data: held-out batches scored at the end")
     t.add_argument("--data", help="a click log from `recc data convert` to train on (instead of synthetic data)")
@@ -392,7 +404,7 @@ def main(argv=None) -> int:
                    help="--data: continue from the newest complete checkpoint in --checkpoint-dir (its step, data "
                         "position, tables, optimizer state)")
     t.set_defaults(fn=cmd_train, lr=None)
-    e = sub.add_parser("export", help="write a checkpoint as the plain model's state_dict (torch.save) for serving")
+    e = sub.add_parser("export", formatter_class=_Help, help="write a checkpoint as the plain model's state_dict (torch.save) for serving")
     e.add_argument("checkpoint", metavar="CKPT", help="a checkpoint, or a checkpoint directory (its newest is taken)")
     e.add_argument("out", metavar="OUT.pt")
     e.add_argument("--model", help="the preset it was trained as (default: the one the checkpoint names)")
