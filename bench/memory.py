@@ -215,7 +215,6 @@ def main(argv=None) -> None:
     print(f"{'model':<7} {'optimizer':<16} {'W':>2} {'system':<10} {'rank':>4} {'tables MiB':>11} "
           f"{'plan est':>9} {'vs est':>7} {'vs torchrec':>12} {'vs eager':>9}")
     for model in args.models.split(","):
-        from recc.models import load_preset
         cfg = _cfg(model, args.rows, args.tables, args.dim, False)
         table_mib = sum(cfg["num_embeddings"]) * cfg["embedding_dim"] * 4 / MIB
         print(f"# {model}: {len(cfg['num_embeddings'])} tables, {sum(cfg['num_embeddings']):,} rows x "

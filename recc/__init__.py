@@ -12,10 +12,19 @@ from recc.launch import launch, rank, world_size
 from recc.passmanager import PassContext, parse_spec, format_spec, register_pass
 from recc.program import Program, Stage
 from recc.specs import CommSpec, OptimizerSpec, Plan, ShardSpec, TableSpec
-from recc.runtime.checkpoint import (CheckpointError, CheckpointInfo, latest_checkpoint, load_checkpoint,
-                                     save_checkpoint)
 
 __version__ = "0.1.0"
+
+# The checkpoint API lives with the runtime; it is imported on first use, so ``import recc``
+# (compiling, planning) loads no runtime or kernel code (recc -> runtime only lazily).
+_CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError", "CheckpointInfo")
+
+
+def __getattr__(name):
+    if name in _CHECKPOINT_NAMES:
+        from recc.runtime import checkpoint
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'recc' has no attribute {name!r}")
 
 __all__ = ["compile", "Cluster", "CompileConfig", "Program", "Stage", "register_pass", "PassContext",
            "launch", "rank", "world_size", "ir", "parse_spec", "format_spec", "DEFAULT_PIPELINE",

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from recc import clusters as _shipped_clusters
+
 
 # Dense FLOP rates (TFLOP/s) assumed when a description gives none: a few CPU cores; A100 TF32
 # tensor cores (156); H100 SXM TF32 sustained (~400 of its 495 peak); any other GPU, 100.
@@ -49,13 +51,8 @@ class LinkSpec:
             raise ValueError(f"link: bw_gbps must be > 0 and latency_us >= 0, got {self.bw_gbps}, {self.latency_us}")
 
 
-# The descriptions shipped with the package (the repository's clusters/ folder).
-_SHIPPED_DIR = Path(__file__).resolve().parent.parent / "clusters"
-try:  # installed: the recc.clusters package
-    from recc import clusters as _clusters_pkg
-    _SHIPPED_DIR = Path(_clusters_pkg.__file__).parent
-except ImportError:
-    pass
+# The descriptions shipped with the package: recc.clusters (the repository's clusters/ folder).
+_SHIPPED_DIR = Path(_shipped_clusters.__file__).parent
 
 # Fields of a cluster description and what each must be.
 _TOP_FIELDS = {"name": "str", "nodes": "int", "devices_per_node": "int", "single_host": "bool",

@@ -17,10 +17,10 @@ from recc import ir
 from recc.cluster import Cluster
 from recc.config import CompileConfig
 from recc.graph_utils import resolve_attr
+from recc.heap import trim_heap
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.tables import TableGroup
-from recc.kernels import trim_heap
 from recc.trace import default_example_inputs, example_batch, model_is_meta, propagate_shapes, to_meta, trace, untouched
 
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,align_linear,fuse_linear_act,lower"

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from recc.specs import OptimizerSpec, TableSpec
 
-Placement = tuple[int, int, int, int, int, int]
+Placement = tuple[int, int, int, int, int, int]  # (table index in group, rank, row0, row1, col0, col1)
 Block = tuple[int, int, int, int, int]  # (table index in group, row0, row1, col0, col1)
 
 _PICKLE_RANK: Optional[int] = None
@@ -62,10 +62,6 @@ class _Held:
         return self.tensor
 
 
-def _strong(t: torch.Tensor):
-    return _Held(t)
-
-
 def _storage_users(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (views, detached aliases); a large number when
     torch cannot say, so that callers stay on the safe side."""
@@ -81,6 +77,8 @@ def _weak(ref):
     a model built on meta), so it stays."""
     t = ref()
     return ref if t is None or t.device.type == "meta" else weakref.ref(t)
+
+
 _SHM_DIR = "/dev/shm"
 _SHM_HEADROOM = 64 << 20
 
@@ -107,7 +105,7 @@ def _shared_copy(block: torch.Tensor) -> torch.Tensor:
     return out.copy_(block)
 
 
-WEIGHT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}  # (table index in group, rank, row0, row1, col0, col1)
+WEIGHT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 class TableGroup(nn.Module):
@@ -145,7 +143,7 @@ class TableGroup(nn.Module):
         # ``release_sources``, weak after). Runtime materialisation replaces them with
         # ``weights``. ``_blocks``: copies of one rank's blocks, in a program unpickled on that
         # rank (see ``for_rank``).
-        self._sources = [_strong(t) for t in sources]
+        self._sources = [_Held(t) for t in sources]
         self._blocks: dict[Block, torch.Tensor] = {}
         self.materialized = False
         self.set_rank(0)

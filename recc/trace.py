@@ -473,12 +473,17 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
 
 def _call_on_meta(module: nn.Module, args, kwargs):
     """``module(*args, **kwargs)`` with its real parameters and buffers swapped for meta ones."""
+    with _on_meta(module):
+        return _MODULE_CALL(module, *args, **kwargs)
+
+
+def _on_meta(module: nn.Module, keep_buffer=lambda name: False):
+    """Within it, ``module``'s real parameters and buffers (but those ``keep_buffer`` names)
+    are meta stand-ins of the same shapes."""
     from torch.nn.utils.stateless import _reparametrize_module
     state = dict(module.named_parameters())
-    state.update(module.named_buffers())
-    stand_ins = {k: to_meta(v) for k, v in state.items() if v.device.type != "meta"}
-    with _reparametrize_module(module, stand_ins):
-        return _MODULE_CALL(module, *args, **kwargs)
+    state.update((k, v) for k, v in module.named_buffers() if not keep_buffer(k))
+    return _reparametrize_module(module, {k: to_meta(v) for k, v in state.items() if v.device.type != "meta"})
 
 
 def _user_site_of(e: BaseException) -> str:
@@ -605,13 +610,9 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], abstract
         # Shape rules on meta values: the model's real parameters are swapped for meta stand-ins
         # while the graph runs, so a real model compiled for many ranks is annotated like a
         # meta one (its collectives cannot run in one process).
-        from torch.nn.utils.stateless import _reparametrize_module
         # Tensor constants of the capture (numpy attributes, torch.tensor(...) in forward) stay
         # real: they are small, and run with the real inputs until a meta value meets them.
-        state = dict(gm.named_parameters())
-        state.update((k, v) for k, v in gm.named_buffers() if not k.startswith("_tensor_constant"))
-        stand_ins = {k: to_meta(v) for k, v in state.items() if v.device.type != "meta"}
-        with _reparametrize_module(gm, stand_ins):
+        with _on_meta(gm, keep_buffer=lambda name: name.startswith("_tensor_constant")):
             return ShapeProp(gm, abstract).run(*flat)
 
 

@@ -19,7 +19,7 @@ from .native import backend as cpu_backend
 from .interaction import (dot_interaction_backward, dot_interaction_forward, dot_interaction_reference,
                           pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
 from .linear import linear_backward, linear_forward
-from .memory import huge_page_empty, release_memory, trim_heap
+from .memory import huge_page_empty, release_memory
 from .sparse import pack_bags
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "gather_rows",
     "huge_page_empty",
     "release_memory",
-    "trim_heap",
     "pack_bags",
     "linear_backward",
     "linear_forward",

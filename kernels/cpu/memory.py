@@ -36,7 +36,7 @@ _MADV_REMOVE = 9     # shared memory (tmpfs): the pages and their backing store 
 _libc = None
 
 
-def _load_libc():
+def _madvise():
     global _libc
     if _libc is None:
         try:
@@ -45,25 +45,7 @@ def _load_libc():
             _libc.madvise.restype = ctypes.c_int
         except (OSError, AttributeError):
             _libc = False
-    return _libc
-
-
-def _madvise():
-    libc = _load_libc()
-    return libc.madvise if libc else None
-
-
-def trim_heap() -> None:
-    """Hand the C heap's free memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
-
-    Compiling runs every stage's graph on the example inputs: tens of MB of activations per
-    stage, freed in between, but glibc keeps freed heap memory mapped when a small live block
-    sits above it — measured 240 MiB of RSS left behind by compiling ``small``, which a rank
-    would then carry while it trains."""
-    libc = _load_libc() if sys.platform.startswith("linux") else None
-    trim = getattr(libc, "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)
+    return _libc.madvise if _libc else None
 
 
 def huge_page_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import threading
 from collections.abc import Sequence
 
@@ -528,21 +529,21 @@ _DEFAULT_LLC_BYTES = 32 << 20
 def direct_map_rows() -> int:
     """The most weight rows the direct row -> slot map serves: a quarter of this CPU's last-level
     cache (sysfs; 32 MiB when it cannot be read) over 4 bytes a row."""
-    size = _DEFAULT_LLC_BYTES
-    try:
-        import glob
-        best = None
-        for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+    return _last_level_cache_bytes() // 4 // 4
+
+
+def _last_level_cache_bytes() -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    best = (0, _DEFAULT_LLC_BYTES)
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
             level = int(open(f"{d}/level").read())
-            text = open(f"{d}/size").read().strip()
-            n = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]] if text[-1] in "KMG" else int(text)
-            if best is None or level > best[0]:
-                best = (level, n)
-        if best is not None:
-            size = best[1]
-    except (OSError, ValueError, KeyError):
-        pass
-    return size // 4 // 4
+            text = open(f"{d}/size").read().strip()   # e.g. "32768K"
+            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+        except (OSError, ValueError):
+            continue
+        best = max(best, (level, size))
+    return best[1]
 
 
 def _bump_version(t: torch.Tensor) -> None:
