@@ -22,12 +22,15 @@ Every collective has a timeout (``RECC_TIMEOUT_S``, default 120 s). If a rank fa
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
+import types
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -113,6 +116,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _main_left_out():
+    """While children start: a bare ``__main__``, so spawn's preparation data names no main
+    script for the child to re-import (``multiprocessing.spawn.get_preparation_data`` reads
+    ``sys.modules["__main__"]`` as a child is started; nothing else there does)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is None:
+            del sys.modules["__main__"]
+        else:
+            sys.modules["__main__"] = main
+
+
 def _worker(rank_: int, world: int, backend: str, port: int, payload: bytearray, results, timeout: float):
     import torch
     import torch.distributed as dist
@@ -157,10 +176,7 @@ def _failure(procs, reports: dict[int, str], got: dict, world: int) -> RankFaile
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         msg = f"recc.launch: rank {r} of {world} {how} before returning a result"
         if code > 0:
-            # A rank that fails before running fn never reports; the usual cause is a script
-            # whose top level calls recc.launch: spawned ranks import the main module again.
-            msg += (" (its own error is on stderr; a script that calls recc.launch at import time needs "
-                    "an `if __name__ == \"__main__\":` guard, since every rank imports the main module)")
+            msg += " (its own error is on stderr)"  # it failed before it could report
         if reports:
             msg += "; the other ranks then failed: " + "; ".join(
                 f"rank {o}: {t.splitlines()[0]}" for o, t in sorted(reports.items()))
@@ -202,7 +218,8 @@ def launch(fn: Callable, cluster: Cluster, *args) -> list[Any]:
             payload = bytearray(_dumps((fn, args)))
         p = ctx.Process(target=_worker, args=(r, world, cluster.backend, port, payload, results, timeout),
                         name=f"recc-rank{r}", daemon=True)
-        p.start()   # spawn sends the payload now: one rank's payload alive at a time
+        with _main_left_out():
+            p.start()   # spawn sends the payload now: one rank's payload alive at a time
         procs.append(p)
         del payload, p
     got: dict[int, Any] = {}
