@@ -356,8 +356,8 @@ def main(argv=None) -> int:
                         help="the tables' fused optimizer (default: the config's, sgd)")
         sp.add_argument("--lr", type=float, help="learning rate (default: the config's; train: 0.1)")
         sp.add_argument("--batch-size", type=int, help="global batch (default: the preset's)")
-        sp.add_argument("--world-size", type=int, default=2 if sp.prog.endswith("train") else 1,
-                        help="ranks of the local world, without --cluster")
+        sp.add_argument("--world-size", type=int, default=2,
+                        help="ranks of the local world, without --cluster (every command: the same world)")
         sp.add_argument("--nodes", type=int, default=1,
                         help="without --cluster: emulate this many nodes of the local world (e.g. 4 ranks as 2x2)")
         sp.add_argument("--seed", type=int, default=0, help="torch's seed for the model's initial values")

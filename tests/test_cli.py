@@ -22,7 +22,7 @@ def one_thread_cli():
 
 def test_compile_prints_the_final_ir_and_plan_and_dumps(tmp_path, capsys):
     dump = tmp_path / "ir"
-    assert main(["compile", "--model", "tiny", "--dump-dir", str(dump)]) == 0
+    assert main(["compile", "--model", "tiny", "--world-size", "1", "--dump-dir", str(dump)]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("# recc IR after [11/11] lower | ")
     assert "\npooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables\n" in out
@@ -66,7 +66,7 @@ def test_compile_with_sharding_from_the_config_file(tmp_path, capsys):
     assert main(["compile", "--model", "tiny", "--config", str(cfg), "--pipeline", "discover_tables,shard_tables"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# recc IR after [2/2] shard_tables{strategy=column_wise} | ")
-    assert "# sharding plan: 3 tables over 1 rank(s), strategy=column_wise" in out
+    assert "# sharding plan: 3 tables over 2 rank(s), strategy=column_wise" in out
     assert "2 passes, pipeline discover_tables,shard_tables{strategy=column_wise}" in out
 
 
@@ -130,10 +130,10 @@ def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
                      r"pipeline_comm\{enabled=true\},fuse_gathers,fuse_interaction,align_linear,fuse_linear_act,lower$", out, re.M)
 
 
-def test_compile_terabyte_for_one_rank_says_it_does_not_fit(capsys, monkeypatch):
+def test_compile_terabyte_on_the_default_local_world_says_it_does_not_fit(capsys, monkeypatch):
     monkeypatch.delenv("RECC_DEBUG", raising=False)
     assert main(["compile", "--model", "terabyte", "--meta"]) == 2
-    assert re.match(r"recc compile: shard_tables \(cluster local-1\): plan_tables: table emb_l\.\d+ "
+    assert re.match(r"recc compile: shard_tables \(cluster local-2\): plan_tables: table emb_l\.\d+ "
                     r"\(\d+x128, sgd: .*\) does not fit in memory", capsys.readouterr().err)
 
 

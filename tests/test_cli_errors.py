@@ -11,7 +11,7 @@ from recc.cli import main
     (["plan", "--model", "kaggle", "--cluster", "nope"],
      "recc plan: cluster 'nope': no such file, and no cluster of that name ships with recc (shipped: "),
     (["compile", "--model", "terabyte", "--meta"],
-     "recc compile: shard_tables (cluster local-1): plan_tables: table emb_l."),
+     "recc compile: shard_tables (cluster local-2): plan_tables: table emb_l."),
     (["compile", "--model", "tiny", "--config", "missing.yaml"], "recc compile: "),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, says, capsys, monkeypatch, tmp_path):

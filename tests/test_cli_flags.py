@@ -15,7 +15,7 @@ def test_the_commands_share_their_flags_and_show_defaults(cmd, capsys):
     out = " ".join(capsys.readouterr().out.split())
     for flag in ("--model", "--world-size", "--cluster", "--sharding", "--optimizer", "--batch-size", "--seed"):
         assert flag in out, (cmd, flag)
-    assert re.search(r"--world-size WORLD_SIZE\s+ranks of the local world, without --cluster \(default: [12]\)",
+    assert re.search(r"--world-size WORLD_SIZE\s+ranks of the local world, without --cluster \(every command: the same world\) \(default: 2\)",
                      out), out
     assert "initial values (default: 0)" in out   # --seed
     assert "(default: None)" not in out
