@@ -1,0 +1,213 @@
+"""The planner's cost model: what a placement costs each rank in time and memory.
+
+Notation: ``B`` global batch, ``W`` ranks, ``G`` ranks per node, ``N`` nodes, ``b = B / W`` the
+local batch; per table ``L`` ids per bag (its average bag size), ``D`` columns, ``e`` bytes per
+weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`` and
+``inv(q, r)`` = 1/bandwidth of the link between ranks q != r (intra-node if they share a node).
+``S = (G-1)/bw_intra + (W-G)/bw_inter`` is the time per byte of talking to every other rank.
+
+- Bytes on the wire: ids ``id(n, L) = n * (8 L + 8)`` for n bags (int64 ids plus one int64 length
+  per bag; +4 per id for per-sample weights); pooled outputs ``out(n, D) = n * D * 4``
+  (``n * L * D * 4`` for unpooled gathers). Payloads are fp32: ``quantize_comm`` shrinks them later.
+- Lookup of ``n`` ids over ``D`` columns, forward + backward + fused optimizer:
+  ``(3 * n * D * e + 2 * n * s(D)) / M``, where ``s(D)`` is the optimizer state per row
+  (sgd 0, rowwise_adagrad 4 bytes, adagrad 4 D, adam 8 D), read and written once per id.
+- TW on rank r: r looks up all ``B L`` ids. Per peer q it receives ids ``id(b, L)``, sends the
+  pooled forward output and receives its gradient, ``p = id(b, L) + 2 out(b, D)``; r pays
+  ``p * S``, every other rank q pays ``p * inv(q, r)``.
+- CW: k blocks, each costed as a TW table of ``D / k`` columns (every block owner gets all ids).
+- RW: rank r looks up the ids of its rows (``B L * rows_r / rows``, ids spread uniformly over
+  rows); every pair of ranks exchanges ids both ways (``2 id(b, L / W)``) and the reduce-scatter
+  of partial sums plus its backward all-gather (``4 out(b, D)``): every rank pays that ``* S``.
+- TWRW on node n: as RW inside the node (``L / G``); the node's ranks reduce-scatter partial sums
+  inside the node (``4 out(N b, D)`` per node peer) and all-to-all the results with the rank of
+  the same local index on every other node (``2 out(b, D)`` per remote peer); each rank outside
+  n receives its pooled output from one rank of n over the inter-node link.
+- DP: every rank looks up its local ``b L`` ids and updates its whole replica
+  (``(3 rows D e + 2 rows s(D)) / M``), then all-reduces the table's gradient,
+  ``2 (W-1)/W * rows * D * 4`` bytes over the slowest link the world spans.
+- Latency: each kind in the plan runs its own collectives, every one paying the world's link
+  latency (inter-node when N > 1): TW, CW, RW 4 (ids in two phases, output forward, gradient
+  backward), TWRW 6 (its output dist is two-level), DP ``2 ceil(log2 W)`` (a tree all-reduce).
+- Memory per rank: weights ``rows_r * cols * e`` + optimizer state (sgd none, rowwise_adagrad one
+  fp32 per row, adagrad one per element, adam two per element) + on CPU ranks one int32 per row
+  (the fused backward's row -> slot map) + buffers (the ids a shard
+  receives and its output and gradient, or a DP table's dense gradient). The cap is the device
+  memory less ``RESERVED_FRACTION`` for the dense model, activations and the runtime.
+
+A rank's estimated time is the sum of its shards' lookup time and its communication; the
+objective is the slowest rank's time plus the plan's collective latencies. Links are taken to
+serialise (NVLink and NIC traffic add up), a conservative bound.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from recc.cluster import Cluster
+from recc.planner.layouts import CW, DP, RW, TW, TWRW, row_blocks
+from recc.specs import SHARDING_KINDS, TableSpec
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+ID_BYTES = 8          # int64 ids
+LENGTH_BYTES = 8      # one int64 length (offset) per bag
+PSW_BYTES = 4         # fp32 per-sample weight per id
+OUT_BYTES = 4         # fp32 pooled outputs and their gradients
+RESERVED_FRACTION = 0.10   # of device memory, for the dense model, activations and the runtime
+SLOT_MAP_BYTES = 4         # per weight row on CPU ranks: the fused backward's row -> slot map
+GIB = 2 ** 30
+
+
+
+def state_row_bytes(optimizer: str, cols: int) -> int:
+    """Optimizer state per table row, bytes."""
+    return {"sgd": 0, "rowwise_adagrad": 4, "adagrad": 4 * cols, "adam": 8 * cols}[optimizer]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What the cost model needs to know about one table."""
+
+    name: str
+    rows: int
+    dim: int
+    bag: float       # ids per bag (per sample)
+    pooled: bool
+    id_bytes: int    # per id on the wire
+    elem: int        # bytes per weight element
+
+
+class CostModel:
+    """The formulas of the module docstring, for one cluster, batch and optimizer.
+
+    ``delta(profile, placement)`` returns per-rank lists ``(lookup_s, comm_s, memory_bytes)``
+    that a table adds; ``tw_terms`` the same for a table-wise block in closed form."""
+
+    def __init__(self, cluster: Cluster, batch_size: int, optimizer: str = "sgd"):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"plan_tables: optimizer {optimizer!r} is not one of {OPTIMIZERS}")
+        if batch_size < 1:
+            raise ValueError(f"plan_tables: batch_size must be >= 1, got {batch_size}")
+        self.cluster = cluster
+        self.optimizer = optimizer
+        self.W, self.G, self.N = cluster.world_size, cluster.devices_per_node, cluster.nodes
+        self.B = float(batch_size)
+        self.b = self.B / self.W
+        self.mem_bw = cluster.device.mem_bw_gbps * 1e9
+        self.ii = 1.0 / (cluster.intra_node.bw_gbps * 1e9) if self.G > 1 else 0.0
+        self.ie = 1.0 / (cluster.inter_node.bw_gbps * 1e9) if self.N > 1 else 0.0
+        self.S = (self.G - 1) * self.ii + (self.W - self.G) * self.ie
+        self.cap = cluster.device.memory_gb * GIB * (1 - RESERVED_FRACTION)
+        # The CPU backward finds each id's slot among the step's unique rows through a map with
+        # one int32 per weight row while a group fits a quarter of the last-level cache, a hash map
+        # sized by the step's ids past it (kernels/cpu/tbe.py): counted for every row, an upper
+        # bound. The CUDA backward sorts instead.
+        self.slot_bytes = SLOT_MAP_BYTES if cluster.device_type == "cpu" else 0
+        self.node = [r // self.G for r in range(self.W)]
+        if self.W == 1:
+            lat = 0.0
+        else:
+            lat = (cluster.inter_node if self.N > 1 else cluster.intra_node).latency_us * 1e-6
+        self.kind_latency = {TW: 4 * lat, CW: 4 * lat, RW: 4 * lat, TWRW: 6 * lat,
+                             DP: 2 * math.ceil(math.log2(self.W)) * lat if self.W > 1 else 0.0}
+        slow = cluster.inter_node if self.N > 1 else cluster.intra_node
+        self.i_slow = 1.0 / (slow.bw_gbps * 1e9) if self.W > 1 else 0.0
+
+    # -- building blocks
+    def profile(self, t: TableSpec, bag: float) -> Profile:
+        return Profile(t.name, t.rows, t.dim, float(bag), t.pooling != "none",
+                        ID_BYTES + (PSW_BYTES if t.weighted else 0), ELEM_BYTES.get(t.dtype, 4))
+
+    def ids(self, p: Profile, bags: float, ids_per_bag: float) -> float:
+        return bags * (ids_per_bag * p.id_bytes + LENGTH_BYTES)
+
+    def out(self, p: Profile, bags: float, cols: int) -> float:
+        return bags * cols * OUT_BYTES * (1.0 if p.pooled else p.bag)
+
+    def lookup_s(self, p: Profile, n_ids: float, cols: int) -> float:
+        return (3 * n_ids * cols * p.elem + 2 * n_ids * state_row_bytes(self.optimizer, cols)) / self.mem_bw
+
+    def table_bytes(self, p: Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:
+        return rows * (cols * p.elem + state_row_bytes(optimizer or self.optimizer, cols))
+
+    def resident_bytes(self, p: Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:
+        """What a shard of ``rows`` x ``cols`` holds on its rank: weights, state, the slot map."""
+        return self.table_bytes(p, rows, cols, optimizer) + rows * self.slot_bytes
+
+    def inv(self, q: int, r: int) -> float:
+        if q == r:
+            return 0.0
+        return self.ii if self.node[q] == self.node[r] else self.ie
+
+    def tw_terms(self, p: Profile, cols: int, optimizer: Optional[str] = None) -> tuple[float, float, float]:
+        """``(lookup_s, per-peer bytes, memory)`` of a table-wise block of ``cols`` columns."""
+        c = self.lookup_s(p, self.B * p.bag, cols)
+        peer = self.ids(p, self.b, p.bag) + 2 * self.out(p, self.b, cols)
+        mem = (self.resident_bytes(p, p.rows, cols, optimizer) + self.ids(p, self.B, p.bag)
+               + 2 * self.out(p, self.B, cols))
+        return c, peer, mem
+
+    # -- per-rank deltas
+    def delta(self, p: Profile, placement: tuple, optimizer: Optional[str] = None):
+        W, kind = self.W, placement[0]
+        comp, comm, mem = [0.0] * W, [0.0] * W, [0.0] * W
+        if kind in (TW, CW):
+            owners = (placement[1],) if kind == TW else placement[1]
+            cols = p.dim // len(owners)
+            c, peer, m = self.tw_terms(p, cols, optimizer)
+            per_node = [0] * self.N
+            for r in owners:
+                comp[r] += c
+                mem[r] += m
+                comm[r] += peer * self.S
+                per_node[self.node[r]] += 1
+            k, owned = len(owners), set(owners)
+            for q in range(W):
+                same = per_node[self.node[q]] - (1 if q in owned else 0)
+                comm[q] += peer * (same * self.ii + (k - per_node[self.node[q]]) * self.ie)
+        elif kind in (RW, TWRW):
+            parts = W if kind == RW else self.G
+            base = 0 if kind == RW else placement[1] * self.G
+            group = range(base, base + parts)
+            idb = self.ids(p, self.b, p.bag / parts)
+            for i, r0, r1 in row_blocks(p.rows, parts):
+                f = (r1 - r0) / p.rows
+                comp[base + i] = self.lookup_s(p, self.B * p.bag * f, p.dim)
+                mem[base + i] = (self.resident_bytes(p, r1 - r0, p.dim, optimizer) + self.ids(p, self.B * f, p.bag)
+                                 + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
+            if kind == RW:
+                pair = 2 * idb + (4 * self.out(p, self.b, p.dim) * (1.0 if p.pooled else 1.0 / W))
+                for q in range(W):
+                    comm[q] = pair * self.S
+            else:
+                n = placement[1]
+                to_node_in, to_node_out = (self.G - 1) * self.ii, self.G * self.ie
+                for q in range(W):  # every rank sends its bags' ids to the node's ranks
+                    comm[q] += idb * (to_node_in if self.node[q] == n else to_node_out)
+                ob = self.out(p, self.b, p.dim)
+                for r in group:
+                    comm[r] += idb * self.S
+                if p.pooled:
+                    inside = 4 * self.out(p, self.N * self.b, p.dim) * (self.G - 1) * self.ii
+                    across = 2 * ob * (self.N - 1) * self.ie
+                    for q in range(W):
+                        comm[q] += inside + across if self.node[q] == n else 2 * ob * self.ie
+                else:  # gathers: each owner returns its rows' vectors to every batch owner
+                    ob /= self.G
+                    for q in range(W):
+                        comm[q] += 2 * ob * (to_node_in if self.node[q] == n else to_node_out)
+                    for r in group:
+                        comm[r] += 2 * ob * self.S
+        else:  # DP
+            upd = (3 * p.rows * p.dim * p.elem + 2 * p.rows * state_row_bytes(optimizer or self.optimizer, p.dim))
+            c = self.lookup_s(p, self.b * p.bag, p.dim) + upd / self.mem_bw
+            ar = 2 * (W - 1) / W * p.rows * p.dim * OUT_BYTES * self.i_slow
+            m = self.resident_bytes(p, p.rows, p.dim, optimizer) + p.rows * p.dim * OUT_BYTES
+            comp, comm, mem = [c] * W, [ar] * W, [m] * W
+        return comp, comm, mem
+
+    def latency(self, kinds: Iterable[str]) -> float:
+        used = set(kinds)  # summed in kind order, so every process adds the same floats
+        return sum(self.kind_latency[k] for k in SHARDING_KINDS if k in used)

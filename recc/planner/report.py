@@ -1,0 +1,144 @@
+"""What the planner reports: a complete plan's per-rank estimates, each table's reason, and
+the error that says why a table does not fit and what would make it."""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Optional
+
+from recc.cluster import Cluster
+from recc.planner.constraints import Unit
+from recc.planner.cost_model import GIB, ELEM_BYTES, OPTIMIZERS, RESERVED_FRACTION, CostModel, state_row_bytes
+from recc.planner.layouts import CW, DP, RW, TW, placement_of
+from recc.planner.search import KIND_INDEX, ranks_of
+from recc.specs import SHARDING_KINDS, Plan, RankEstimate, ShardSpec, StepEstimate, TableSpec, compress_ranks, fmt_ms
+
+
+def table_reasons(tables, shards, alternatives, model: CostModel, bag_sizes, check_memory: bool,
+                   cons: dict) -> dict[str, str]:
+    """Per table: its runner-up kind and what moving only this table there would cost the plan
+    (a kind's placement of it taken from that kind's uniform plan; row_wise and data_parallel,
+    which have one placement, also where their uniform plan did not fit), or why no kind could
+    take it instead."""
+    W = model.W
+    comp, comm, mem, base, _ = estimate_shards(tables, shards, model, bag_sizes)
+    kinds_now = {spec.kind for spec in shards.values()}
+    out = {}
+    for name, spec in shards.items():
+        t = tables[name]
+        p = model.profile(t, (bag_sizes or {}).get(name, 1.0))
+        c0, m0, me0 = model.delta(p, placement_of(t, spec, model.cluster))
+        rest_kinds = {s.kind for n, s in shards.items() if n != name}
+        options = []
+        allowed = cons["kinds"].get(name, SHARDING_KINDS)
+        for kind in SHARDING_KINDS:
+            if kind == spec.kind or kind not in allowed:
+                continue
+            if kind in alternatives:
+                placement = placement_of(t, alternatives[kind][name], model.cluster)
+            elif kind == DP or (kind == RW and t.splits_rows_ok):
+                placement = (kind,)
+            else:
+                continue
+            c1, m1, me1 = model.delta(p, placement)
+            memory = [mem[r] - me0[r] + me1[r] for r in range(W)]
+            if check_memory and max(memory) > model.cap:
+                options.append((math.inf, kind, "over memory"))
+                continue
+            lat = model.latency(rest_kinds | {kind}) - model.latency(kinds_now)
+            obj = max(comp[r] - c0[r] + c1[r] + comm[r] - m0[r] + m1[r] for r in range(W)) + lat
+            options.append((obj - base, kind, f"+{fmt_ms(max(0.0, obj - base) * 1e3)} ms"))
+        if not options:
+            continue
+        options.sort(key=lambda o: (o[0], KIND_INDEX[o[1]]))
+        cost, kind, what = options[0]
+        out[name] = f"{kind} {what}" if math.isfinite(cost) else "every other kind: over memory"
+    return out
+
+
+def estimate_shards(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], model: CostModel,
+                    bag_sizes: Optional[dict[str, float]] = None):
+    """``(lookup_s, comm_s, memory_bytes, objective_s, table_cost_s)`` of a complete plan: per-rank
+    lists (comm includes the collectives' latency), the objective, and each table's time on
+    its busiest rank."""
+    W = model.W
+    comp, comm, mem = [0.0] * W, [0.0] * W, [0.0] * W
+    cost = {}
+    bag_sizes = bag_sizes or {}
+    kinds = set()
+    for name, spec in shards.items():
+        t = tables[name]
+        p = model.profile(t, bag_sizes.get(name, 1.0))
+        c, m_, me = model.delta(p, placement_of(t, spec, model.cluster))
+        comp = list(map(operator.add, comp, c))
+        comm = list(map(operator.add, comm, m_))
+        mem = list(map(operator.add, mem, me))
+        cost[name] = max(map(operator.add, c, m_)) if W else 0.0
+        kinds.add(spec.kind)
+    lat = model.latency(kinds)
+    comm = [x + lat for x in comm]
+    objective = max(map(operator.add, comp, comm)) if shards else 0.0
+    return comp, comm, mem, objective, cost
+
+
+def build_plan(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], cluster: Cluster, model: CostModel,
+               bag_sizes: Optional[dict[str, float]] = None, *, strategy: str = "auto",
+               dense_flops_per_sample: Optional[float] = None, notes: Optional[list[str]] = None) -> Plan:
+    """A ``Plan`` for ``shards`` with the cost model's per-table and per-rank estimates."""
+    comp, comm, mem, _, cost = estimate_shards(tables, shards, model, bag_sizes)
+    weights = [0.0] * model.W
+    for name, spec in shards.items():
+        e = ELEM_BYTES.get(tables[name].dtype, 4)
+        for r, r0, r1, c0, c1 in spec.shards:
+            weights[r] += (r1 - r0) * (c1 - c0) * e
+    ranks = [RankEstimate(r, weights[r], mem[r], comp[r] * 1e3, comm[r] * 1e3) for r in range(model.W)]
+    slowest = max(range(model.W), key=lambda r: (comp[r] + comm[r], -r))
+    dense_ms = 0.0
+    if dense_flops_per_sample:
+        dense_ms = 3 * dense_flops_per_sample * model.b / (cluster.device.tflops * 1e12) * 1e3
+    est = StepEstimate(slowest, comp[slowest] * 1e3, comm[slowest] * 1e3, dense_ms)
+    notes = list(notes or [])
+    notes.insert(0, f"cluster {cluster.name}: {model.W} rank(s), global batch {int(model.B)}, optimizer "
+                    f"{model.optimizer}; memory cap {model.cap / GIB:.2f} GiB per rank "
+                    f"({cluster.device.memory_gb:g} GiB less {RESERVED_FRACTION:.0%} reserved); est ms = "
+                    f"lookup + communication a table adds to its busiest rank")
+    return Plan(world_size=model.W, tables=dict(tables), shards=dict(shards), strategy=strategy,
+                table_cost_ms={n: c * 1e3 for n, c in cost.items()}, rank_estimates=ranks,
+                memory_cap_bytes=model.cap, estimate=est, notes=notes)
+
+
+def no_fit_message(u: Unit, overflow, model: CostModel, tables, profiles, units, cons, check_memory) -> str:
+    W, cap = model.W, model.cap
+    sizes = ", ".join(f"{p.rows}x{p.dim}" for p in u.profiles)
+    alone = sum(model.table_bytes(p, p.rows, p.dim) for p in u.profiles)
+    head = (f"plan_tables: {'table' if len(u.names) == 1 else 'tables'} {u.label} ({sizes}, "
+            f"{model.optimizer}: {alone / GIB:.2f} GiB of weights and optimizer state) "
+            f"{'does' if len(u.names) == 1 else 'do'} not fit in memory")
+    if overflow is None:
+        return head + " (no allowed placement)"
+    over, rank, placement, need, used = overflow
+    kind = placement[0]
+    where = (f"{kind} on rank {rank}" if kind == TW else f"a {kind} block on rank {rank}" if kind == CW
+             else f"{kind} over ranks {compress_ranks(ranks_of(placement, model))}")
+    msg = (f"{head}: its least-over placement, {where}, needs {need / GIB:.2f} GiB on rank {rank} "
+           f"({used / GIB:.2f} GiB already placed there), {over / GIB:.2f} GiB over the "
+           f"{cap / GIB:.2f} GiB cap ({model.cluster.device.memory_gb:g} GiB less {RESERVED_FRACTION:.0%} reserved).")
+    fixes = []
+    rw_need = max(sum(model.delta(p, (RW,))[2][r] for p in u.profiles) for r in range(W))
+    if RW not in u.kinds:
+        fixes.append(f"allow row_wise for it (over all {W} ranks it needs {rw_need / GIB:.2f} GiB per rank)")
+    total = sum(model.tw_terms(p, p.dim)[2] for p in profiles.values())
+    need_ranks = math.ceil(total / cap)
+    if need_ranks > W or RW in u.kinds:
+        fixes.append(f"more ranks (all {len(tables)} tables need {total / GIB:.2f} GiB with their buffers: "
+                     f"at least {need_ranks} ranks of {cap / GIB:.2f} GiB, and more for balance)")
+    smaller = [o for o in OPTIMIZERS if state_row_bytes(o, 1) < state_row_bytes(model.optimizer, 1)
+               or (o == "rowwise_adagrad" and model.optimizer in ("adagrad", "adam"))]
+    if smaller:
+        fixes.append("a smaller optimizer state (" + ", ".join(
+            f"{o}: {sum(model.table_bytes(p, p.rows, p.dim, o) for p in u.profiles) / GIB:.2f} GiB"
+            for o in smaller) + " for this table)")
+    if any(n in cons["rank"] or n in cons["node"] or n in cons["plan"] for n in u.names) or len(u.names) > 1:
+        fixes.append("loosening its rank/node/together/plan constraints")
+    fixes.append("devices with more memory")
+    return msg + " To make it fit: " + "; or ".join(fixes) + "."

@@ -1,0 +1,370 @@
+"""The planner's search over the cost model.
+
+``auto``: tables (or ``together`` groups) are placed greedily, largest estimated cost first. Each
+goes where it minimises ``max(slowest rank after placing it, average rank once every table is
+placed) + the plan's latencies`` — the average is a lower bound on the final objective, so early
+tables are not spread over many ranks at a high total cost just because the ranks are still
+empty. Ties go to the smaller growth of the sum of squared rank times, then kind order, then the
+lowest rank. Candidates: TW on every rank, CW (each block on one of the ranks that would take a
+table best), RW, TWRW on every node, and DP for tables under ``DP_MAX_BYTES``. A refinement pass
+then moves tables off the slowest rank (to any allowed placement), or swaps a table-wise table
+there with a smaller one elsewhere, while that lowers the objective. Finally every uniform
+strategy (each kind forced on all tables) is planned as well; if the best of them beats the greedy
+plan it is refined with all kinds allowed and kept, so ``auto`` is never estimated worse than a
+forced strategy that fits (and may then replicate tables above ``DP_MAX_BYTES``). A forced
+``strategy`` uses one kind for every table, TW and CW blocks and TWRW nodes balanced greedily.
+Memory caps are hard: a placement that would put any rank over its cap is never taken.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Iterable, Optional
+
+from recc.planner.constraints import Unit
+from recc.planner.cost_model import GIB, CostModel
+from recc.planner.layouts import CW, RW, TW, TWRW, column_split
+from recc.specs import SHARDING_KINDS, TableSpec
+
+KIND_INDEX = {k: i for i, k in enumerate(SHARDING_KINDS)}
+REFINE_STEPS = 256         # bound on refinement moves (deterministic: a count, never a clock)
+REFINE_UNITS = 8           # tables on the slowest rank tried per refinement step
+REFINE_SWAPS = 4           # screened swaps evaluated exactly per refinement step
+
+
+
+class NoFit(Exception):
+    pass
+
+
+class _State:
+    """Per-rank time and memory of a partial plan, with the caches the fast TW evaluation uses."""
+
+    def __init__(self, model: CostModel):
+        self.m = model
+        W = model.W
+        self.tot = [0.0] * W
+        self.mem = [0.0] * W
+        self.kinds: dict[str, int] = {}
+        self.refresh()
+
+    def refresh(self):
+        m, tot = self.m, self.tot
+        G, N = m.G, m.N
+        self.T = sum(tot)
+        self.Tn, self.best1, self.arg1, self.best2 = [], [], [], []
+        for n in range(N):
+            vals = tot[n * G:(n + 1) * G]
+            self.Tn.append(sum(vals))
+            i1 = max(range(G), key=lambda i: (vals[i], -i))
+            self.best1.append(vals[i1])
+            self.arg1.append(n * G + i1)
+            rest = [v for i, v in enumerate(vals) if i != i1]
+            self.best2.append(max(rest) if rest else -math.inf)
+        ordered = sorted(range(N), key=lambda n: (-self.best1[n], n))
+        self.nb1 = ordered[0]
+        self.nb2 = ordered[1] if N > 1 else None
+
+    @property
+    def latency(self) -> float:
+        return self.m.latency(k for k, c in self.kinds.items() if c > 0)
+
+    def latency_with(self, kind: str) -> float:
+        lat = self.latency
+        return lat if self.kinds.get(kind, 0) > 0 else lat + self.m.kind_latency[kind]
+
+    def objective(self) -> float:
+        return max(self.tot) + self.latency
+
+    def slowest(self) -> int:
+        return max(range(self.m.W), key=lambda r: (self.tot[r], -r))
+
+    def apply(self, kind: str, dt: list, dmem: list, sign: float = 1.0):
+        if sign > 0:
+            self.tot = list(map(operator.add, self.tot, dt))
+            self.mem = list(map(operator.add, self.mem, dmem))
+        else:
+            self.tot = list(map(operator.sub, self.tot, dt))
+            self.mem = list(map(operator.sub, self.mem, dmem))
+        self.kinds[kind] = self.kinds.get(kind, 0) + (1 if sign > 0 else -1)
+        self.refresh()
+
+
+class Search:
+    def __init__(self, model: CostModel, tables: dict[str, TableSpec], units: list[Unit], strategy: str,
+                 check_memory: bool):
+        self.m = model
+        self.tables = tables
+        self.units = units
+        self.strategy = strategy
+        self.cap = model.cap if check_memory else math.inf
+        self.state = _State(model)
+        self.remaining = 0.0  # total time (summed over ranks) of the units not placed yet, table-wise
+        self.overflow = None  # the least-over infeasible candidate seen for the current unit
+
+    # -- deltas of a unit
+    def tw_terms(self, u: Unit, cols_div: int = 1):
+        key = cols_div
+        if key not in u.tw:
+            c = peer = mem = 0.0
+            for p in u.profiles:
+                ci, pi, mi = self.m.tw_terms(p, p.dim // cols_div)
+                c, peer, mem = c + ci, peer + pi, mem + mi
+            u.tw[key] = (c, peer, mem)
+        return u.tw[key]
+
+    def dense(self, u: Unit, placement: tuple):
+        """Per-rank ``(time, memory)`` the unit adds in ``placement``. Placements that do not
+        depend on the plan so far are cached; TWRW on node n is node 0's delta rotated by n nodes."""
+        kind = placement[0]
+        if kind in (TW, CW):
+            return self._dense(u, placement)
+        key = (kind,) if kind != TWRW else (TWRW, 0)
+        if key not in u.cache:
+            u.cache[key] = self._dense(u, key)
+        dt, dmem = u.cache[key]
+        if kind == TWRW and placement[1]:
+            k = placement[1] * self.m.G
+            dt, dmem = dt[-k:] + dt[:-k], dmem[-k:] + dmem[:-k]
+        return dt, dmem
+
+    def _dense(self, u: Unit, placement: tuple):
+        dt, dmem = [0.0] * self.m.W, [0.0] * self.m.W
+        for p in u.profiles:
+            comp, comm, mem = self.m.delta(p, placement)
+            dt = list(map(lambda a, b, c: a + b + c, dt, comp, comm))
+            dmem = list(map(operator.add, dmem, mem))
+        return dt, dmem
+
+    def _over(self, u: Unit, placement: tuple, rank: int, need: float):
+        over = need - self.cap
+        if self.overflow is None or over < self.overflow[0]:
+            self.overflow = (over, rank, placement, need, self.state.mem[rank])
+
+    # -- evaluation
+    def eval_dense(self, u: Unit, placement: tuple, dt, dmem):
+        st = self.state
+        need = list(map(operator.add, st.mem, dmem))
+        worst = max(need)
+        if worst > self.cap:
+            self._over(u, placement, need.index(worst), worst)
+            return None
+        mx = max(max(map(operator.add, st.tot, dt)), (st.T + sum(dt) + self.remaining) / self.m.W)
+        dss = 2 * sum(map(operator.mul, st.tot, dt)) + sum(map(operator.mul, dt, dt))
+        return (mx + st.latency_with(placement[0]), dss, KIND_INDEX[placement[0]], _tiebreak(placement))
+
+    def tw_scores(self, u: Unit, cols_div: int, kind: str, ranks: Optional[Iterable[int]]):
+        """Keys of placing the unit (or one CW block of it) table-wise on each allowed rank."""
+        m, st = self.m, self.state
+        c, peer, mem = self.tw_terms(u, cols_div)
+        a, di, de = c + peer * m.S, peer * m.ii, peer * m.ie
+        G, N, W = m.G, m.N, m.W
+        lat = st.latency_with(kind)
+        kidx = KIND_INDEX[kind]
+        tot, memr, cap = st.tot, st.mem, self.cap
+        bound = (st.T + c + 2 * peer * m.S + self.remaining) / W  # the average rank after it
+        out = []
+        for r in (ranks if ranks is not None else range(W)):
+            if memr[r] + mem > cap:
+                self._over(u, (kind, r if kind == TW else (r,)), r, memr[r] + mem)
+                continue
+            n = r // G
+            t = tot[r]
+            x = t + a
+            if G > 1:
+                y = (st.best2[n] if st.arg1[n] == r else st.best1[n]) + di
+                if y > x:
+                    x = y
+            if N > 1:
+                other = st.best1[st.nb1] if st.nb1 != n else st.best1[st.nb2]
+                if other + de > x:
+                    x = other + de
+            dss = (2 * t * a + a * a + 2 * di * (st.Tn[n] - t) + (G - 1) * di * di
+                   + 2 * de * (st.T - st.Tn[n]) + (W - G) * de * de)
+            out.append(((x if x > bound else bound) + lat, dss, kidx, r))
+        return out
+
+    def candidates(self, u: Unit):
+        """The best key and placement for each allowed kind (``[(key, placement, dense or None)]``)."""
+        m = self.m
+        found = []
+        for kind in u.kinds:
+            if kind in (RW, TWRW) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
+                continue  # one block on one rank: the table_wise layout under another name
+            if kind == TW:
+                scores = self.tw_scores(u, 1, TW, u.ranks)
+                if scores:
+                    best = min(scores)
+                    found.append((best, (TW, best[3]), None))
+            elif kind == CW:
+                k = column_split(u.profiles[0].dim, m.W)
+                if k == 1 and TW in u.kinds:
+                    continue  # the same layout as table_wise
+                scores = sorted(self.tw_scores(u, k, CW, u.ranks))
+                if len(scores) < k:
+                    continue
+                blocks = tuple(s[3] for s in scores[:k])
+                placement = (CW, blocks)
+                dt, dmem = self.dense(u, placement)
+                key = self.eval_dense(u, placement, dt, dmem)
+                if key is not None:
+                    found.append((key, placement, (dt, dmem)))
+            elif kind == TWRW:
+                nodes = [u.node] if u.node is not None else range(m.N)
+                best = None
+                for n in nodes:
+                    placement = (TWRW, n)
+                    dt, dmem = self.dense(u, placement)
+                    key = self.eval_dense(u, placement, dt, dmem)
+                    if key is not None and (best is None or key < best[0]):
+                        best = (key, placement, (dt, dmem))
+                if best is not None:
+                    found.append(best)
+            else:  # RW, DP
+                placement = (kind,)
+                dt, dmem = self.dense(u, placement)
+                key = self.eval_dense(u, placement, dt, dmem)
+                if key is not None:
+                    found.append((key, placement, (dt, dmem)))
+        return found
+
+    def place(self, u: Unit, placement: tuple, dense=None):
+        dt, dmem = dense if dense is not None else self.dense(u, placement)
+        self.state.apply(placement[0], dt, dmem)
+        u.placement, u.cur = placement, (dt, dmem)
+
+    def unplace(self, u: Unit):
+        dt, dmem = u.cur
+        self.state.apply(u.placement[0], dt, dmem, -1.0)
+
+    # -- greedy
+    def run(self, start: Optional[dict[str, tuple]] = None):
+        fixed = [u for u in self.units if u.fixed is not None]
+        for u in fixed:
+            dt, dmem = self.dense(u, u.fixed)
+            st = self.state
+            over = [(st.mem[r] + dmem[r], r) for r in range(self.m.W) if st.mem[r] + dmem[r] > self.cap]
+            if over:
+                need, r = max(over)
+                raise ValueError(f"plan_tables: the manual plan for {u.label} needs {need / GIB:.2f} GiB on rank {r}, "
+                                 f"{(need - self.cap) / GIB:.2f} GiB over its {self.cap / GIB:.2f} GiB cap")
+            self.place(u, u.fixed, (dt, dmem))
+        free = [u for u in self.units if u.fixed is None]
+        if start is not None:  # refine a given plan instead of building one
+            for u in free:
+                self.place(u, start[u.names[0]])
+            self.refine(free)
+            return
+
+        def work(u):  # the unit's time summed over ranks, table-wise: lookup + both ends' traffic
+            c, peer, _ = self.tw_terms(u)
+            return c + 2 * peer * self.m.S
+        free.sort(key=lambda u: (-self.tw_terms(u)[0] - self.tw_terms(u)[1] * self.m.S,
+                                 -self.tw_terms(u)[2], u.index))
+        self.remaining = sum(work(u) for u in free)
+        for u in free:
+            self.remaining -= work(u)
+            self.overflow = None
+            found = self.candidates(u)
+            if not found:
+                raise NoFit(u, self.overflow)
+            key, placement, dense = min(found, key=lambda f: f[0])
+            self.place(u, placement, dense)
+        self.remaining = 0.0
+        self.refine(free)
+
+    # -- refinement
+    def refine(self, free: list[Unit]):
+        if self.m.W == 1 or not free:
+            return
+        st = self.state
+        for _ in range(REFINE_STEPS):
+            obj = st.objective()
+            tol = 1e-9 * obj + 1e-15
+            s = st.slowest()
+            on_s = [u for u in free if s in ranks_of(u.placement, self.m)]
+            on_s.sort(key=lambda u: (-u.cur[0][s], u.index))
+            best = None  # (objective, action)
+            for u in on_s[:REFINE_UNITS]:
+                old = (u.placement, u.cur)
+                self.unplace(u)
+                self.overflow = None
+                found = self.candidates(u)
+                self.place(u, *old)  # restore exactly
+                if found:
+                    key, placement, dense = min(found, key=lambda f: f[0])
+                    if key[0] < obj - tol and placement != u.placement and (best is None or key[0] < best[0]):
+                        best = (key[0], ("move", u, placement))
+            if best is None:
+                best = self.best_swap(free, s, obj - tol)
+            if best is None:
+                return
+            action = best[1]
+            if action[0] == "move":
+                _, u, placement = action
+                self.unplace(u)
+                self.place(u, placement)
+            else:
+                _, a, b = action
+                ra, rb = a.placement[1], b.placement[1]
+                self.unplace(a)
+                self.unplace(b)
+                self.place(a, (TW, rb))
+                self.place(b, (TW, ra))
+
+    def best_swap(self, free: list[Unit], s: int, target: float):
+        st, m = self.state, self.m
+        mine = [u for u in free if u.placement[0] == TW and u.placement[1] == s
+                and (u.ranks is None)]
+        if not mine:
+            return None
+        others = [u for u in free if u.placement[0] == TW and u.placement[1] != s and u.ranks is None]
+        screened = []
+        for a in mine:
+            ca, pa, ma = self.tw_terms(a)
+            own_a = ca + pa * m.S
+            for b in others:
+                cb, pb, mb = self.tw_terms(b)
+                own_b = cb + pb * m.S
+                if own_b >= own_a:
+                    continue
+                r = b.placement[1]
+                guess = max(st.tot[s] - own_a + own_b, st.tot[r] - own_b + own_a)
+                if guess < target:
+                    screened.append((guess, a.index, b.index, a, b))
+        screened.sort(key=lambda x: x[:3])
+        best = None
+        for _, _, _, a, b in screened[:REFINE_SWAPS]:
+            ra, rb = a.placement[1], b.placement[1]
+            olda, oldb = (a.placement, a.cur), (b.placement, b.cur)
+            self.unplace(a)
+            self.unplace(b)
+            da, db = self.dense(a, (TW, rb)), self.dense(b, (TW, ra))
+            fits = all(x + y + z <= self.cap for x, y, z in zip(st.mem, da[1], db[1]))
+            new = None
+            if fits:
+                tot = list(map(lambda t, x, y: t + x + y, st.tot, da[0], db[0]))
+                new = max(tot) + st.latency_with(TW)
+            self.place(b, *oldb)
+            self.place(a, *olda)
+            if new is not None and new < target and (best is None or new < best[0]):
+                best = (new, ("swap", a, b))
+        return best
+
+
+def _tiebreak(placement: tuple):
+    if len(placement) == 1:
+        return -1
+    x = placement[1]
+    return x if isinstance(x, int) else x[0]
+
+
+def ranks_of(placement: tuple, m: CostModel) -> tuple[int, ...]:
+    kind = placement[0]
+    if kind == TW:
+        return (placement[1],)
+    if kind == CW:
+        return tuple(placement[1])
+    if kind == TWRW:
+        return tuple(range(placement[1] * m.G, (placement[1] + 1) * m.G))
+    return tuple(range(m.W))
