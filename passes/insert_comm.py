@@ -20,8 +20,10 @@ A group of jagged gathers (``TableSpec.jagged``: a different number of ids, so o
 on every rank) is first padded with empty bags to the largest count over the ranks
 (``recc.pad_bags``, ``CommSpec(op="bag_count_max")``) and its rows cut back to this rank's after
 the output dist (``recc.unpad_bags``): the dists pair one bag count across ranks.
-Marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allgather")``: their
-backward gathers every rank's ids and gradients so all replicas apply one identical update.
+Marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allreduce")`` — their backward
+all-reduces the rows' summed gradients, so all replicas apply one identical update — or, for a
+group with more rows than the global batch has bags (``recc.planner.cost_model.dp_exchange``)
+or max pooling, ``op="dp_grad_allgather"``, which gathers every rank's ids and gradients instead.
 Ensures every ``*_start`` has exactly one later ``*_wait`` and the output dist's splits add up.
 Must not change what the graph computes (per rank, on its batch slice).
 
@@ -43,14 +45,20 @@ import torch.fx as fx
 from recc.graph_utils import rename
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
+from recc.planner.cost_model import dp_exchange as choose_dp_exchange
 from recc.specs import CommSpec
 from recc.tables import TableGroup
 
 
 @register_pass(after=("batch_tables",))
-def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True) -> fx.GraphModule:
+def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
+                dp_exchange: str = "auto") -> fx.GraphModule:
     """Insert the input dist, output dist and data-parallel gradient exchange for each group.
-    ``two_level=False`` gives table-row-wise groups the flat exchange too (for comparisons)."""
+    ``two_level=False`` gives table-row-wise groups the flat exchange too (for comparisons);
+    ``dp_exchange``: ``auto`` (by size, as the planner costs it), ``allreduce`` or ``allgather``
+    for every data-parallel group (max pooling always gathers)."""
+    if dp_exchange not in ("auto", "allreduce", "allgather"):
+        raise ValueError(f"insert_comm: dp_exchange={dp_exchange!r} is not one of auto, allreduce, allgather")
     world = ctx.cluster.world_size
     if world == 1:
         return gm
@@ -61,7 +69,10 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True)
         group: TableGroup = gm.get_submodule(group_node.target)
         suffix = group.group_name[4:]
         if group.data_parallel:
-            group.dp_comm = CommSpec("dp_grad_allgather", everyone, name=f"dp_grad_allgather {suffix}")
+            op = choose_dp_exchange(group.total_rows, group.dim, ctx.stats.get("global_batch", world), group.pooling)
+            if dp_exchange != "auto" and group.pooling in ("sum", "mean"):
+                op = f"dp_grad_{dp_exchange}"
+            group.dp_comm = CommSpec(op, everyone, name=f"{op} {suffix}")
             lookup.meta["recc.comm"] = group.dp_comm
             continue
         for k, rank, r0, r1, c0, c1 in group.placements:

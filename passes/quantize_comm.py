@@ -4,7 +4,7 @@ Contract: requires ``insert_comm``. For every output dist (the pooled all-to-all
 sharding's reduce-scatter is the same exchange) it wraps the payload in a ``recc.quantize`` /
 ``recc.dequantize`` pair: the forward rows travel in ``fwd``, their gradients in ``bwd``. The
 ids all-to-all is left alone (ids are exact integers). Data-parallel groups' backward gradient
-all-gather travels in ``bwd``. The dense gradient all-reduce gets ``allreduce`` through a DDP
+all-gather travels in ``bwd``, their gradient all-reduce in ``allreduce``. The dense gradient all-reduce gets ``allreduce`` through a DDP
 communication hook (fp16/bf16 only: an all-reduce sums on the wire, which block-scaled int8/fp8
 codes cannot do). Precisions: ``fp32 | fp16 | bf16 | int8 | fp8`` (``fp8`` is e4m3 forward, e5m2
 backward; byte layouts in ``recc.kernels.codecs``). A collective whose two directions are both
@@ -130,6 +130,9 @@ def quantize_comm(gm: fx.GraphModule, ctx: PassContext, *, fwd: str = "fp16", bw
         rename(dq, name)
         rename(q, f"{payload.name}_q")
     for lookup, group in dp:
-        group.dp_comm = dataclasses.replace(group.dp_comm, grad_precision=codecs_of(group.dp_comm.name)[1])
+        # A gathered batch's gradients take the backward codec; an all-reduce sums on the wire,
+        # so it takes the all-reduce's precision, as the dense gradients do.
+        grad = allreduce if group.dp_comm.op == "dp_grad_allreduce" else codecs_of(group.dp_comm.name)[1]
+        group.dp_comm = dataclasses.replace(group.dp_comm, grad_precision=grad)
         lookup.meta["recc.comm"] = group.dp_comm
     return gm

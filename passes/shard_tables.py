@@ -74,6 +74,7 @@ def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto"
     example_batch, bags = _batch_and_bags(gm, ctx.batch)
     # Example inputs are one rank's slice of the global batch (what each rank will be fed).
     batch = ctx.config.batch_size or (example_batch or 1) * ctx.cluster.world_size
+    ctx.stats["global_batch"] = batch  # what the plan was costed for (insert_comm's DP exchange too)
     try:
         plan = plan_tables(dict(tables), ctx.cluster, strategy=strategy, batch_size=batch, bag_sizes=bags,
                            optimizer=ctx.config.optimizer, constraints=constraints,

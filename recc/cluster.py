@@ -45,10 +45,15 @@ class DeviceSpec:
 class LinkSpec:
     bw_gbps: float = 10.0          # GB/s per device, one direction (what one rank can push)
     latency_us: float = 10.0       # paid once per collective step that crosses this link
+    # Paid per peer in a collective over this link: an all-to-all or all-gather sends one
+    # message to every peer and receives one from each (NCCL posts a send and a receive per
+    # peer, gloo a pair of socket operations), so a small collective's time grows with the peers.
+    message_us: float = 2.0
 
     def __post_init__(self):
-        if not self.bw_gbps > 0 or self.latency_us < 0:
-            raise ValueError(f"link: bw_gbps must be > 0 and latency_us >= 0, got {self.bw_gbps}, {self.latency_us}")
+        if not self.bw_gbps > 0 or self.latency_us < 0 or self.message_us < 0:
+            raise ValueError(f"link: bw_gbps must be > 0, latency_us and message_us >= 0, got {self.bw_gbps}, "
+                             f"{self.latency_us}, {self.message_us}")
 
 
 # The descriptions shipped with the package: recc.clusters (the repository's clusters/ folder).
@@ -58,8 +63,8 @@ _SHIPPED_DIR = Path(_shipped_clusters.__file__).parent
 _TOP_FIELDS = {"name": "str", "nodes": "int", "devices_per_node": "int", "single_host": "bool",
                "device": "section", "intra_node": "section", "inter_node": "section"}
 _SECTION_FIELDS = {"device": {"kind": "str", "memory_gb": "number", "mem_bw_gbps": "number", "tflops": "number"},
-                   "intra_node": {"bw_gbps": "number", "latency_us": "number"},
-                   "inter_node": {"bw_gbps": "number", "latency_us": "number"}}
+                   "intra_node": {"bw_gbps": "number", "latency_us": "number", "message_us": "number"},
+                   "inter_node": {"bw_gbps": "number", "latency_us": "number", "message_us": "number"}}
 
 
 def _check_keys(d: dict, known: dict, source: str, prefix: str) -> None:

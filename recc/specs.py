@@ -292,13 +292,22 @@ class Plan:
             gib = 2 ** 30
             cap = self.memory_cap_bytes
             slowest = self.estimate.slowest_rank if self.estimate is not None else None
+            runs: list[tuple[list[int], str]] = []  # consecutive ranks that print alike share a line
             for e in self.rank_estimates:
                 mem = f"memory {e.memory_bytes / gib:.2f}" + (f" / {cap / gib:.2f} GiB" if cap else " GiB")
                 if cap and e.memory_bytes > cap:
                     mem += " OVER"
-                line = (f"rank {e.rank}: table weights {e.weight_bytes / 2**20:.2f} MiB, {mem}, "
+                text = (f"table weights {e.weight_bytes / 2**20:.2f} MiB, {mem}, "
                         f"est {fmt_ms(e.total_ms)} ms (lookup {fmt_ms(e.lookup_ms)}, comm {fmt_ms(e.comm_ms)})")
-                lines.append(line + ("  <- slowest" if e.rank == slowest else ""))
+                if e.rank == slowest:
+                    text += "  <- slowest"
+                if runs and runs[-1][1] == text and runs[-1][0][-1] == e.rank - 1 and e.rank != slowest:
+                    runs[-1][0].append(e.rank)
+                else:
+                    runs.append(([e.rank], text))
+            for ranks, text in runs:
+                lines.append((f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}")
+                             + f": {text}")
             if self.estimate is not None:
                 lines.append("# " + self.estimate.describe())
         else:

@@ -19,8 +19,12 @@ local batch of B bags per table:
   columns and the gradient encoded straight from them (``_Exchange.placed``).
   Table-row-wise groups on several nodes (``CommSpec.node_size``) take two hops instead:
   ``recc.runtime.comm_two_level``.
-- data-parallel groups: no forward communication; backward all-gathers every rank's ids and
-  output gradients so each replica applies the identical update for the global batch.
+- data-parallel groups: no forward communication; every replica applies the identical update
+  for the global batch. ``CommSpec(op="dp_grad_allreduce")`` (small tables): each rank sums its
+  bags' gradients per row of the group, ``[R, D]`` plus a touch count per row, and one
+  all-reduce adds them over the ranks; the touched rows go to the fused optimizer as one-id bags.
+  ``op="dp_grad_allgather"`` (tables with more rows than a step has bags, and max pooling, whose
+  winners are per bag): backward all-gathers every rank's ids and output gradients instead.
 
 Embedding collectives use their own process group so they never interleave with DDP's
 gradient all-reduce on the default one.
@@ -552,6 +556,45 @@ def pad_to_world_bags(sparse: SparseBatch, comm) -> SparseBatch:
                                                       async_op=True)],
              8 * (world - 1), st, st.cross_node([8] * world, me)).wait()
     return pad_bag_offsets(sparse, int(n))
+
+
+def all_reduce_row_grads(lin: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, psw, pooling: str,
+                         t: int, b: int, total_rows: int, comm):
+    """``dp_grad_allreduce``: this rank's bags' gradient summed per row of the group (``lin``:
+    the group's linearized ids of ``t * b`` feature-major bags, ``grad`` ``[b, t*D]``), summed
+    over the ranks. Returns the touched rows as one-id bags, ``(rows, offsets, grads, n)``: what
+    the fused optimizer applies as the global batch's update (a row touched anywhere is
+    updated, with gradient 0 if its gradients cancel, as the gathered batch would have it)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    dim = grad.shape[1] // max(t, 1)
+    acc = torch.zeros(total_rows, dim + 1, dtype=torch.float32, device=grad.device)
+    if lin.numel():
+        lengths = offsets[1:] - offsets[:-1]
+        bag = torch.repeat_interleave(torch.arange(t * b, device=grad.device), lengths)
+        g = grad.float().view(b, t, dim).transpose(0, 1).reshape(t * b, dim).index_select(0, bag)
+        scale = None
+        if pooling == "mean":
+            scale = (1.0 / lengths.clamp(min=1).to(torch.float32)).index_select(0, bag)
+        if psw is not None:
+            scale = psw.float() if scale is None else scale * psw.float()
+        if scale is not None:
+            g = g * scale[:, None]
+        acc[:, :dim].index_add_(0, lin, g)
+        acc[:, dim].index_add_(0, lin, torch.ones(lin.numel(), dtype=torch.float32, device=grad.device))
+    st = comm_stats.current()
+    label = comm.name or "dp_grad_allreduce"
+    precision = comm.grad_precision or "fp32"
+    wire = acc if precision == "fp32" else acc.to({"fp16": torch.float16, "bf16": torch.bfloat16}[precision])
+    per_peer = 2 * acc.numel() * 4 // world  # a ring all-reduce: 2 (W-1)/W of the buffer leaves each rank
+    wire_peer = per_peer * wire.element_size() // 4
+    st.add_payload(label, precision, per_peer * (world - 1), wire_peer * (world - 1))
+    Transfer(label, [dist.all_reduce(wire, group=embedding_group(), async_op=True)], wire_peer * (world - 1), st,
+             st.cross_node([wire_peer] * world, me)).wait()
+    if wire is not acc:
+        acc = wire.float()
+    rows = torch.nonzero(acc[:, dim] > 0).squeeze(1)
+    n = rows.numel()
+    return rows, torch.arange(n + 1, dtype=torch.int64, device=grad.device), acc.index_select(0, rows)[:, :dim].contiguous(), n
 
 
 def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from recc.ops import SparseBatch, get_op, pad_table_bags, register_impl, use_references
-from recc.runtime.comm import gather_global_batch
+from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
                           linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
                           tbe_backward_update, tbe_forward)
@@ -58,10 +58,18 @@ class TBELookup(torch.autograd.Function):
     def backward(ctx, grad):
         group = ctx.group
         group.step += 1
-        o = group.optimizer
         grad = grad.contiguous()
         lin, offsets, psw, b = ctx.lin, ctx.offsets, ctx.psw, ctx.b
         winners = ctx.winners
+        if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
+            # Every replica applies the same update for the global batch: its rows' summed gradients.
+            if lin is None:
+                lin = linearize_indices(ctx.sparse.indices, offsets, group.hash_size_cumsum, ctx.t, b)
+            rows, offsets, grad, n = all_reduce_row_grads(lin, offsets, grad, psw, ctx.pooling, ctx.t, b,
+                                                          group.total_rows, group.dp_comm)
+            if n:
+                _apply_update(group, rows, offsets, grad, 1, n, "sum")
+            return None, None, None
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)

@@ -16,7 +16,7 @@ from recc.kernels import cuda as cuda_kernels
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.runtime.cpu_backend import check_max_unchanged
 from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, register_impl, use_references
-from recc.runtime.comm import gather_global_batch
+from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
 
 
 class TBELookupCUDA(torch.autograd.Function):
@@ -50,6 +50,22 @@ class TBELookupCUDA(torch.autograd.Function):
         o = group.optimizer
         ids, offsets, psw, b, checked = ctx.ids, ctx.offsets, ctx.psw, ctx.b, True
         winners = ctx.winners
+        if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
+            # Every replica applies the same update for the global batch: its rows' summed gradients.
+            lin = linearize_indices(ids, offsets, ctx.hsc, ctx.t, b)
+            rows, offsets, grad, n = all_reduce_row_grads(lin, offsets, grad, psw, ctx.pooling, ctx.t, b,
+                                                          group.total_rows, group.dp_comm)
+            if n:
+                if group.grad_scale != 1.0:
+                    grad = grad * group.grad_scale
+                whole = torch.tensor([0, group.total_rows], dtype=torch.int64, device=grad.device)
+                cuda_kernels.tbe_backward_update(
+                    group.weights.detach(), group.optimizer_state(), rows, offsets, whole, grad,
+                    T=1, B=n, pooling="sum", per_sample_weights=None, optimizer=o.name, lr=o.lr,
+                    eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay,
+                    step=group.step, table_names=(group.group_name,), checked=False,
+                    weight_decay_mode=o.weight_decay_mode)
+            return None, None, None
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)

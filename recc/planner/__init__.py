@@ -16,13 +16,13 @@ from typing import Optional
 from recc.cluster import Cluster
 from recc.planner.constraints import CONSTRAINT_KEYS, DP_MAX_BYTES, normalize_constraints, units_of
 from recc.planner.cost_model import OPTIMIZERS, CostModel, state_row_bytes
-from recc.planner.layouts import column_split, placement_of, row_blocks, spec_for
+from recc.planner.layouts import column_split, column_splits, placement_of, row_blocks, spec_for
 from recc.planner.report import build_plan, estimate_shards, no_fit_message, table_reasons
 from recc.planner.search import NoFit, Search
 from recc.specs import SHARDING_KINDS, Plan, ShardSpec, TableSpec, fmt_ms
 
 __all__ = ["plan_tables", "dense_flops_per_sample", "tables_from_preset", "normalize_constraints", "CostModel",
-           "estimate_shards", "build_plan", "column_split", "row_blocks", "spec_for", "placement_of",
+           "estimate_shards", "build_plan", "column_split", "column_splits", "row_blocks", "spec_for", "placement_of",
            "state_row_bytes", "SHARDING_KINDS", "OPTIMIZERS", "DP_MAX_BYTES", "CONSTRAINT_KEYS"]
 
 
@@ -88,7 +88,8 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
             obj, kind, alt = uniform
             refined = search("auto", start=alt)
             robj = estimate_shards(tables, refined, model, bag_sizes)[3]
-            best, shards = (robj, refined) if robj < obj * (1 - 1e-9) else (obj, alt)
+            # refinement never raises the objective; it may only have tidied (fewer bytes, same time)
+            best, shards = (robj, refined) if robj <= obj * (1 + 1e-9) else (obj, alt)
             notes[0] += (f"; uniform {kind} {fmt_ms(obj * 1e3)} ms is better" +
                          (f", refined to {fmt_ms(robj * 1e3)} ms" if robj < obj * (1 - 1e-9) else "") + ", kept")
         if cluster.world_size > 1:

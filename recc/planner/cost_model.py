@@ -9,30 +9,48 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
 - Bytes on the wire: ids ``id(n, L) = n * (8 L + 8)`` for n bags (int64 ids plus one int64 length
   per bag; +4 per id for per-sample weights); pooled outputs ``out(n, D) = n * D * 4``
   (``n * L * D * 4`` for unpooled gathers). Payloads are fp32: ``quantize_comm`` shrinks them later.
-- Lookup of ``n`` ids over ``D`` columns, forward + backward + fused optimizer:
-  ``(3 * n * D * e + 2 * n * s(D)) / M``, where ``s(D)`` is the optimizer state per row
-  (sgd 0, rowwise_adagrad 4 bytes, adagrad 4 D, adam 8 D), read and written once per id.
-- TW on rank r: r looks up all ``B L`` ids. Per peer q it receives ids ``id(b, L)``, sends the
-  pooled forward output and receives its gradient, ``p = id(b, L) + 2 out(b, D)``; r pays
-  ``p * S``, every other rank q pays ``p * inv(q, r)``.
-- CW: k blocks, each costed as a TW table of ``D / k`` columns (every block owner gets all ids).
+- Lookup, forward + backward + fused optimizer, of a shard of ``D`` columns that sees ``n`` ids
+  in ``n_b`` bags: ``(n (3 row(D) + 2 s(D)) + 2 n_b (8 + orow(D))) / M``. A row read moves whole
+  access granules, ``row(D) = ceil(D e / g) g`` (``g`` = 64 bytes on CPUs, a cache line; 32 on
+  GPUs, a DRAM sector), read forward and read + written by the update; ``s(D)`` is the optimizer
+  state per row (sgd 0, rowwise_adagrad 4 bytes, adagrad 4 D, adam 8 D), read and written once
+  per id. Every bag a shard sees costs its length and its pooled row, written forward and its
+  gradient read backward (``orow(D) = ceil(4 D / g) g``; per id for unpooled gathers): the part
+  of a shard's cost that does not shrink with its width, so splitting a table is not free.
+- TW on rank r: r looks up all ``B L`` ids of ``B`` bags. Per peer q it receives ids
+  ``id(b, L)``, sends the pooled forward output and receives its gradient,
+  ``p = id(b, L) + 2 out(b, D)``; r pays ``p * S``, every other rank q pays ``p * inv(q, r)``.
+- CW: k blocks, each costed as a TW table of ``D / k`` columns (every block owner gets all ids
+  and all bags). The planner tries every ``k`` the layout allows (see ``layouts``).
 - RW: rank r looks up the ids of its rows (``B L * rows_r / rows``, ids spread uniformly over
-  rows); every pair of ranks exchanges ids both ways (``2 id(b, L / W)``) and the reduce-scatter
-  of partial sums plus its backward all-gather (``4 out(b, D)``): every rank pays that ``* S``.
+  rows) for all ``B`` bags; every pair of ranks exchanges ids both ways (``2 id(b, L / W)``) and
+  the reduce-scatter of partial sums plus its backward all-gather (``4 out(b, D)``): every rank
+  pays that ``* S``.
 - TWRW on node n: as RW inside the node (``L / G``); the node's ranks reduce-scatter partial sums
   inside the node (``4 out(N b, D)`` per node peer) and all-to-all the results with the rank of
   the same local index on every other node (``2 out(b, D)`` per remote peer); each rank outside
   n receives its pooled output from one rank of n over the inter-node link.
-- DP: every rank looks up its local ``b L`` ids and updates its whole replica
-  (``(3 rows D e + 2 rows s(D)) / M``), then all-reduces the table's gradient,
-  ``2 (W-1)/W * rows * D * 4`` bytes over the slowest link the world spans.
-- Latency: each kind in the plan runs its own collectives, every one paying the world's link
-  latency (inter-node when N > 1): TW, CW, RW 4 (ids in two phases, output forward, gradient
-  backward), TWRW 6 (its output dist is two-level), DP ``2 ceil(log2 W)`` (a tree all-reduce).
+- DP, as the runtime does it (``runtime/comm.py``, ``dp_exchange``): no forward communication,
+  every rank looks up its local ``b L`` ids. A table with no more rows than the batch has bags
+  all-reduces its per-row gradient sums, ``2 (W-1)/W rows (D+1) 4`` bytes over the slowest link
+  the world spans, and updates the rows touched (at most ``min(rows, B L)``); a bigger one
+  all-gathers every rank's lengths, ids and output gradients (each rank sends ``id(b, L) +
+  out(b, D)`` to every peer and receives as much from each: ``2 (id + out) S``) and applies
+  the global batch's update (``B L`` ids).
+- Latency: each kind in the plan runs its own collectives (a table adds none to a kind already
+  in the plan). A phase over a set of ranks costs the link latency once plus ``message_us`` per
+  peer (``Pw = (G-1) msg_intra + (W-G) msg_inter`` over the world): TW, CW and RW 4 world phases
+  (ids in two, output forward, gradient backward); TWRW 2 world phases for the ids and, on
+  several nodes, its two-level output dist forward and backward (``G-1`` intra-node peers, then
+  ``N-1`` inter-node peers); DP a tree all-reduce, ``2 ceil(log2 W)`` steps of one peer each
+  (a gathering DP table adds the difference to 6 world phases: lengths, ids and gradients, each
+  a size all-gather then the data). At 128 ranks an all-to-all kind's latency is about a
+  millisecond, so a plan mixes kinds only where that pays.
 - Memory per rank: weights ``rows_r * cols * e`` + optimizer state (sgd none, rowwise_adagrad one
   fp32 per row, adagrad one per element, adam two per element) + on CPU ranks one int32 per row
   (the fused backward's row -> slot map) + buffers (the ids a shard
-  receives and its output and gradient, or a DP table's dense gradient). The cap is the device
+  receives and its output and gradient; a DP replica's per-row sums, or its gathered ids and
+  gradients). The cap is the device
   memory less ``RESERVED_FRACTION`` for the dense model, activations and the runtime.
 
 A rank's estimated time is the sum of its shards' lookup time and its communication; the
@@ -57,8 +75,21 @@ PSW_BYTES = 4         # fp32 per-sample weight per id
 OUT_BYTES = 4         # fp32 pooled outputs and their gradients
 RESERVED_FRACTION = 0.10   # of device memory, for the dense model, activations and the runtime
 SLOT_MAP_BYTES = 4         # per weight row on CPU ranks: the fused backward's row -> slot map
+ACCESS_BYTES = {"cpu": 64, "cuda": 32}   # a memory access moves this much: a cache line, a DRAM sector
+PHASES = {TW: 4, CW: 4, RW: 4, DP: 6}    # world-wide collective phases per step (DP: gathering)
 GIB = 2 ** 30
 
+
+
+def dp_exchange(rows: int, dim: int, batch: float, pooling: str) -> str:
+    """How a data-parallel table's (or group's) backward reaches every replica (``runtime/comm.py``):
+    ``dp_grad_allreduce`` of its per-row gradient sums (``rows x (D + 1)`` fp32) while that is no
+    larger than what gathering the batch would move (every bag's fp32 gradient and at least one
+    id and length, ``B (4 D + 16)`` bytes); else, and for max pooling (whose winners are per
+    bag), ``dp_grad_allgather``."""
+    if pooling in ("sum", "mean") and rows * (dim + 1) * 4 <= batch * (4 * dim + 16):
+        return "dp_grad_allreduce"
+    return "dp_grad_allgather"
 
 
 def state_row_bytes(optimizer: str, cols: int) -> int:
@@ -77,6 +108,7 @@ class Profile:
     pooled: bool
     id_bytes: int    # per id on the wire
     elem: int        # bytes per weight element
+    pooling: str = "sum"
 
 
 class CostModel:
@@ -106,19 +138,38 @@ class CostModel:
         # bound. The CUDA backward sorts instead.
         self.slot_bytes = SLOT_MAP_BYTES if cluster.device_type == "cpu" else 0
         self.node = [r // self.G for r in range(self.W)]
-        if self.W == 1:
-            lat = 0.0
-        else:
-            lat = (cluster.inter_node if self.N > 1 else cluster.intra_node).latency_us * 1e-6
-        self.kind_latency = {TW: 4 * lat, CW: 4 * lat, RW: 4 * lat, TWRW: 6 * lat,
-                             DP: 2 * math.ceil(math.log2(self.W)) * lat if self.W > 1 else 0.0}
+        self.granule = ACCESS_BYTES[cluster.device_type]
         slow = cluster.inter_node if self.N > 1 else cluster.intra_node
         self.i_slow = 1.0 / (slow.bw_gbps * 1e9) if self.W > 1 else 0.0
+        self.kind_latency = self._kind_latency(cluster)
+
+    def _kind_latency(self, cluster: Cluster) -> dict[str, float]:
+        W, G, N = self.W, self.G, self.N
+        if W == 1:
+            self.gather_latency = 0.0
+            return {k: 0.0 for k in SHARDING_KINDS}
+        us = 1e-6
+        intra, inter = cluster.intra_node, cluster.inter_node
+        world_lat = (inter if N > 1 else intra).latency_us * us
+        world = world_lat + ((G - 1) * intra.message_us + (W - G) * inter.message_us) * us
+        out = {k: n * world for k, n in PHASES.items()}
+        # DP's all-reduce (NCCL and gloo pick a tree or halving-doubling for small buffers):
+        # ceil(log2 W) steps each way, one peer per step.
+        step = world_lat + (inter.message_us if N > 1 else intra.message_us) * us
+        self.gather_latency = out[DP]
+        out[DP] = 2 * math.ceil(math.log2(W)) * step
+        if N > 1:  # two-level output dist: inside the node, then across nodes; forward and backward
+            inside = intra.latency_us * us + (G - 1) * intra.message_us * us if G > 1 else 0.0
+            across = inter.latency_us * us + (N - 1) * inter.message_us * us
+            out[TWRW] = 2 * world + 2 * (inside + across)
+        else:
+            out[TWRW] = 4 * world
+        return out
 
     # -- building blocks
     def profile(self, t: TableSpec, bag: float) -> Profile:
         return Profile(t.name, t.rows, t.dim, float(bag), t.pooling != "none",
-                        ID_BYTES + (PSW_BYTES if t.weighted else 0), ELEM_BYTES.get(t.dtype, 4))
+                        ID_BYTES + (PSW_BYTES if t.weighted else 0), ELEM_BYTES.get(t.dtype, 4), t.pooling)
 
     def ids(self, p: Profile, bags: float, ids_per_bag: float) -> float:
         return bags * (ids_per_bag * p.id_bytes + LENGTH_BYTES)
@@ -126,8 +177,21 @@ class CostModel:
     def out(self, p: Profile, bags: float, cols: int) -> float:
         return bags * cols * OUT_BYTES * (1.0 if p.pooled else p.bag)
 
-    def lookup_s(self, p: Profile, n_ids: float, cols: int) -> float:
-        return (3 * n_ids * cols * p.elem + 2 * n_ids * state_row_bytes(self.optimizer, cols)) / self.mem_bw
+    def _granules(self, nbytes: float) -> float:
+        return math.ceil(nbytes / self.granule) * self.granule
+
+    def lookup_s(self, p: Profile, n_ids: float, bags: float, cols: int, optimizer: Optional[str] = None,
+                 bwd: Optional[tuple[float, float]] = None) -> float:
+        """Forward of ``n_ids`` ids in ``bags`` bags, then backward + update of ``bwd = (ids,
+        bags)`` (the same unless given) over ``cols`` columns of a shard."""
+        row = self._granules(cols * p.elem)
+        per_bag = LENGTH_BYTES + self._granules(cols * OUT_BYTES)
+        outs = (lambda n, nb: nb) if p.pooled else (lambda n, nb: n)  # output rows: per bag, or per id
+        n_b, bags_b = bwd if bwd is not None else (n_ids, bags)
+        state = state_row_bytes(optimizer or self.optimizer, cols)
+        fwd = n_ids * row + outs(n_ids, bags) * per_bag
+        back = n_b * (2 * row + 2 * state) + outs(n_b, bags_b) * per_bag
+        return (fwd + back) / self.mem_bw
 
     def table_bytes(self, p: Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:
         return rows * (cols * p.elem + state_row_bytes(optimizer or self.optimizer, cols))
@@ -143,7 +207,7 @@ class CostModel:
 
     def tw_terms(self, p: Profile, cols: int, optimizer: Optional[str] = None) -> tuple[float, float, float]:
         """``(lookup_s, per-peer bytes, memory)`` of a table-wise block of ``cols`` columns."""
-        c = self.lookup_s(p, self.B * p.bag, cols)
+        c = self.lookup_s(p, self.B * p.bag, self.B, cols, optimizer)
         peer = self.ids(p, self.b, p.bag) + 2 * self.out(p, self.b, cols)
         mem = (self.resident_bytes(p, p.rows, cols, optimizer) + self.ids(p, self.B, p.bag)
                + 2 * self.out(p, self.B, cols))
@@ -152,6 +216,8 @@ class CostModel:
     # -- per-rank deltas
     def delta(self, p: Profile, placement: tuple, optimizer: Optional[str] = None):
         W, kind = self.W, placement[0]
+        if kind == DP and W == 1:  # one replica: the runtime runs it as the table-wise table it is
+            placement, kind = (TW, 0), TW
         comp, comm, mem = [0.0] * W, [0.0] * W, [0.0] * W
         if kind in (TW, CW):
             owners = (placement[1],) if kind == TW else placement[1]
@@ -174,7 +240,7 @@ class CostModel:
             idb = self.ids(p, self.b, p.bag / parts)
             for i, r0, r1 in row_blocks(p.rows, parts):
                 f = (r1 - r0) / p.rows
-                comp[base + i] = self.lookup_s(p, self.B * p.bag * f, p.dim)
+                comp[base + i] = self.lookup_s(p, self.B * p.bag * f, self.B, p.dim, optimizer)
                 mem[base + i] = (self.resident_bytes(p, r1 - r0, p.dim, optimizer) + self.ids(p, self.B * f, p.bag)
                                  + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
             if kind == RW:
@@ -200,12 +266,23 @@ class CostModel:
                         comm[q] += 2 * ob * (to_node_in if self.node[q] == n else to_node_out)
                     for r in group:
                         comm[r] += 2 * ob * self.S
-        else:  # DP
-            upd = (3 * p.rows * p.dim * p.elem + 2 * p.rows * state_row_bytes(optimizer or self.optimizer, p.dim))
-            c = self.lookup_s(p, self.b * p.bag, p.dim) + upd / self.mem_bw
-            ar = 2 * (W - 1) / W * p.rows * p.dim * OUT_BYTES * self.i_slow
-            m = self.resident_bytes(p, p.rows, p.dim, optimizer) + p.rows * p.dim * OUT_BYTES
-            comp, comm, mem = [c] * W, [ar] * W, [m] * W
+        else:  # DP: forward on the local bags; backward as ``dp_exchange`` says the runtime does it
+            fwd_ids = self.b * p.bag
+            if dp_exchange(p.rows, p.dim, self.B, p.pooling) == "dp_grad_allreduce":
+                touched = min(p.rows, self.B * p.bag)
+                buf = p.rows * (p.dim + 1) * OUT_BYTES
+                c = (self.lookup_s(p, fwd_ids, self.b, p.dim, optimizer, bwd=(touched, touched))
+                     + 3 * buf / self.mem_bw)  # the per-row sums: zeroed, accumulated, read back
+                ex = 2 * (W - 1) / W * buf * self.i_slow
+                m = self.resident_bytes(p, p.rows, p.dim, optimizer) + buf
+            else:
+                c = self.lookup_s(p, fwd_ids, self.b, p.dim, optimizer, bwd=(self.B * p.bag, self.B))
+                # and its collectives: 6 world phases where the all-reduce took a tree's
+                ex = (2 * (self.ids(p, self.b, p.bag) + self.out(p, self.b, p.dim)) * self.S
+                      + max(0.0, self.gather_latency - self.kind_latency[DP]))
+                m = (self.resident_bytes(p, p.rows, p.dim, optimizer) + self.ids(p, self.B, p.bag)
+                     + self.out(p, self.B, p.dim))
+            comp, comm, mem = [c] * W, [ex] * W, [m] * W
         return comp, comm, mem
 
     def latency(self, kinds: Iterable[str]) -> float:

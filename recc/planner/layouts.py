@@ -7,8 +7,9 @@ runtime relies on exactly these layouts:
 - ``row_wise`` (RW): over all ranks ``0..W-1``, contiguous blocks of ``ceil(rows / W)`` rows
   (the last may be smaller; empty blocks, when rows < W, are omitted), full columns.
 - ``column_wise`` (CW): ``k`` column blocks of width ``dim / k``, in column order, on distinct
-  ranks. ``k`` is the largest divisor of dim that is <= W and leaves blocks at least 4 wide
-  (at least 1 wide when dim < 8); one block when no split is possible.
+  ranks. ``k`` is any divisor of dim that is <= W and leaves blocks at least 4 wide (at least 1
+  wide when dim < 8): the planner picks it by cost (``column_splits``); one block when no split
+  is possible.
 - ``table_row_wise`` (TWRW): row-wise (ceil-sized blocks) over the ranks of one node.
 - ``data_parallel`` (DP): a full block on every rank.
 """
@@ -34,14 +35,15 @@ def row_blocks(rows: int, parts: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def column_split(dim: int, world_size: int) -> int:
-    """How many column blocks a column-wise table gets on ``world_size`` ranks."""
+def column_splits(dim: int, world_size: int) -> list[int]:
+    """Every block count a column-wise table may have on ``world_size`` ranks, ascending."""
     min_width = 4 if dim >= 8 else 1
-    best = 1
-    for k in range(1, min(dim, world_size) + 1):
-        if dim % k == 0 and dim // k >= min_width:
-            best = k
-    return best
+    return [k for k in range(1, min(dim, world_size) + 1) if dim % k == 0 and dim // k >= min_width]
+
+
+def column_split(dim: int, world_size: int) -> int:
+    """The most column blocks a column-wise table can have on ``world_size`` ranks."""
+    return column_splits(dim, world_size)[-1]
 
 
 def table_wise_spec(t: TableSpec, rank: int) -> ShardSpec:

@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 
 from recc.planner.constraints import Unit
 from recc.planner.cost_model import GIB, CostModel
-from recc.planner.layouts import CW, RW, TW, TWRW, column_split
+from recc.planner.layouts import CW, DP, RW, TW, TWRW, column_splits
 from recc.specs import SHARDING_KINDS, TableSpec
 
 KIND_INDEX = {k: i for i, k in enumerate(SHARDING_KINDS)}
@@ -149,9 +149,10 @@ class Search:
         if worst > self.cap:
             self._over(u, placement, need.index(worst), worst)
             return None
-        mx = max(max(map(operator.add, st.tot, dt)), (st.T + sum(dt) + self.remaining) / self.m.W)
+        work = sum(dt)
+        mx = max(max(map(operator.add, st.tot, dt)), (st.T + work + self.remaining) / self.m.W)
         dss = 2 * sum(map(operator.mul, st.tot, dt)) + sum(map(operator.mul, dt, dt))
-        return (mx + st.latency_with(placement[0]), dss, KIND_INDEX[placement[0]], _tiebreak(placement))
+        return (mx + st.latency_with(placement[0]), work, dss, KIND_INDEX[placement[0]], _tiebreak(placement))
 
     def tw_scores(self, u: Unit, cols_div: int, kind: str, ranks: Optional[Iterable[int]]):
         """Keys of placing the unit (or one CW block of it) table-wise on each allowed rank."""
@@ -162,7 +163,8 @@ class Search:
         lat = st.latency_with(kind)
         kidx = KIND_INDEX[kind]
         tot, memr, cap = st.tot, st.mem, self.cap
-        bound = (st.T + c + 2 * peer * m.S + self.remaining) / W  # the average rank after it
+        work = c + 2 * peer * m.S  # summed over ranks: the owner's lookup and both ends of its traffic
+        bound = (st.T + work + self.remaining) / W  # the average rank after it
         out = []
         for r in (ranks if ranks is not None else range(W)):
             if memr[r] + mem > cap:
@@ -181,7 +183,7 @@ class Search:
                     x = other + de
             dss = (2 * t * a + a * a + 2 * di * (st.Tn[n] - t) + (G - 1) * di * di
                    + 2 * de * (st.T - st.Tn[n]) + (W - G) * de * de)
-            out.append(((x if x > bound else bound) + lat, dss, kidx, r))
+            out.append(((x if x > bound else bound) + lat, work, dss, kidx, r))
         return out
 
     def candidates(self, u: Unit):
@@ -189,26 +191,28 @@ class Search:
         m = self.m
         found = []
         for kind in u.kinds:
-            if kind in (RW, TWRW) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
+            if kind in (RW, TWRW, DP) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
                 continue  # one block on one rank: the table_wise layout under another name
             if kind == TW:
                 scores = self.tw_scores(u, 1, TW, u.ranks)
                 if scores:
                     best = min(scores)
-                    found.append((best, (TW, best[3]), None))
+                    found.append((best, (TW, best[-1]), None))
             elif kind == CW:
-                k = column_split(u.profiles[0].dim, m.W)
-                if k == 1 and TW in u.kinds:
-                    continue  # the same layout as table_wise
-                scores = sorted(self.tw_scores(u, k, CW, u.ranks))
-                if len(scores) < k:
-                    continue
-                blocks = tuple(s[3] for s in scores[:k])
-                placement = (CW, blocks)
-                dt, dmem = self.dense(u, placement)
-                key = self.eval_dense(u, placement, dt, dmem)
-                if key is not None:
-                    found.append((key, placement, (dt, dmem)))
+                best = None
+                for k in column_splits(u.profiles[0].dim, m.W):
+                    if k == 1 and (TW in u.kinds or len(column_splits(u.profiles[0].dim, m.W)) > 1):
+                        continue  # the table_wise layout; column_wise splits where it can
+                    scores = sorted(self.tw_scores(u, k, CW, u.ranks))
+                    if len(scores) < k:
+                        continue
+                    placement = (CW, tuple(s[-1] for s in scores[:k]))  # the k ranks that take a block best
+                    dt, dmem = self.dense(u, placement)
+                    key = self.eval_dense(u, placement, dt, dmem)
+                    if key is not None and (best is None or key < best[0]):
+                        best = (key, placement, (dt, dmem))
+                if best is not None:
+                    found.append(best)
             elif kind == TWRW:
                 nodes = [u.node] if u.node is not None else range(m.N)
                 best = None
@@ -254,6 +258,7 @@ class Search:
             for u in free:
                 self.place(u, start[u.names[0]])
             self.refine(free)
+            self.tidy(free)
             return
 
         def work(u):  # the unit's time summed over ranks, table-wise: lookup + both ends' traffic
@@ -272,6 +277,31 @@ class Search:
             self.place(u, placement, dense)
         self.remaining = 0.0
         self.refine(free)
+        self.tidy(free)
+
+    def tidy(self, free: list[Unit]):
+        """Moves each table, in table order, to the placement that moves the fewest bytes among
+        those that leave the objective where it is: a table off the slowest rank's path (a small
+        table split over ranks that had room) goes back to fewer blocks or one owner."""
+        st = self.state
+        for u in sorted(free, key=lambda u: u.index):
+            obj = st.objective()
+            tol = 1e-9 * obj + 1e-15
+            old = (u.placement, u.cur)
+            work_now = sum(u.cur[0])
+            self.unplace(u)
+            self.overflow = None
+            best = None
+            for key, placement, dense in self.candidates(u):
+                if key[0] > obj + tol:
+                    continue
+                work = key[1]
+                if work < work_now - 1e-9 * work_now - 1e-15 and (best is None or (work, key[0]) < (best[0][1], best[0][0])):
+                    best = (key, placement, dense)
+            if best is None:
+                self.place(u, *old)
+            else:
+                self.place(u, best[1], best[2])
 
     # -- refinement
     def refine(self, free: list[Unit]):

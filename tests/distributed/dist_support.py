@@ -264,6 +264,11 @@ def parity_jobs(world: int) -> tuple[dict, dict]:
             name = f"{kind}/{optimizer}"
             programs[name] = compile_for(tiny_model(), tiny_data(), world, optimizer, sharding=kind)
             jobs[name] = {"program": programs[name], "data": tiny_data(), "steps": (0, STEPS), "lr": LR[optimizer]}
+        # Data-parallel by all-reduce (the default for a real batch; tiny's test batch gathers).
+        name = f"dp_allreduce/{optimizer}"
+        programs[name] = compile_for(tiny_model(), tiny_data(), world, optimizer, sharding="data_parallel",
+                                     pass_options={"insert_comm": {"dp_exchange": "allreduce"}})
+        jobs[name] = {"program": programs[name], "data": tiny_data(), "steps": (0, STEPS), "lr": LR[optimizer]}
         for mixed, plan in (("mixed", MIXED_PLAN), ("mixed-no-cw", MIXED_PLAN_NO_CW)):
             if (mixed, optimizer) == ("mixed", "rowwise_adagrad"):
                 continue  # has a column-wise table: refused at compile time

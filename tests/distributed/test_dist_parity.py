@@ -51,6 +51,19 @@ def test_forced_kind_matches_eager(world, kind, optimizer, eager_results):
     _check_parity(world, f"{kind}/{optimizer}", "tiny", optimizer, eager_results, tiny_model().state_dict())
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("world", WORLDS, indirect=True, ids=lambda w: f"w{w}")
+def test_data_parallel_by_all_reduce_matches_eager(world, optimizer, eager_results):
+    """The replicas' update from all-reduced per-row gradient sums (the exchange a real batch
+    gets) equals eager's, as the gathered batch's does."""
+    program = world.programs[f"dp_allreduce/{optimizer}"]
+    groups = [m for m in program.graph.modules() if getattr(m, "dp_comm", None) is not None]
+    assert groups and {g.dp_comm.op for g in groups} == {"dp_grad_allreduce"}
+    assert {g.dp_comm.op for g in world.programs[f"data_parallel/{optimizer}"].graph.modules()
+            if getattr(g, "dp_comm", None) is not None} == {"dp_grad_allgather"}
+    _check_parity(world, f"dp_allreduce/{optimizer}", "tiny", optimizer, eager_results, tiny_model().state_dict())
+
+
 @pytest.mark.parametrize("mixed, plan, optimizer", [
     pytest.param("mixed", MIXED_PLAN, "sgd", id="tw+rw+cw+dp+twrw-sgd"),
     pytest.param("mixed-no-cw", MIXED_PLAN_NO_CW, "sgd", id="tw+rw+dp+twrw-sgd"),

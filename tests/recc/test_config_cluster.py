@@ -253,7 +253,7 @@ def test_optimizer_conventions_are_validated_and_reach_the_groups():
     ("device: {memroy_gb: 4}", r"unknown keys \['device\.memroy_gb'\]; known: \['device\.kind', 'device\.memory_gb'"),
     ("nodes: two", r"nodes: expected an integer, got 'two'"),
     ("nodes: 1.5", r"nodes: expected an integer, got 1\.5"),
-    ("intra_node: 5", r"intra_node: expected a mapping of \['bw_gbps', 'latency_us'\], got 5"),
+    ("intra_node: 5", r"intra_node: expected a mapping of \['bw_gbps', 'latency_us', 'message_us'\], got 5"),
     ("inter_node: {bw_gbps: 0}", r"inter_node: link: bw_gbps must be > 0"),
     ("single_host: yes please", r"single_host: expected true or false"),
     ("nodes: [", r"not valid YAML: "),

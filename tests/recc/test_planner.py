@@ -15,8 +15,8 @@ import pytest
 
 from recc.cluster import Cluster, DeviceSpec, LinkSpec
 from recc.models import build_model, load_preset
-from recc.planner import (DP_MAX_BYTES, SHARDING_KINDS, column_split, dense_flops_per_sample, plan_tables,
-                          row_blocks, tables_from_preset)
+from recc.planner import (DP_MAX_BYTES, SHARDING_KINDS, CostModel, column_split, dense_flops_per_sample, plan_tables,
+                          row_blocks, spec_for, tables_from_preset)
 from recc.specs import ShardSpec, TableSpec
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "clusters"
@@ -117,14 +117,44 @@ def test_column_split(dim, world, k):
 
 
 def test_column_wise_layout():
+    """Equal column blocks in column order on distinct ranks; how many is the cost model's choice
+    among the splits the layout allows (at least two where dim allows one)."""
     tables = tables_of(T("a", 50, 16), T("b", 20, 12), T("c", 7, 7))
     plan = plan_tables(tables, Cluster.local(4), strategy="column_wise", batch_size=64)
-    for name, widths in (("a", 4), ("b", 4), ("c", 7)):
+    for name, allowed in (("a", {2, 4}), ("b", {2, 3}), ("c", {1})):
         spec, t = plan.shards[name], tables[name]
-        k = t.dim // widths
-        assert [s[1:] for s in spec.shards] == [(0, t.rows, j * widths, (j + 1) * widths) for j in range(k)]
-        assert len(set(spec.ranks)) == len(spec.shards) == k  # distinct ranks, in column order
+        k = len(spec.shards)
+        assert k in allowed
+        w = t.dim // k
+        assert [s[1:] for s in spec.shards] == [(0, t.rows, j * w, (j + 1) * w) for j in range(k)]
+        assert len(set(spec.ranks)) == k  # distinct ranks, in column order
         assert spec.kind == "column_wise"
+
+
+def test_a_column_block_costs_its_bags_so_splitting_is_not_free():
+    """Every block sees every bag of the batch (its lengths, its pooled row written forward and its
+    gradient read backward, in whole access granules): k blocks of D/k columns cost more than
+    one block of D, more so the narrower they are."""
+    c = Cluster.from_yaml(CLUSTERS / "zionex-16x8.yaml")
+    model = CostModel(c, 32768)
+    p = model.profile(T("t", 1000, 128), 1.0)
+    one = model.lookup_s(p, 32768, 32768, 128)
+    split = [k * model.lookup_s(p, 32768, 32768, 128 // k) for k in (2, 8, 32)]
+    assert one < split[0] < split[1] < split[2]
+
+
+def test_zionex_terabyte_plan_splits_only_where_it_pays():
+    """The MLPerf model on 16x8 A100s: no table is cut into 4-column slivers (each block pays a
+    fixed cost per bag and every all-to-all pays per peer), tables differ in cost, and each says
+    why it is where it is."""
+    cfg = load_preset("terabyte")
+    tables, bags = tables_from_preset(cfg)
+    c = Cluster.from_yaml(CLUSTERS / "zionex-16x8.yaml")
+    plan = plan_tables(tables, c, batch_size=cfg["batch_size"], bag_sizes=bags)
+    widths = {s[4] - s[3] for spec in plan.shards.values() for s in spec.shards}
+    assert min(widths) >= 16, widths
+    assert len({round(v, 6) for v in plan.table_cost_ms.values()}) > 1
+    assert set(plan.table_reasons) == set(tables)
 
 
 def test_table_row_wise_stays_in_one_node():
