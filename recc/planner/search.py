@@ -199,31 +199,17 @@ class Search:
                     best = min(scores)
                     found.append((best, (TW, best[-1]), None))
             elif kind == CW:
-                best = None
-                for k in column_splits(u.profiles[0].dim, m.W):
-                    if k == 1 and (TW in u.kinds or len(column_splits(u.profiles[0].dim, m.W)) > 1):
+                splits = column_splits(u.profiles[0].dim, m.W)
+                options = []
+                for k in splits:
+                    if k == 1 and (TW in u.kinds or len(splits) > 1):
                         continue  # the table_wise layout; column_wise splits where it can
                     scores = sorted(self.tw_scores(u, k, CW, u.ranks))
-                    if len(scores) < k:
-                        continue
-                    placement = (CW, tuple(s[-1] for s in scores[:k]))  # the k ranks that take a block best
-                    dt, dmem = self.dense(u, placement)
-                    key = self.eval_dense(u, placement, dt, dmem)
-                    if key is not None and (best is None or key < best[0]):
-                        best = (key, placement, (dt, dmem))
-                if best is not None:
-                    found.append(best)
+                    if len(scores) >= k:  # the k ranks that take a block best
+                        options.append((CW, tuple(s[-1] for s in scores[:k])))
+                self._add_best(u, options, found)
             elif kind == TWRW:
-                nodes = [u.node] if u.node is not None else range(m.N)
-                best = None
-                for n in nodes:
-                    placement = (TWRW, n)
-                    dt, dmem = self.dense(u, placement)
-                    key = self.eval_dense(u, placement, dt, dmem)
-                    if key is not None and (best is None or key < best[0]):
-                        best = (key, placement, (dt, dmem))
-                if best is not None:
-                    found.append(best)
+                self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))], found)
             else:  # RW, DP
                 placement = (kind,)
                 dt, dmem = self.dense(u, placement)
@@ -231,6 +217,17 @@ class Search:
                 if key is not None:
                     found.append((key, placement, (dt, dmem)))
         return found
+
+    def _add_best(self, u: Unit, placements: Iterable[tuple], found: list) -> None:
+        """Appends to ``found`` the best-keyed of ``placements`` that fits, if any does."""
+        best = None
+        for placement in placements:
+            dt, dmem = self.dense(u, placement)
+            key = self.eval_dense(u, placement, dt, dmem)
+            if key is not None and (best is None or key < best[0]):
+                best = (key, placement, (dt, dmem))
+        if best is not None:
+            found.append(best)
 
     def place(self, u: Unit, placement: tuple, dense=None):
         dt, dmem = dense if dense is not None else self.dense(u, placement)

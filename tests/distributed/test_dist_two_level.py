@@ -82,10 +82,10 @@ def test_two_level_ir():
     from dist_support import compile_for, tiny_data
     program = compile_for(tiny_model(), tiny_data(), 4, sharding="table_row_wise", nodes=2)
     text = program.stages["insert_comm"].text
-    assert ("tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.1) two-level(nodes of 2) | r0:t0[0:5,0:4]+t2[0:15,0:4] "
-            "r1:t0[5:10,0:4]+t2[15:30,0:4] r2:t1[0:10,0:4] r3:t1[10:20,0:4]") in text
+    assert ("tbe_g0=[t0,t1,t2] dim=4 sum sgd(lr=0.1) two-level(nodes of 2) | r0:t1[0:10,0:4] r1:t1[10:20,0:4] "
+            "r2:t0[0:5,0:4]+t2[0:15,0:4] r3:t0[5:10,0:4]+t2[15:30,0:4]") in text
     assert ("comm output_dist over [0, 1, 2, 3] splits=[4, 4, 4, 4] two-level(reduce-scatter in nodes of 2, then "
-            "across nodes): t0[0:5]->r0 t2[0:15]->r0 t0[5:10]->r1 t2[15:30]->r1 t1[0:10]->r2 t1[10:20]->r3") in text
+            "across nodes): t1[0:10]->r0 t1[10:20]->r1 t0[0:5]->r2 t2[0:15]->r2 t0[5:10]->r3 t2[15:30]->r3") in text
     # One node: the same kind keeps the flat exchange (it is row-wise over the node's ranks).
     flat = compile_for(tiny_model(), tiny_data(), 4, sharding="table_row_wise").stages["insert_comm"].text
     assert "two-level" not in flat
