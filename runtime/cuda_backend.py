@@ -52,7 +52,8 @@ class TBELookupCUDA(torch.autograd.Function):
         winners = ctx.winners
         if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
             # Every replica applies the same update for the global batch: its rows' summed gradients.
-            lin = linearize_indices(ids, offsets, ctx.hsc, ctx.t, b)
+            lin = (linearize_indices(ids, offsets, ctx.hsc, ctx.t, b) if ids is not None
+                   else torch.zeros(0, dtype=torch.int64, device=grad.device))  # no bags on this rank
             rows, offsets, grad, n = all_reduce_row_grads(lin, offsets, grad, psw, ctx.pooling, ctx.t, b,
                                                           group.total_rows, group.dp_comm)
             if n:

@@ -82,3 +82,50 @@ def test_the_cuda_ops_refuse_cpu_weights_outside_the_emulator():
     group = SimpleNamespace(materialized=True, weights=torch.zeros(4, 2), group_name="g0")
     with pytest.raises(RuntimeError, match="lowered for CUDA but its weights are on cpu"):
         cuda_backend.tbe_lookup_cuda(group, None)
+
+
+def _dp_allreduce_steps(programs, data, steps):
+    """On each rank: the CPU ops and the CUDA ops (emulated) train a data-parallel program whose
+    backward all-reduces per-row gradient sums; returns both final states."""
+    import cloudpickle  # noqa: F401  (this module travels by value)
+    from recc.models import slice_batch
+    out = []
+    for i, program in enumerate(programs):
+        dm = program.instantiate()
+        opt = torch.optim.SGD(dm.dense_parameters(), lr=0.05)
+        for s in range(steps):
+            dense_x, lS_o, lS_i, y = slice_batch(data.batch(s), recc.rank(), recc.world_size())
+            with cuda_ops() if i == 1 else contextlib.nullcontext():
+                F.binary_cross_entropy(dm(dense_x, lS_o, lS_i), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append({k: v.clone() for k, v in dm.state_dict().items()})
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_data_parallel_all_reduce_through_the_cuda_ops_at_world_size_2(optimizer):
+    """The CUDA backend's data-parallel backward by all-reduce (one-id bags of the touched rows
+    through the CUDA update kernel) gives the CPU backend's state on every rank."""
+    import sys
+    import cloudpickle
+    from recc.models import SyntheticData, build_model, slice_batch
+    from recc.models.presets import resolve_preset
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cfg = resolve_preset("tiny")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    data = SyntheticData(cfg)
+    cluster = recc.Cluster.local(2)
+    example = slice_batch(data.batch(0), 0, 2)[:3]
+    config = recc.CompileConfig(optimizer=optimizer, lr=0.05, sharding="data_parallel", comm_bwd="fp32",
+                                pass_options={"insert_comm": {"dp_exchange": "allreduce"}})
+    programs = [recc.compile(model, cluster, config=config, example_inputs=example) for _ in range(2)]
+    assert {m.dp_comm.op for m in programs[0].graph.modules()
+            if getattr(m, "dp_comm", None) is not None} == {"dp_grad_allreduce"}
+    results = recc.launch(_dp_allreduce_steps, cluster, programs, data, 3)
+    for rank, (cpu, emu) in enumerate(results):
+        for k, a in cpu.items():
+            torch.testing.assert_close(emu[k], a, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {k}")
+    for k in results[0][1]:
+        assert torch.equal(results[0][1][k], results[1][1][k]), k  # replicas stay identical
