@@ -4,9 +4,9 @@ Contract: requires ``insert_comm``. For every output dist (the pooled all-to-all
 sharding's reduce-scatter is the same exchange) it wraps the payload in a ``recc.quantize`` /
 ``recc.dequantize`` pair: the forward rows travel in ``fwd``, their gradients in ``bwd``. The
 ids all-to-all is left alone (ids are exact integers). Data-parallel groups' backward gradient
-all-gather travels in ``bwd``, their gradient all-reduce in ``allreduce``. The dense gradient all-reduce gets ``allreduce`` through a DDP
-communication hook (fp16/bf16 only: an all-reduce sums on the wire, which block-scaled int8/fp8
-codes cannot do). Precisions: ``fp32 | fp16 | bf16 | int8 | fp8`` (``fp8`` is e4m3 forward, e5m2
+all-gather travels in ``bwd``, their gradient all-reduce in ``allreduce``. The dense gradient
+all-reduce gets ``allreduce`` through a DDP communication hook (fp16/bf16 only: an all-reduce
+sums on the wire, which block-scaled int8/fp8 codes cannot do). Precisions: ``fp32 | fp16 | bf16 | int8 | fp8`` (``fp8`` is e4m3 forward, e5m2
 backward; byte layouts in ``recc.kernels.codecs``). A collective whose two directions are both
 ``fp32`` is left as it is. Ensures every ``recc.quantize`` reaches exactly one
 ``recc.dequantize`` through the collective and that the collective's ``CommSpec`` names both

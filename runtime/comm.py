@@ -594,7 +594,7 @@ def all_reduce_row_grads(lin: torch.Tensor, offsets: torch.Tensor, grad: torch.T
         acc = wire.float()
     rows = torch.nonzero(acc[:, dim] > 0).squeeze(1)
     n = rows.numel()
-    return rows, torch.arange(n + 1, dtype=torch.int64, device=grad.device), acc.index_select(0, rows)[:, :dim].contiguous(), n
+    return rows, torch.arange(n + 1, dtype=torch.int64, device=grad.device), acc[rows, :dim], n
 
 
 def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):

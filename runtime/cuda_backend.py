@@ -49,45 +49,38 @@ class TBELookupCUDA(torch.autograd.Function):
         group.step += 1
         o = group.optimizer
         ids, offsets, psw, b, checked = ctx.ids, ctx.offsets, ctx.psw, ctx.b, True
+        t, hsc, pooling, names = ctx.t, ctx.hsc, ctx.pooling, getattr(ctx, "names", ())
         winners = ctx.winners
         if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
-            # Every replica applies the same update for the global batch: its rows' summed gradients.
-            lin = (linearize_indices(ids, offsets, ctx.hsc, ctx.t, b) if ids is not None
+            # Every replica applies the same update for the global batch: its rows' summed
+            # gradients, as one-id bags of one table spanning the group's rows.
+            lin = (linearize_indices(ids, offsets, hsc, t, b) if ids is not None
                    else torch.zeros(0, dtype=torch.int64, device=grad.device))  # no bags on this rank
-            rows, offsets, grad, n = all_reduce_row_grads(lin, offsets, grad, psw, ctx.pooling, ctx.t, b,
-                                                          group.total_rows, group.dp_comm)
-            if n:
-                if group.grad_scale != 1.0:
-                    grad = grad * group.grad_scale
-                whole = torch.tensor([0, group.total_rows], dtype=torch.int64, device=grad.device)
-                cuda_kernels.tbe_backward_update(
-                    group.weights.detach(), group.optimizer_state(), rows, offsets, whole, grad,
-                    T=1, B=n, pooling="sum", per_sample_weights=None, optimizer=o.name, lr=o.lr,
-                    eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay,
-                    step=group.step, table_names=(group.group_name,), checked=False,
-                    weight_decay_mode=o.weight_decay_mode)
-            return None, None, None
-        if group.data_parallel and group.world_size > 1:
+            ids, offsets, grad, b = all_reduce_row_grads(lin, offsets, grad, psw, pooling, t, b,
+                                                         group.total_rows, group.dp_comm)
+            t, pooling, psw, checked, names = 1, "sum", None, False, (group.group_name,)
+            hsc = torch.tensor([0, group.total_rows], dtype=torch.int64, device=grad.device)
+        elif group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
             checked = False  # other ranks' ids: the update's own bounds check reports them
-            if ctx.pooling == "max":
+            if pooling == "max":
                 winners = None
                 check_max_unchanged(group, ctx.version)
         if group.grad_scale != 1.0:
             grad = grad * group.grad_scale
-        if ctx.t and b and ctx.pooling == "max":
+        if t and b and pooling == "max":
             tbe_backward_update_reference(
-                group.weights.detach(), group.optimizer_state(), linearize_indices(ids, offsets, ctx.hsc, ctx.t, b),
-                offsets, grad.contiguous(), T=ctx.t, B=b, pooling="max", optimizer=o.name, lr=o.lr,
+                group.weights.detach(), group.optimizer_state(), linearize_indices(ids, offsets, hsc, t, b),
+                offsets, grad.contiguous(), T=t, B=b, pooling="max", optimizer=o.name, lr=o.lr,
                 eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
                 weight_decay_mode=o.weight_decay_mode, winners=winners)
-        elif ctx.t and b:
+        elif t and b:
             cuda_kernels.tbe_backward_update(
-                group.weights.detach(), group.optimizer_state(), ids, offsets, ctx.hsc, grad.contiguous(),
-                T=ctx.t, B=b, pooling=ctx.pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,
+                group.weights.detach(), group.optimizer_state(), ids, offsets, hsc, grad.contiguous(),
+                T=t, B=b, pooling=pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,
                 eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
-                table_names=ctx.names, checked=checked, weight_decay_mode=o.weight_decay_mode)
+                table_names=names, checked=checked, weight_decay_mode=o.weight_decay_mode)
         return None, None, None
 
 

@@ -76,7 +76,8 @@ OUT_BYTES = 4         # fp32 pooled outputs and their gradients
 RESERVED_FRACTION = 0.10   # of device memory, for the dense model, activations and the runtime
 SLOT_MAP_BYTES = 4         # per weight row on CPU ranks: the fused backward's row -> slot map
 ACCESS_BYTES = {"cpu": 64, "cuda": 32}   # a memory access moves this much: a cache line, a DRAM sector
-PHASES = {TW: 4, CW: 4, RW: 4, DP: 6}    # world-wide collective phases per step (DP: gathering)
+PHASES = {TW: 4, CW: 4, RW: 4}          # world-wide collective phases per step
+DP_GATHER_PHASES = 6                     # lengths, ids, gradients: each a size all-gather, then the data
 GIB = 2 ** 30
 
 
@@ -105,10 +106,13 @@ class Profile:
     rows: int
     dim: int
     bag: float       # ids per bag (per sample)
-    pooled: bool
+    pooling: str     # sum, mean, max, or none (a gather: one output row per id)
     id_bytes: int    # per id on the wire
     elem: int        # bytes per weight element
-    pooling: str = "sum"
+
+    @property
+    def pooled(self) -> bool:
+        return self.pooling != "none"
 
 
 class CostModel:
@@ -141,13 +145,13 @@ class CostModel:
         self.granule = ACCESS_BYTES[cluster.device_type]
         slow = cluster.inter_node if self.N > 1 else cluster.intra_node
         self.i_slow = 1.0 / (slow.bw_gbps * 1e9) if self.W > 1 else 0.0
-        self.kind_latency = self._kind_latency(cluster)
+        self.kind_latency, self.gather_latency = self._latencies(cluster)
 
-    def _kind_latency(self, cluster: Cluster) -> dict[str, float]:
+    def _latencies(self, cluster: Cluster) -> tuple[dict[str, float], float]:
+        """Each kind's collective latency per step, and a gathering DP table's."""
         W, G, N = self.W, self.G, self.N
         if W == 1:
-            self.gather_latency = 0.0
-            return {k: 0.0 for k in SHARDING_KINDS}
+            return {k: 0.0 for k in SHARDING_KINDS}, 0.0
         us = 1e-6
         intra, inter = cluster.intra_node, cluster.inter_node
         world_lat = (inter if N > 1 else intra).latency_us * us
@@ -156,7 +160,6 @@ class CostModel:
         # DP's all-reduce (NCCL and gloo pick a tree or halving-doubling for small buffers):
         # ceil(log2 W) steps each way, one peer per step.
         step = world_lat + (inter.message_us if N > 1 else intra.message_us) * us
-        self.gather_latency = out[DP]
         out[DP] = 2 * math.ceil(math.log2(W)) * step
         if N > 1:  # two-level output dist: inside the node, then across nodes; forward and backward
             inside = intra.latency_us * us + (G - 1) * intra.message_us * us if G > 1 else 0.0
@@ -164,12 +167,12 @@ class CostModel:
             out[TWRW] = 2 * world + 2 * (inside + across)
         else:
             out[TWRW] = 4 * world
-        return out
+        return out, DP_GATHER_PHASES * world
 
     # -- building blocks
     def profile(self, t: TableSpec, bag: float) -> Profile:
-        return Profile(t.name, t.rows, t.dim, float(bag), t.pooling != "none",
-                        ID_BYTES + (PSW_BYTES if t.weighted else 0), ELEM_BYTES.get(t.dtype, 4), t.pooling)
+        return Profile(t.name, t.rows, t.dim, float(bag), t.pooling,
+                       ID_BYTES + (PSW_BYTES if t.weighted else 0), ELEM_BYTES.get(t.dtype, 4))
 
     def ids(self, p: Profile, bags: float, ids_per_bag: float) -> float:
         return bags * (ids_per_bag * p.id_bytes + LENGTH_BYTES)
@@ -186,11 +189,12 @@ class CostModel:
         bags)`` (the same unless given) over ``cols`` columns of a shard."""
         row = self._granules(cols * p.elem)
         per_bag = LENGTH_BYTES + self._granules(cols * OUT_BYTES)
-        outs = (lambda n, nb: nb) if p.pooled else (lambda n, nb: n)  # output rows: per bag, or per id
         n_b, bags_b = bwd if bwd is not None else (n_ids, bags)
+        if not p.pooled:  # a gather writes one output row per id
+            bags, bags_b = n_ids, n_b
         state = state_row_bytes(optimizer or self.optimizer, cols)
-        fwd = n_ids * row + outs(n_ids, bags) * per_bag
-        back = n_b * (2 * row + 2 * state) + outs(n_b, bags_b) * per_bag
+        fwd = n_ids * row + bags * per_bag
+        back = n_b * (2 * row + 2 * state) + bags_b * per_bag
         return (fwd + back) / self.mem_bw
 
     def table_bytes(self, p: Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:

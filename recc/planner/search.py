@@ -4,14 +4,18 @@
 goes where it minimises ``max(slowest rank after placing it, average rank once every table is
 placed) + the plan's latencies`` — the average is a lower bound on the final objective, so early
 tables are not spread over many ranks at a high total cost just because the ranks are still
-empty. Ties go to the smaller growth of the sum of squared rank times, then kind order, then the
-lowest rank. Candidates: TW on every rank, CW (each block on one of the ranks that would take a
-table best), RW, TWRW on every node, and DP for tables under ``DP_MAX_BYTES``. A refinement pass
-then moves tables off the slowest rank (to any allowed placement), or swaps a table-wise table
-there with a smaller one elsewhere, while that lowers the objective. Finally every uniform
-strategy (each kind forced on all tables) is planned as well; if the best of them beats the greedy
-plan it is refined with all kinds allowed and kept, so ``auto`` is never estimated worse than a
-forced strategy that fits (and may then replicate tables above ``DP_MAX_BYTES``). A forced
+empty. Ties go to the smaller total work (summed over ranks: fewer bytes moved), then the smaller
+growth of the sum of squared rank times, then kind order, then the lowest rank. Candidates: TW on
+every rank, CW with every block count the layout allows (each block on one of the ranks that
+would take a block best), RW, TWRW on every node, and DP for tables under ``DP_MAX_BYTES``. A
+refinement pass then moves tables off the slowest rank (to any allowed placement), or swaps a
+table-wise table there with a smaller one elsewhere, while that lowers the objective; a tidy step
+then moves each table to the placement with the least total work among those that leave the
+objective where it is (a table split over ranks that had room goes back to fewer blocks or one
+owner). Finally every uniform strategy (each kind forced on all tables) is planned as well; if
+the best of them beats the greedy plan it is refined with all kinds allowed and kept, so ``auto``
+is never estimated worse than a forced strategy that fits (and may then replicate tables above
+``DP_MAX_BYTES``). A forced
 ``strategy`` uses one kind for every table, TW and CW blocks and TWRW nodes balanced greedily.
 Memory caps are hard: a placement that would put any rank over its cap is never taken.
 """
@@ -30,7 +34,6 @@ KIND_INDEX = {k: i for i, k in enumerate(SHARDING_KINDS)}
 REFINE_STEPS = 256         # bound on refinement moves (deterministic: a count, never a clock)
 REFINE_UNITS = 8           # tables on the slowest rank tried per refinement step
 REFINE_SWAPS = 4           # screened swaps evaluated exactly per refinement step
-
 
 
 class NoFit(Exception):
