@@ -44,6 +44,7 @@ def cmd_compile(args) -> int:
     import recc
     model, cfg = _build(args)
     config = _config(args)
+    config.batch_size = args.batch_size or cfg["batch_size"]  # the plan is costed for it, as `recc plan` does
     cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
     t0 = time.perf_counter()
     program = recc.compile(model, cluster, config=config, pipeline=args.pipeline, dump_dir=args.dump_dir,

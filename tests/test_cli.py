@@ -123,7 +123,7 @@ def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
     assert "# sharding plan: 26 tables over 128 rank(s), strategy=auto" in out
     assert re.search(r"^emb_l\.0\s+39884406x128\s+\w+\s+[\d-]+\s+r\S+(, r\S+)*\s+[\d.e-]+\s+\w+ \+[\d.e-]+ ms$", out, re.M)
     assert "tbe_g0=[t0,t1,t2,t3,t4,t5,t6,t7,t8,t9,t10,t11,t12,t13,t14,t15,t16,t17,t18,t19,t20,t21,t22,t23,t24,t25]" in out
-    assert re.search(r"^emb_g0 +: f32\[8,3328\] += recc.dequantize\[cuda\]\(emb_g0_q, ", out, re.M)
+    assert re.search(r"^emb_g0 +: f32\[256,3328\] += recc.dequantize\[cuda\]\(emb_g0_q, ", out, re.M)
     assert "memory cap 36.00 GiB per rank (40 GiB less 10% reserved)" in out
     assert " OVER" not in out
     assert re.search(r"^# compiled terabyte for zionex-16x8 in \d+\.\d\d s: 11 passes, pipeline discover_tables,"

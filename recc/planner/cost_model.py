@@ -37,8 +37,10 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
   all-gathers every rank's lengths, ids and output gradients (each rank sends ``id(b, L) +
   out(b, D)`` to every peer and receives as much from each: ``2 (id + out) S``) and applies
   the global batch's update (``B L`` ids).
-- Latency: each kind in the plan runs its own collectives (a table adds none to a kind already
-  in the plan). A phase over a set of ranks costs the link latency once plus ``message_us`` per
+- Latency: each table group runs its own collectives, and ``batch_tables`` groups tables by
+  block width, pooling, per-sample weights, dtype and bags per sample, data-parallel and
+  two-level ones apart (``collective``): a table adds no latency to a group already in the plan,
+  a new width or kind of table adds a group's. A phase over a set of ranks costs the link latency once plus ``message_us`` per
   peer (``Pw = (G-1) msg_intra + (W-G) msg_inter`` over the world): TW, CW and RW 4 world phases
   (ids in two, output forward, gradient backward); TWRW 2 world phases for the ids and, on
   several nodes, its two-level output dist forward and backward (``G-1`` intra-node peers, then
@@ -289,6 +291,19 @@ class CostModel:
             comp, comm, mem = [c] * W, [ex] * W, [m] * W
         return comp, comm, mem
 
-    def latency(self, kinds: Iterable[str]) -> float:
-        used = set(kinds)  # summed in kind order, so every process adds the same floats
-        return sum(self.kind_latency[k] for k in SHARDING_KINDS if k in used)
+    def collective(self, p: Profile, placement: tuple) -> tuple:
+        """The collectives a table joins in ``placement``: ``batch_tables`` puts tables with the
+        same key (block width, pooling, per-sample weights, dtype, bags per sample, and whether
+        they are data-parallel or two-level) in one group, whose dists run once per step for all
+        of them; each group pays its latency once. ``(kind whose latency it pays, key...)``."""
+        kind = placement[0]
+        if kind == DP and self.W == 1:
+            kind = TW
+        pays = DP if kind == DP else TWRW if kind == TWRW and self.N > 1 else TW
+        width = p.dim // len(placement[1]) if kind == CW else p.dim
+        return (pays, width, "sum" if p.pooling == "none" else p.pooling, p.id_bytes, p.elem,
+                1.0 if p.pooled else p.bag)
+
+    def latency(self, collectives: Iterable[tuple]) -> float:
+        # summed in sorted order, so every process adds the same floats
+        return sum(self.kind_latency[c[0]] for c in sorted(set(collectives)))

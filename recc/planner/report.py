@@ -22,13 +22,15 @@ def table_reasons(tables, shards, alternatives, model: CostModel, bag_sizes, che
     take it instead."""
     W = model.W
     comp, comm, mem, base, _ = estimate_shards(tables, shards, model, bag_sizes)
-    kinds_now = {spec.kind for spec in shards.values()}
+    placements = {n: placement_of(tables[n], spec, model.cluster) for n, spec in shards.items()}
+    profiles = {n: model.profile(tables[n], (bag_sizes or {}).get(n, 1.0)) for n in shards}
+    groups = {n: model.collective(profiles[n], placements[n]) for n in shards}
+    lat_now = model.latency(groups.values())
     out = {}
     for name, spec in shards.items():
-        t = tables[name]
-        p = model.profile(t, (bag_sizes or {}).get(name, 1.0))
-        c0, m0, me0 = model.delta(p, placement_of(t, spec, model.cluster))
-        rest_kinds = {s.kind for n, s in shards.items() if n != name}
+        t, p = tables[name], profiles[name]
+        c0, m0, me0 = model.delta(p, placements[name])
+        rest = [g for n, g in groups.items() if n != name]
         options = []
         allowed = cons["kinds"].get(name, SHARDING_KINDS)
         for kind in SHARDING_KINDS:
@@ -45,7 +47,7 @@ def table_reasons(tables, shards, alternatives, model: CostModel, bag_sizes, che
             if check_memory and max(memory) > model.cap:
                 options.append((math.inf, kind, "over memory"))
                 continue
-            lat = model.latency(rest_kinds | {kind}) - model.latency(kinds_now)
+            lat = model.latency(rest + [model.collective(p, placement)]) - lat_now
             obj = max(comp[r] - c0[r] + c1[r] + comm[r] - m0[r] + m1[r] for r in range(W)) + lat
             options.append((obj - base, kind, f"+{fmt_ms(max(0.0, obj - base) * 1e3)} ms"))
         if not options:
@@ -65,17 +67,18 @@ def estimate_shards(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], 
     comp, comm, mem = [0.0] * W, [0.0] * W, [0.0] * W
     cost = {}
     bag_sizes = bag_sizes or {}
-    kinds = set()
+    groups = []
     for name, spec in shards.items():
         t = tables[name]
         p = model.profile(t, bag_sizes.get(name, 1.0))
-        c, m_, me = model.delta(p, placement_of(t, spec, model.cluster))
+        placement = placement_of(t, spec, model.cluster)
+        c, m_, me = model.delta(p, placement)
         comp = list(map(operator.add, comp, c))
         comm = list(map(operator.add, comm, m_))
         mem = list(map(operator.add, mem, me))
         cost[name] = max(map(operator.add, c, m_)) if W else 0.0
-        kinds.add(spec.kind)
-    lat = model.latency(kinds)
+        groups.append(model.collective(p, placement))
+    lat = model.latency(groups)
     comm = [x + lat for x in comm]
     objective = max(map(operator.add, comp, comm)) if shards else 0.0
     return comp, comm, mem, objective, cost

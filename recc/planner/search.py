@@ -48,7 +48,7 @@ class _State:
         W = model.W
         self.tot = [0.0] * W
         self.mem = [0.0] * W
-        self.kinds: dict[str, int] = {}
+        self.groups: dict[tuple, int] = {}  # collective groups in the plan (CostModel.collective) -> tables
         self.refresh()
 
     def refresh(self):
@@ -70,11 +70,11 @@ class _State:
 
     @property
     def latency(self) -> float:
-        return self.m.latency(k for k, c in self.kinds.items() if c > 0)
+        return self.m.latency(k for k, c in self.groups.items() if c > 0)
 
-    def latency_with(self, kind: str) -> float:
-        lat = self.latency
-        return lat if self.kinds.get(kind, 0) > 0 else lat + self.m.kind_latency[kind]
+    def latency_with(self, keys: Iterable[tuple]) -> float:
+        new = [k for k in set(keys) if self.groups.get(k, 0) <= 0]
+        return self.latency + self.m.latency(new)
 
     def objective(self) -> float:
         return max(self.tot) + self.latency
@@ -82,14 +82,15 @@ class _State:
     def slowest(self) -> int:
         return max(range(self.m.W), key=lambda r: (self.tot[r], -r))
 
-    def apply(self, kind: str, dt: list, dmem: list, sign: float = 1.0):
+    def apply(self, keys: Iterable[tuple], dt: list, dmem: list, sign: float = 1.0):
         if sign > 0:
             self.tot = list(map(operator.add, self.tot, dt))
             self.mem = list(map(operator.add, self.mem, dmem))
         else:
             self.tot = list(map(operator.sub, self.tot, dt))
             self.mem = list(map(operator.sub, self.mem, dmem))
-        self.kinds[kind] = self.kinds.get(kind, 0) + (1 if sign > 0 else -1)
+        for k in keys:
+            self.groups[k] = self.groups.get(k, 0) + (1 if sign > 0 else -1)
         self.refresh()
 
 
@@ -106,6 +107,10 @@ class Search:
         self.overflow = None  # the least-over infeasible candidate seen for the current unit
 
     # -- deltas of a unit
+    def keys(self, u: Unit, placement: tuple) -> frozenset:
+        """The collective groups the unit's tables join in ``placement``."""
+        return frozenset(self.m.collective(p, placement) for p in u.profiles)
+
     def tw_terms(self, u: Unit, cols_div: int = 1):
         key = cols_div
         if key not in u.tw:
@@ -155,7 +160,8 @@ class Search:
         work = sum(dt)
         mx = max(max(map(operator.add, st.tot, dt)), (st.T + work + self.remaining) / self.m.W)
         dss = 2 * sum(map(operator.mul, st.tot, dt)) + sum(map(operator.mul, dt, dt))
-        return (mx + st.latency_with(placement[0]), work, dss, KIND_INDEX[placement[0]], _tiebreak(placement))
+        return (mx + st.latency_with(self.keys(u, placement)), work, dss, KIND_INDEX[placement[0]],
+                _tiebreak(placement))
 
     def tw_scores(self, u: Unit, cols_div: int, kind: str, ranks: Optional[Iterable[int]]):
         """Keys of placing the unit (or one CW block of it) table-wise on each allowed rank."""
@@ -163,7 +169,8 @@ class Search:
         c, peer, mem = self.tw_terms(u, cols_div)
         a, di, de = c + peer * m.S, peer * m.ii, peer * m.ie
         G, N, W = m.G, m.N, m.W
-        lat = st.latency_with(kind)
+        # The groups it joins depend on the block width only, not on the ranks: a stand-in placement.
+        lat = st.latency_with(self.keys(u, (kind, (0,) * cols_div if kind == CW else 0)))
         kidx = KIND_INDEX[kind]
         tot, memr, cap = st.tot, st.mem, self.cap
         work = c + 2 * peer * m.S  # summed over ranks: the owner's lookup and both ends of its traffic
@@ -234,12 +241,12 @@ class Search:
 
     def place(self, u: Unit, placement: tuple, dense=None):
         dt, dmem = dense if dense is not None else self.dense(u, placement)
-        self.state.apply(placement[0], dt, dmem)
+        self.state.apply(self.keys(u, placement), dt, dmem)
         u.placement, u.cur = placement, (dt, dmem)
 
     def unplace(self, u: Unit):
         dt, dmem = u.cur
-        self.state.apply(u.placement[0], dt, dmem, -1.0)
+        self.state.apply(self.keys(u, u.placement), dt, dmem, -1.0)
 
     # -- greedy
     def run(self, start: Optional[dict[str, tuple]] = None):
@@ -374,7 +381,7 @@ class Search:
             new = None
             if fits:
                 tot = list(map(lambda t, x, y: t + x + y, st.tot, da[0], db[0]))
-                new = max(tot) + st.latency_with(TW)
+                new = max(tot) + st.latency_with(self.keys(a, (TW, rb)) | self.keys(b, (TW, ra)))
             self.place(b, *oldb)
             self.place(a, *olda)
             if new is not None and new < target and (best is None or new < best[0]):
