@@ -56,6 +56,10 @@ class LinkSpec:
                              f"{self.latency_us}, {self.message_us}")
 
 
+# gloo over loopback TCP, as bench/collective_latency.py measures it on a 2-core VM: a 2-rank
+# all-to-all of 16 bytes takes ~170 us, an all-reduce ~350-450 us, and each MB per peer 0.2-0.5 ms more.
+LOOPBACK = LinkSpec(bw_gbps=3.0, latency_us=150.0, message_us=20.0)
+
 # The descriptions shipped with the package: recc.clusters (the repository's clusters/ folder).
 _SHIPPED_DIR = Path(_shipped_clusters.__file__).parent
 
@@ -132,7 +136,7 @@ class Cluster:
         """``world_size`` processes on this host (CPU + gloo, or one per GPU with ``device='cuda'``).
 
         The CPU world is what ``clusters/local-2.yaml`` / ``local-4.yaml`` describe: 8 GiB and
-        10 GB/s of memory bandwidth per rank, ranks talking over loopback (gloo/TCP).
+        10 GB/s of memory bandwidth per rank, ranks talking over loopback (gloo/TCP, ``LOOPBACK``).
         ``nodes > 1`` emulates that many nodes of ``world_size / nodes`` ranks each (named
         ``local-2x2``): plans and collectives follow the node boundaries (e.g. table-row-wise's
         two-level output dist), while every process still runs here."""
@@ -143,7 +147,7 @@ class Cluster:
         dev = DeviceSpec() if device == "cpu" else DeviceSpec(kind="gpu", memory_gb=40.0, mem_bw_gbps=1500.0)
         per = world_size // nodes
         return cls(name=f"local-{world_size}" if nodes == 1 else f"local-{nodes}x{per}", nodes=nodes,
-                   devices_per_node=per, device=dev, intra_node=LinkSpec(bw_gbps=10.0, latency_us=20.0),
+                   devices_per_node=per, device=dev, intra_node=LOOPBACK,
                    single_host=True)
 
     @classmethod
