@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from recc.kernels import huge_page_empty, optimizer_state_shapes, release_memory
 from recc.graph_utils import resolve_attr
+from recc.heap import keep_step_memory
 from recc.program import quiet_deepcopy
 from recc.runtime import comm_stats
 from recc.runtime.pipeline import split_sparse_stage
@@ -342,6 +343,8 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
         raise ValueError(f"instantiate: device {device} has no recc backend (cpu or cuda)")
+    else:
+        keep_step_memory()   # else glibc hands every step's activations back to the OS (recc.heap)
     # A model the user dropped may still be waiting in a reference cycle for the collector; its
     # tables can be freed as they are copied only once it is gone (source_block_consumable).
     gc.collect()
