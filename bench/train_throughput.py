@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recc.heap import keep_step_memory
 from recc.models import SyntheticData, build_model, load_preset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -1301,6 +1302,10 @@ def main(argv=None) -> None:
         else:
             args.recc_ok = True
 
+    # recc's CPU runtime keeps a step's freed memory for the next one (recc.heap); the setting
+    # is process-wide, so it is made here, before any system runs, and every row trains with it.
+    print(f"heap: freed memory kept between steps for every system ({'yes' if keep_step_memory() else 'no'}; "
+          f"RECC_KEEP_HEAP=0 for glibc's defaults)")
     bandwidth = memory_bandwidth(threads)  # the limit of every row and the embedding-only floor
     print(f"memory bandwidth (512 MB copy, read+write, best of 7): {bandwidth / 1e9:.1f} GB/s")
 
