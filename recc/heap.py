@@ -11,11 +11,11 @@ defaults give that memory back to the OS between steps — blocks above its mmap
 unmapped on free, and the heap's top is trimmed once more than the trim threshold is free (both
 follow the largest block freed so far, up to 32 MiB). The next step then faults every page in
 again: measured 5,100 minor faults per step, 52.8 -> 42.6 ms per step on kaggle fp32 (small:
-2,450 faults, 24.1 -> 22.3 ms), ``bench/train_throughput.py``. A CPU ``DistributedModel`` therefore fixes
-both thresholds at 1 GiB when it is built: a step's buffers stay mapped and are reused, so
-RSS stays at the step's peak between steps instead of dipping below it (and growing back: 0-9 MB
-per rank over 27 timed steps, kaggle at world size 2). ``RECC_KEEP_HEAP=0`` leaves
-glibc's settings alone; ``malloc_trim`` (``trim_heap``) still returns the memory on request.
+2,450 faults, 24.1 -> 22.3 ms), median of 20 steps after 5, counted with ``getrusage``. A CPU
+``DistributedModel`` therefore fixes both thresholds at 1 GiB when it is built: a step's
+buffers stay mapped and are reused, so RSS stays at the step's peak between steps instead of
+dipping below it (and growing back: 0-9 MB per rank over 27 timed steps, kaggle at world size
+2). ``RECC_KEEP_HEAP=0`` leaves glibc's settings alone; ``malloc_trim`` (``trim_heap``) still returns the memory on request.
 """
 from __future__ import annotations
 
