@@ -12,14 +12,15 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
   and its gradient flows back through the cast into the fp32 master weight (the optimizer, DDP and
   ``state_dict`` see fp32). Products accumulate in fp32 inside the GEMM (oneDNN/MKL bf16 kernels).
 - ops that lose accuracy in bf16 — ``sigmoid``, losses (``binary_cross_entropy[_with_logits]``),
-  ``softmax``/``log_softmax``, BatchNorm and LayerNorm, and recc's fp32 interaction kernels
-  (``recc.dot_interaction``, ``recc.pairwise_dot``) — take fp32 inputs (a ``.to(torch.float32)`` on
-  each bf16 one);
+  ``softmax``/``log_softmax``, BatchNorm and LayerNorm, and ``recc.pairwise_dot`` (an fp32 kernel)
+  — take fp32 inputs (a ``.to(torch.float32)`` on each bf16 one);
+- ``recc.dot_interaction`` takes its inputs as they are — a bf16 bottom MLP output and the fp32
+  pooled embeddings — computes its dot products in fp32 and returns ``dense``'s dtype, so between a
+  bf16 bottom and top MLP it reads and writes bf16 with no cast on either side;
 - everything else runs in whatever dtype its inputs have (torch's type promotion: ``relu``, ``cat``,
   elementwise ops stay bf16 between products; a bf16 value meeting an fp32 one is fp32);
 - a product whose result only those fp32 ops read, or the output (the model's head, whose logit
-  the sigmoid or loss reads; the bottom MLP's last layer under recc's fp32 interaction) stays
-  fp32: its bf16 result would be cast straight back, and bf16 logits (8 mantissa bits) tie
+  the sigmoid or loss reads) stays fp32: its bf16 result would be cast straight back, and bf16 logits (8 mantissa bits) tie
   predictions, which costs AUC;
 - the model's floating outputs are returned in fp32, as the user's loss expects them (tensors
   returned directly or in a list/tuple/dict of the output; a tuple-valued node such as
@@ -72,7 +73,7 @@ _FP32_FUNCTIONS = {torch.sigmoid, F.sigmoid, F.binary_cross_entropy, F.binary_cr
 _FP32_METHODS = {"sigmoid", "softmax", "log_softmax"}
 _FP32_MODULES = (nn.Sigmoid, nn.Softmax, nn.LogSoftmax, nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
                  nn.BCELoss, nn.BCEWithLogitsLoss, nn.MSELoss, nn.CrossEntropyLoss)
-_FP32_RECC_OPS = ("dot_interaction", "pairwise_dot")
+_FP32_RECC_OPS = ("pairwise_dot",)
 
 
 def _wants(gm: fx.GraphModule, node: fx.Node, low: torch.dtype):

@@ -572,13 +572,18 @@ def dot_interaction(dense, blocks, li, lj, features, pad: int = 0):
     columns ``blocks[k][:, col:col+D]`` (a table group's batched lookup, read in place: no
     per-table split, no stack, no concatenation, and their gradients land in one tensor per
     block). ``pad`` zero columns at the end let the next layer's GEMM see an aligned K.
+    ``dense`` and the blocks may differ in dtype (a bf16 bottom MLP, fp32 lookups): the products
+    are computed in fp32 and the result has ``dense``'s dtype.
     """
     d = dense.shape[1]
+    out_dtype, wide = dense.dtype, torch.promote_types(dense.dtype, torch.float32)
+    # One cast per input, so each gradient is summed in fp32 and rounded once.
+    dense, blocks = dense.to(wide), [t.to(wide) for t in blocks]
     x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
     parts = [dense, pairwise_dot(x, li, lj)]
     if pad:
-        parts.append(dense.new_zeros(dense.shape[0], pad))
-    return torch.cat(parts, dim=1)
+        parts.append(x.new_zeros(dense.shape[0], pad))
+    return torch.cat(parts, dim=1).to(out_dtype)
 
 
 def _linear_meta(x, weight, bias, activation="none"):

@@ -22,6 +22,13 @@
  * dx = G x, 4 rows of G by 16 columns of D at a time (four independent accumulator chains), and
  * adds dx_f into the gradient of the tensor vector f came from.
  *
+ * Mixed precision: each block is fp32 or bf16 (bdt[k]: 0 or 1), and so are the output (and in
+ * backward the output's gradient). A bf16 vector is widened into a per-thread fp32 copy when the
+ * sample is read, every product and sum is fp32, and a bf16 output row or gradient row is
+ * rounded (to nearest even, as torch's .to(torch.bfloat16)) once, when the sample is done. So
+ * a bf16 bottom MLP's output, fp32 pooled embeddings and a bf16 top MLP meet with no cast kernel
+ * and no fp32 copy of the [B, D + P] row in memory.
+ *
  * Pair cells and pair indices are int32: the callers keep F <= 32768 and P < 2^31 (the torch
  * reference runs beyond).
  */
@@ -34,6 +41,33 @@
 #define CB 16 /* columns (of x^T, or of D) per micro-tile: one AVX-512 vector, two AVX2 vectors */
 
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+/* bf16 <-> fp32: a bf16 is the top half of an fp32. Rounding to nearest even, NaN kept a quiet
+ * NaN (torch's rule). */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void widen(const uint16_t *src, float *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+
+static void narrow(const float *src, uint16_t *dst, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
 
 /* 16 floats as one vector (GNU C; one AVX-512 register, two AVX2 ones), loaded unaligned. */
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
@@ -63,15 +97,32 @@ static inline float dot16(const float *a, const float *c, int64_t D) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static inline const float *vec(const float *const *blk, const int64_t *bld, const int64_t *fblk,
-                               const int64_t *fcol, int64_t f, int64_t b) {
-    return blk[fblk[f]] + b * bld[fblk[f]] + fcol[f];
+/* Where vector f of sample b starts in its block (elements of 2 or 4 bytes). */
+static inline const void *vec(const void *const *blk, const int32_t *bdt, const int64_t *bld,
+                              const int64_t *fblk, const int64_t *fcol, int64_t f, int64_t b) {
+    const int64_t k = fblk[f], at = b * bld[k] + fcol[f];
+    return bdt[k] ? (const void *)((const uint16_t *)blk[k] + at) : (const void *)((const float *)blk[k] + at);
 }
 
-int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_t B, int64_t F,
-                             int64_t D, const int64_t *fblk, const int64_t *fcol, const int64_t *li,
-                             const int64_t *lj, int64_t P, int64_t head, float *out, int64_t ldo,
-                             int64_t pad, int nthreads) {
+/* Sample b's vectors as fp32: in place for fp32 blocks, widened into wide + f * D for bf16. */
+static inline void read_vectors(const void *const *blk, const int32_t *bdt, const int64_t *bld,
+                                const int64_t *fblk, const int64_t *fcol, int64_t F, int64_t D, int64_t b,
+                                float *wide, const float **v) {
+    for (int64_t f = 0; f < F; ++f) {
+        const void *x = vec(blk, bdt, bld, fblk, fcol, f, b);
+        if (bdt[fblk[f]]) {
+            widen((const uint16_t *)x, wide + f * D, D);
+            v[f] = wide + f * D;
+        } else {
+            v[f] = (const float *)x;
+        }
+    }
+}
+
+int recc_interaction_forward(const void *const *blk, const int32_t *bdt, const int64_t *bld, int64_t B,
+                             int64_t F, int64_t D, const int64_t *fblk, const int64_t *fcol, const int64_t *li,
+                             const int64_t *lj, int64_t P, int64_t head, void *out, int32_t out_bf16,
+                             int64_t ldo, int64_t pad, int nthreads) {
     const int64_t Fc = round_up(F, CB), Fr = round_up(F, RB);
     const int64_t hd = head >= 0 ? D : 0;
     /* Only the micro-tiles holding a requested pair are computed: DLRM asks for the strictly
@@ -100,7 +151,11 @@ int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_
         float *zero = (float *)calloc((size_t)D, sizeof(float));
         const float **v = (const float **)malloc(sizeof(float *) * (size_t)Fr);
         float *z = (float *)malloc(sizeof(float) * (size_t)(Fr * Fc));
-        const int ok = xt && zero && v && z;
+        /* wide: the sample's bf16 vectors widened; row: a bf16 output row before rounding. */
+        float *wide = (float *)malloc(sizeof(float) * (size_t)(F * D));
+        const int64_t width = hd + P + pad;
+        float *row = out_bf16 ? (float *)malloc(sizeof(float) * (size_t)(width > 0 ? width : 1)) : NULL;
+        const int ok = xt && zero && v && z && wide && (row || !out_bf16);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -112,16 +167,18 @@ int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_
             if (direct) {
                 /* Wide vectors: each pair's dot product straight from the two vectors (the
                  * Gram tiles would transpose D x F floats and compute the padded tile). */
-                for (int64_t f = 0; f < F; ++f) v[f] = vec(blk, bld, fblk, fcol, f, b);
-                float *ob = out + b * ldo;
+                read_vectors(blk, bdt, bld, fblk, fcol, F, D, b, wide, v);
+                float *ob = out_bf16 ? row : (float *)out + b * ldo;
                 if (hd)
                     for (int64_t d = 0; d < D; ++d) ob[d] = v[head][d];
                 for (int64_t p = 0; p < P; ++p) ob[hd + p] = dot16(v[li[p]], v[lj[p]], D);
                 for (int64_t k = 0; k < pad; ++k) ob[hd + P + k] = 0.f;
+                if (out_bf16) narrow(row, (uint16_t *)out + b * ldo, width);
                 continue;
             }
+            read_vectors(blk, bdt, bld, fblk, fcol, F, D, b, wide, v);
             for (int64_t f = 0; f < F; ++f) {
-                const float *x = v[f] = vec(blk, bld, fblk, fcol, f, b);
+                const float *x = v[f];
                 for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = x[d];
             }
             for (int64_t i0 = 0; i0 < Fr; i0 += RB) {
@@ -142,12 +199,15 @@ int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_
                         for (int c = 0; c < CB; ++c) z[(i0 + r) * Fc + j0 + c] = acc[r][c];
                 }
             }
-            float *ob = out + b * ldo;
+            float *ob = out_bf16 ? row : (float *)out + b * ldo;
             if (hd)
                 for (int64_t d = 0; d < D; ++d) ob[d] = v[head][d];
             for (int64_t p = 0; p < P; ++p) ob[hd + p] = z[zi[p]];
             for (int64_t k = 0; k < pad; ++k) ob[hd + P + k] = 0.f;
+            if (out_bf16) narrow(row, (uint16_t *)out + b * ldo, width);
         }
+        free(wide);
+        free(row);
         free(xt);
         free(zero);
         free((void *)v);
@@ -170,17 +230,28 @@ int recc_interaction_forward(const float *const *blk, const int64_t *bld, int64_
  * with the products. Otherwise (diagonal or repeated pairs, whose values add up) G is
  * accumulated per sample and read through the identity table: a scatter of read-modify-writes
  * that costs ~1.5x. */
-int recc_interaction_backward(const float *const *blk, const int64_t *bld, int64_t nblk, int64_t B,
-                              int64_t F, int64_t D, const int64_t *fblk, const int64_t *fcol,
+int recc_interaction_backward(const void *const *blk, const int32_t *bdt, const int64_t *bld, int64_t nblk,
+                              int64_t B, int64_t F, int64_t D, const int64_t *fblk, const int64_t *fcol,
                               const int64_t *li, const int64_t *lj, int64_t P, int64_t head,
-                              const float *g, int64_t ldg, float *const *dblk, const int64_t *dld,
-                              const int64_t *dwidth, int nthreads) {
+                              const void *g, int32_t g_bf16, int64_t ldg, void *const *dblk,
+                              const int64_t *dld, const int64_t *dwidth, int nthreads) {
     const int64_t Fr = round_up(F, RB);
     const int64_t hd = head >= 0 ? D : 0;
     /* tab: for each cell of G (Fr x F), where its value is: a pair index into the sample's
      * copy of its pair gradients (P: the zero after them), or the cell itself. */
     int32_t *tab = (int32_t *)malloc(sizeof(int32_t) * (size_t)(Fr * F));
-    if (!tab) return -1;
+    /* doff[k]: where a bf16 block's gradient row is summed in fp32 in the thread's scratch. */
+    int64_t *doff = (int64_t *)malloc(sizeof(int64_t) * (size_t)(nblk > 0 ? nblk : 1));
+    if (!tab || !doff) {
+        free(tab);
+        free(doff);
+        return -1;
+    }
+    int64_t nscr = 0;
+    for (int64_t k = 0; k < nblk; ++k) {
+        doff[k] = nscr;
+        if (bdt[k]) nscr += dwidth[k];
+    }
     int direct = 1;
     for (int64_t k = 0; k < Fr * F; ++k) tab[k] = (int32_t)P;
     for (int64_t p = 0; p < P; ++p) {
@@ -198,7 +269,12 @@ int recc_interaction_backward(const float *const *blk, const int64_t *bld, int64
         float *src = (float *)calloc((size_t)(direct ? P + 1 : Fr * F), sizeof(float));
         const float **v = (const float **)malloc(sizeof(float *) * (size_t)F);
         float **dv = (float **)malloc(sizeof(float *) * (size_t)F);
-        const int ok = src && v && dv;
+        /* wide: the sample's bf16 vectors widened; grow: a bf16 gradient row widened; dscr: the
+         * bf16 blocks' gradient rows, summed in fp32 and rounded when the sample is done. */
+        float *wide = (float *)malloc(sizeof(float) * (size_t)(F * D));
+        float *grow = g_bf16 ? (float *)malloc(sizeof(float) * (size_t)(hd + P + 1)) : NULL;
+        float *dscr = (float *)malloc(sizeof(float) * (size_t)(nscr + 1));
+        const int ok = src && v && dv && wide && dscr && (grow || !g_bf16);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -206,12 +282,22 @@ int recc_interaction_backward(const float *const *blk, const int64_t *bld, int64
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; ++b) {
             if (!ok) continue;
-            const float *gb = g + b * ldg + hd;
-            for (int64_t f = 0; f < F; ++f) {
-                v[f] = vec(blk, bld, fblk, fcol, f, b);
-                dv[f] = dblk[fblk[f]] + b * dld[fblk[f]] + fcol[f];
+            const float *gb;
+            if (g_bf16) {
+                widen((const uint16_t *)g + b * ldg, grow, hd + P);
+                gb = grow + hd;
+            } else {
+                gb = (const float *)g + b * ldg + hd;
             }
-            for (int64_t k = 0; k < nblk; ++k) memset(dblk[k] + b * dld[k], 0, sizeof(float) * (size_t)dwidth[k]);
+            read_vectors(blk, bdt, bld, fblk, fcol, F, D, b, wide, v);
+            for (int64_t k = 0; k < nblk; ++k) {
+                float *row = bdt[k] ? dscr + doff[k] : (float *)dblk[k] + b * dld[k];
+                memset(row, 0, sizeof(float) * (size_t)dwidth[k]);
+            }
+            for (int64_t f = 0; f < F; ++f) {
+                const int64_t k = fblk[f];
+                dv[f] = (bdt[k] ? dscr + doff[k] : (float *)dblk[k] + b * dld[k]) + fcol[f];
+            }
             if (hd)
                 for (int64_t d = 0; d < D; ++d) dv[head][d] += gb[d - hd];
             if (direct) {
@@ -251,11 +337,17 @@ int recc_interaction_backward(const float *const *blk, const int64_t *bld, int64
                         dv[i][d] += s;
                     }
             }
+            for (int64_t k = 0; k < nblk; ++k)
+                if (bdt[k]) narrow(dscr + doff[k], (uint16_t *)dblk[k] + b * dld[k], dwidth[k]);
         }
+        free(wide);
+        free(grow);
+        free(dscr);
         free(src);
         free((void *)v);
         free(dv);
     }
     free(tab);
+    free(doff);
     return failed ? -1 : 0;
 }

@@ -5,7 +5,10 @@
 ``dot_interaction_forward(dense, blocks, features, li, lj, pad)`` computes
 ``recc.dot_interaction``: the vectors are ``dense`` and D-column slices of ``blocks``, read in
 place, and the output row is ``[dense | pairs | pad zeros]``; ``dot_interaction_backward``
-returns the gradients of ``dense`` and of every block. The C kernel (``interaction.c``) is built
+returns the gradients of ``dense`` and of every block. ``dense`` and each block may be fp32 or
+bf16 (each gradient comes back in its tensor's dtype); the products and sums are fp32 and the
+output has ``dense``'s dtype, so a bf16 bottom MLP, fp32 pooled embeddings and a bf16 top MLP
+meet with no cast. The C kernel (``interaction.c``) is built
 and cached like the TBE kernels (see ``native.py``) and honours ``RECC_CPU_KERNELS``; without it
 the references (``stack`` + ``bmm`` + gather + ``cat``, autograd for backward) run.
 """
@@ -22,9 +25,10 @@ from . import native
 def _declare(lib) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.recc_interaction_forward.restype = i32
-    lib.recc_interaction_forward.argtypes = [p, p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, i32]
+    lib.recc_interaction_forward.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, i64, i64, p, i32, i64, i64, i32]
     lib.recc_interaction_backward.restype = i32
-    lib.recc_interaction_backward.argtypes = [p, p, i64, i64, i64, i64, p, p, p, p, i64, i64, p, i64, p, p, p, i32]
+    lib.recc_interaction_backward.argtypes = [p, p, p, i64, i64, i64, i64, p, p, p, p, i64, i64, p, i32, i64, p, p,
+                                              p, i32]
 
 
 _KERNELS = native.KernelLibrary(Path(__file__).with_name("interaction.c"), _declare, "interaction")
@@ -68,8 +72,11 @@ def _check_interaction(dense, blocks, features, li, lj, pad) -> None:
 _MAX_VECTORS, _MAX_PAIRS = 1 << 15, (1 << 31) - 2
 
 
-def _native_ok(tensors, li, lj, f: int) -> bool:
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_ok(tensors, li, lj, f: int, dtypes=(torch.float32,)) -> bool:
+    return (all(t.device.type == "cpu" and t.dtype in dtypes for t in tensors)
             and li.dtype == torch.int64 and lj.dtype == torch.int64 and f <= _MAX_VECTORS
             and li.numel() <= _MAX_PAIRS and _library() is not None)
 
@@ -87,33 +94,42 @@ def _ptrs(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
-def _forward(blocks, fblk, fcol, d, li, lj, head, pad) -> torch.Tensor:
-    """Run the C forward over vectors (blocks[fblk[f]], column fcol[f]); [B, hd + P + pad]."""
+def _bf16_flags(tensors) -> torch.Tensor:
+    return torch.tensor([t.dtype == torch.bfloat16 for t in tensors], dtype=torch.int32)
+
+
+def _forward(blocks, fblk, fcol, d, li, lj, head, pad, dtype=torch.float32) -> torch.Tensor:
+    """Run the C forward over vectors (blocks[fblk[f]], column fcol[f]); [B, hd + P + pad] in ``dtype``."""
     blocks = [_rows(t) for t in blocks]
     li, lj = li.contiguous(), lj.contiguous()
     b, p = blocks[0].shape[0], li.numel()
     width = (d if head >= 0 else 0) + p + pad
-    out = torch.empty(b, width, dtype=torch.float32)
-    bld, fb, fc = _i64(t.stride(0) for t in blocks), _i64(fblk), _i64(fcol)
-    rc = _library().recc_interaction_forward(_ptrs(blocks), bld.data_ptr(), b, len(fblk), d, fb.data_ptr(),
-                                             fc.data_ptr(), li.data_ptr(), lj.data_ptr(), p, head,
-                                             out.data_ptr(), width, pad, torch.get_num_threads())
+    out = torch.empty(b, width, dtype=dtype)
+    bld, fb, fc, bdt = _i64(t.stride(0) for t in blocks), _i64(fblk), _i64(fcol), _bf16_flags(blocks)
+    rc = _library().recc_interaction_forward(_ptrs(blocks), bdt.data_ptr(), bld.data_ptr(), b, len(fblk), d,
+                                             fb.data_ptr(), fc.data_ptr(), li.data_ptr(), lj.data_ptr(), p, head,
+                                             out.data_ptr(), int(dtype == torch.bfloat16), width, pad,
+                                             torch.get_num_threads())
     if rc != 0:
         raise MemoryError("interaction: the C kernel could not allocate its per-thread buffers")
     return out
 
 
 def _backward(blocks, fblk, fcol, d, li, lj, head, grad) -> list[torch.Tensor]:
-    """The C backward: the gradient of every block (full shape, zero where no vector was read)."""
+    """The C backward: the gradient of every block (full shape, zero where no vector was read, in
+    the block's dtype)."""
     blocks = [_rows(t) for t in blocks]
-    li, lj, grad = li.contiguous(), lj.contiguous(), _rows(grad.to(torch.float32))
+    if grad.dtype not in _KERNEL_DTYPES:
+        grad = grad.to(torch.float32)
+    li, lj, grad = li.contiguous(), lj.contiguous(), _rows(grad)
     b = blocks[0].shape[0]
-    grads = [torch.empty(t.shape, dtype=torch.float32) for t in blocks]
-    bld, fb, fc = _i64(t.stride(0) for t in blocks), _i64(fblk), _i64(fcol)
+    grads = [torch.empty(t.shape, dtype=t.dtype) for t in blocks]
+    bld, fb, fc, bdt = _i64(t.stride(0) for t in blocks), _i64(fblk), _i64(fcol), _bf16_flags(blocks)
     dld, dw = _i64(g.stride(0) for g in grads), _i64(g.shape[1] for g in grads)
-    rc = _library().recc_interaction_backward(_ptrs(blocks), bld.data_ptr(), len(blocks), b, len(fblk), d,
-                                              fb.data_ptr(), fc.data_ptr(), li.data_ptr(), lj.data_ptr(),
-                                              li.numel(), head, grad.data_ptr(), grad.stride(0), _ptrs(grads),
+    rc = _library().recc_interaction_backward(_ptrs(blocks), bdt.data_ptr(), bld.data_ptr(), len(blocks), b,
+                                              len(fblk), d, fb.data_ptr(), fc.data_ptr(), li.data_ptr(),
+                                              lj.data_ptr(), li.numel(), head, grad.data_ptr(),
+                                              int(grad.dtype == torch.bfloat16), grad.stride(0), _ptrs(grads),
                                               dld.data_ptr(), dw.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("interaction: the C kernel could not allocate its per-thread buffers")
@@ -158,19 +174,23 @@ def _vectors(features):
 
 
 def dot_interaction_reference(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
+    """In fp32 whatever the inputs (fp64 stays fp64), returned in ``dense``'s dtype."""
     d = dense.shape[1]
+    out_dtype, wide = dense.dtype, torch.promote_types(dense.dtype, torch.float32)
+    # One cast per input, so each gradient is summed in fp32 and rounded once.
+    dense, blocks = dense.to(wide), [t.to(wide) for t in blocks]
     x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
     parts = [dense, pairwise_dot_reference(x, li, lj)]
     if pad:
-        parts.append(dense.new_zeros(dense.shape[0], pad))
-    return torch.cat(parts, dim=1)
+        parts.append(x.new_zeros(dense.shape[0], pad))
+    return torch.cat(parts, dim=1).to(out_dtype)
 
 
 def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
     _check_interaction(dense, blocks, features, li, lj, pad)
-    if not _native_ok([dense, *blocks], li, lj, len(features) + 1):
+    if not _native_ok([dense, *blocks], li, lj, len(features) + 1, _KERNEL_DTYPES):
         return dot_interaction_reference(dense, blocks, features, li, lj, pad)
-    return _forward([dense, *blocks], *_vectors(features), dense.shape[1], li, lj, 0, pad)
+    return _forward([dense, *blocks], *_vectors(features), dense.shape[1], li, lj, 0, pad, dense.dtype)
 
 
 def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
@@ -179,7 +199,7 @@ def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
     want = (dense.shape[0], dense.shape[1] + li.numel() + pad)
     if tuple(grad.shape) != want:
         raise ValueError(f"dot_interaction: grad must be [B, D + P + pad] = {want}, got {tuple(grad.shape)}")
-    if not _native_ok([dense, *blocks], li, lj, len(features) + 1):
+    if not _native_ok([dense, *blocks], li, lj, len(features) + 1, _KERNEL_DTYPES):
         n = len(blocks)
         grads = _reference_grads(lambda x, *bl: dot_interaction_reference(x, list(bl), features, li, lj, pad),
                                  [dense, *blocks], grad)

@@ -185,3 +185,70 @@ def test_interaction_bad_input_is_an_error(monkeypatch, kernels):
         dot_interaction_forward(dense, [torch.randn(5, 24)], ((0, 0), (0, 8)), li, lj)
     with pytest.raises(ValueError, match=r"grad must be \[B, D \+ P \+ pad\] = \(4, 12\)"):
         dot_interaction_backward(dense, [pooled], ((0, 0), (0, 8)), li, lj, 1, torch.randn(4, 11))
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+def _rounded_once(got, want64):
+    """``got`` (bf16) is ``want64`` rounded once to bf16: every element within one bf16 step, and
+    nearly all of them equal (only values next to a rounding tie may round the other way, as
+    fp32 and fp64 sums differ in their last bits)."""
+    assert got.dtype == torch.bfloat16
+    want = want64.to(torch.bfloat16)
+    step = torch.finfo(torch.bfloat16).eps * want64.abs().clamp_min(1e-30)
+    diff = (got.double() - want.double()).abs()
+    assert bool((diff <= step + 1e-30).all()), f"off by more than one bf16 step: {float(diff.max())}"
+    same = float((got == want).double().mean())
+    assert same >= 0.99, f"only {same:.3f} of the elements are the once-rounded value"
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+@pytest.mark.parametrize("tables,d,pad,diagonal", [(26, 16, 1, False), (8, 64, 0, False), (3, 5, 2, False),
+                                                    (4, 16, 0, True)])
+def test_interaction_bf16_dense_fp32_lookups(monkeypatch, kernels, tables, d, pad, diagonal):
+    """cast_dense's case: a bf16 bottom MLP output, fp32 pooled embeddings, a bf16 output and its
+    bf16 gradient. The products are fp32 and each bf16 result is rounded once: the output and the
+    dense gradient are the float64 values rounded to bf16, the lookups' gradient is fp32."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    g = torch.Generator().manual_seed(tables * 7 + d)
+    b = 64
+    dense = torch.randn(b, d, generator=g).bfloat16()
+    pooled = torch.randn(b, tables * d + 3, generator=g)
+    features = tuple((0, 3 + k * d) for k in torch.randperm(tables, generator=g).tolist())
+    li, lj = torch.tril_indices(tables + 1, tables + 1, 0 if diagonal else -1)
+    leaves = [dense.double().requires_grad_(True), pooled.double().requires_grad_(True)]
+    want = _eager_interaction(leaves[0], [leaves[1]], features, li, lj, pad)
+    grad = torch.randn(want.shape, generator=g).bfloat16()
+    want.backward(grad.double())
+    out = dot_interaction_forward(dense, [pooled], features, li, lj, pad)
+    _rounded_once(out, want.detach())
+    gd, (gp,) = dot_interaction_backward(dense, [pooled], features, li, lj, pad, grad)
+    _rounded_once(gd, leaves[0].grad)
+    assert gp.dtype == torch.float32
+    torch.testing.assert_close(gp.double(), leaves[1].grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_interaction_bf16_blocks_and_fp32_output(monkeypatch, kernels):
+    """Any mix: a bf16 block next to an fp32 one, fp32 dense (so an fp32 output and gradient);
+    the bf16 block's gradient comes back in bf16, rounded once."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    g = torch.Generator().manual_seed(11)
+    d, b = 16, 32
+    dense = torch.randn(b, d, generator=g)
+    half = torch.randn(b, 3 * d, generator=g).bfloat16()
+    full = torch.randn(b, 2 * d, generator=g)
+    features = ((0, d), (1, 0), (0, 0), (1, d), (0, 2 * d))
+    li, lj = torch.tril_indices(6, 6, -1)
+    leaves = [t.double().requires_grad_(True) for t in (dense, half, full)]
+    want = _eager_interaction(leaves[0], leaves[1:], features, li, lj, 0)
+    grad = torch.randn(want.shape, generator=g)
+    want.backward(grad.double())
+    out = dot_interaction_forward(dense, [half, full], features, li, lj, 0)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    gd, (gh, gf) = dot_interaction_backward(dense, [half, full], features, li, lj, 0, grad)
+    assert (gd.dtype, gf.dtype) == (torch.float32, torch.float32)
+    torch.testing.assert_close(gd.double(), leaves[0].grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gf.double(), leaves[2].grad, rtol=1e-5, atol=1e-5)
+    _rounded_once(gh, leaves[1].grad)
