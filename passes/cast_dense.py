@@ -20,8 +20,8 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
 - everything else runs in whatever dtype its inputs have (torch's type promotion: ``relu``, ``cat``,
   elementwise ops stay bf16 between products; a bf16 value meeting an fp32 one is fp32);
 - a product whose result only those fp32 ops read, or the output (the model's head, whose logit
-  the sigmoid or loss reads) stays fp32: its bf16 result would be cast straight back, and bf16 logits (8 mantissa bits) tie
-  predictions, which costs AUC;
+  the sigmoid or loss reads) stays fp32: its bf16 result would be cast straight back, and bf16
+  logits (8 mantissa bits) tie predictions, which costs AUC;
 - the model's floating outputs are returned in fp32, as the user's loss expects them (tensors
   returned directly or in a list/tuple/dict of the output; a tuple-valued node such as
   ``h.chunk(2)`` returned whole keeps its dtype);

@@ -274,7 +274,9 @@ int recc_interaction_backward(const void *const *blk, const int32_t *bdt, const 
         float *wide = (float *)malloc(sizeof(float) * (size_t)(F * D));
         float *grow = g_bf16 ? (float *)malloc(sizeof(float) * (size_t)(hd + P + 1)) : NULL;
         float *dscr = (float *)malloc(sizeof(float) * (size_t)(nscr + 1));
-        const int ok = src && v && dv && wide && dscr && (grow || !g_bf16);
+        /* drow[k]: where block k's gradient row for this sample is summed (in place, or dscr). */
+        float **drow = (float **)malloc(sizeof(float *) * (size_t)(nblk > 0 ? nblk : 1));
+        const int ok = src && v && dv && wide && dscr && drow && (grow || !g_bf16);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -291,13 +293,10 @@ int recc_interaction_backward(const void *const *blk, const int32_t *bdt, const 
             }
             read_vectors(blk, bdt, bld, fblk, fcol, F, D, b, wide, v);
             for (int64_t k = 0; k < nblk; ++k) {
-                float *row = bdt[k] ? dscr + doff[k] : (float *)dblk[k] + b * dld[k];
-                memset(row, 0, sizeof(float) * (size_t)dwidth[k]);
+                drow[k] = bdt[k] ? dscr + doff[k] : (float *)dblk[k] + b * dld[k];
+                memset(drow[k], 0, sizeof(float) * (size_t)dwidth[k]);
             }
-            for (int64_t f = 0; f < F; ++f) {
-                const int64_t k = fblk[f];
-                dv[f] = (bdt[k] ? dscr + doff[k] : (float *)dblk[k] + b * dld[k]) + fcol[f];
-            }
+            for (int64_t f = 0; f < F; ++f) dv[f] = drow[fblk[f]] + fcol[f];
             if (hd)
                 for (int64_t d = 0; d < D; ++d) dv[head][d] += gb[d - hd];
             if (direct) {
@@ -338,8 +337,9 @@ int recc_interaction_backward(const void *const *blk, const int32_t *bdt, const 
                     }
             }
             for (int64_t k = 0; k < nblk; ++k)
-                if (bdt[k]) narrow(dscr + doff[k], (uint16_t *)dblk[k] + b * dld[k], dwidth[k]);
+                if (bdt[k]) narrow(drow[k], (uint16_t *)dblk[k] + b * dld[k], dwidth[k]);
         }
+        free(drow);
         free(wide);
         free(grow);
         free(dscr);
