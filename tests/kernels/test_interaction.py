@@ -56,6 +56,23 @@ def test_pairs_in_any_tile():
     torch.testing.assert_close(pairwise_dot_forward(x, li, lj), _eager(x, li, lj), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("f,d", [(2, 16), (16, 16), (17, 16), (27, 16), (33, 16), (40, 16), (27, 8), (19, 20)])
+@pytest.mark.parametrize("offset", [-1, 0])
+def test_triangle_pairs_equal_the_same_pairs_in_any_order(f, d, offset):
+    """DLRM's triangle (``tril_indices``) takes the forward's fast path: D = 16 vectors transposed
+    in registers and each row's pairs stored straight into the output. The same pairs in another
+    order take the general path (Gram tiles, then a gather): both must give the same bits, and
+    both the bmm + gather values."""
+    g = torch.Generator().manual_seed(f * 10 + d)
+    x = torch.randn(7, f, d, generator=g)
+    li, lj = torch.tril_indices(f, f, offset)
+    perm = torch.randperm(li.numel(), generator=g)
+    tri = pairwise_dot_forward(x, li, lj)
+    anyorder = pairwise_dot_forward(x, li[perm], lj[perm])
+    assert torch.equal(tri[:, perm], anyorder)
+    torch.testing.assert_close(tri, _eager(x, li, lj), rtol=1e-5, atol=1e-5)
+
+
 def test_empty_batch():
     x = torch.randn(0, 5, 4)
     li, lj = torch.tril_indices(5, 5, -1)
