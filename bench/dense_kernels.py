@@ -10,7 +10,12 @@ model has one), at the per-rank batch of a world of ``--world-size`` ranks, one 
   ReLU fused, oneDNN input gradient, MKL weight gradient).
 
 Prints per layer the median milliseconds of forward and backward over ``--reps`` runs, the two
-side by side with the ratio, and the totals. Example::
+side by side with the ratio, and the totals. Then the dot interaction at the same batch, fp32
+and bf16: ``torch`` is the reference DLRM's ``stack`` + ``bmm`` + lower-triangle gather +
+``cat`` under autograd (under ``torch.autocast(bf16)`` for the bf16 row, as a TorchRec user
+with autocast runs it), ``recc`` is ``recc.kernels.dot_interaction_*`` reading the dense
+vector and one batched lookup [B, T*D] in place (in the bf16 row: a bf16 dense vector, fp32
+lookups and a bf16 output, as ``cast_dense`` compiles it). Example::
 
     python bench/dense_kernels.py --config kaggle            # ~30 s
     python bench/dense_kernels.py --config small --reps 30
@@ -24,7 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recc.kernels import linear_backward, linear_forward
+from recc.heap import keep_step_memory
+from recc.kernels import dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward
 from recc.models import build_model, load_preset
 from recc.passes.align_linear import k_padding
 
@@ -88,6 +94,44 @@ def time_layer(b: int, k: int, n: int, relu: bool, reps: int, needs_dx: bool):
     return t_fwd, t_all - t_fwd, r_fwd, r_bwd, pad
 
 
+def time_interaction(b: int, tables: int, d: int, pad: int, dtype: torch.dtype, reps: int):
+    """(torch fwd, torch bwd, recc fwd, recc bwd) ms of the dot interaction of a dense vector and
+    ``tables`` pooled lookups of width ``d``, at ``dtype`` (fp32 or bf16)."""
+    g = torch.Generator().manual_seed(1)
+    dense = torch.randn(b, d, generator=g)
+    lookups = torch.randn(b, tables * d, generator=g)  # one batched lookup: fp32, as the TBE writes it
+    li, lj = torch.tril_indices(tables + 1, tables + 1, -1)
+    grad = torch.randn(b, d + li.numel() + pad, generator=g)
+    bf16 = dtype == torch.bfloat16
+
+    dr, er = dense.clone().requires_grad_(), lookups.clone().requires_grad_()
+
+    def torch_fwd():
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            x = torch.stack([dr] + list(er.split(d, dim=1)), dim=1)
+            z = torch.bmm(x, x.transpose(1, 2))[:, li, lj]
+            out = torch.cat([dr.to(z.dtype), z], dim=1)
+            return F.pad(out, (0, pad)) if pad else out
+
+    def torch_bwd():
+        out = torch_fwd()
+        torch.autograd.grad(out, [dr, er], grad.to(out.dtype))
+
+    dx = dense.to(dtype)
+    feats = [(0, t * d) for t in range(tables)]
+    gx = grad.to(dtype)
+
+    def recc_fwd():
+        return dot_interaction_forward(dx, [lookups], feats, li, lj, pad)
+
+    def recc_bwd():
+        dot_interaction_backward(dx, [lookups], feats, li, lj, pad, gx)
+
+    t_fwd = _median_ms(torch_fwd, reps)
+    t_all = _median_ms(torch_bwd, reps)
+    return t_fwd, t_all - t_fwd, _median_ms(recc_fwd, reps), _median_ms(recc_bwd, reps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="kaggle")
@@ -97,6 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    # The heap a recc CPU model trains with (freed step memory kept, not faulted in again per
+    # call), for both columns: without it every fresh multi-MB output costs page faults.
+    keep_step_memory()
     b = args.batch_size or load_preset(args.config)["batch_size"] // args.world_size
     model = build_model(args.config, device="meta")
     onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None) is not None and torch.backends.mkldnn.is_available()
@@ -113,6 +160,17 @@ def main(argv=None) -> int:
         print(f"{name:<9} {f'{k}x{n}':>11} {'yes' if relu else 'no':>4} | {t_f:>9.2f} {t_b:>7.2f} | {r_f:>8.2f} "
               f"{r_b:>7.2f} {f'+{pad}' if pad else '':>5} | {(t_f + t_b) / (r_f + r_b):>9.2f}x")
     print(f"{'total':<9} {'':>11} {'':>4} | {tot_t:>17.2f} | {tot_r:>16.2f} {'':>5} | {tot_t / tot_r:>9.2f}x")
+
+    tables, d = len(model.emb_l), model.emb_l[0].embedding_dim
+    p_pairs = tables * (tables + 1) // 2
+    top0 = next(m for m in model.top_l if isinstance(m, nn.Linear))
+    pad = k_padding(d + p_pairs, top0.out_features)
+    print(f"\ndot interaction of {tables} tables + the dense vector, D={d} ({p_pairs} pairs, output "
+          f"{d + p_pairs} + {pad} pad) at B={b}")
+    print(f"{'dtype':<9} | {'torch fwd':>9} {'bwd':>7} | {'recc fwd':>8} {'bwd':>7} | {'torch/recc':>10}")
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        t_f, t_b, r_f, r_b = time_interaction(b, tables, d, pad, dtype, args.reps)
+        print(f"{name:<9} | {t_f:>9.2f} {t_b:>7.2f} | {r_f:>8.2f} {r_b:>7.2f} | {(t_f + t_b) / (r_f + r_b):>9.2f}x")
     return 0
 
 
