@@ -156,22 +156,24 @@ static inline void transpose16(__m512 r[16]) {
 }
 #endif
 
-/* xt (D x Fc, D = 16) = the sample's 16-float vectors transposed, 16 of them at a time in
- * registers (unpack, then 64- and 128-bit shuffles); the columns past F are zero. The scalar
- * transpose it replaces took ~40% of the forward's time under perf (432 loads and stores a
- * sample at F = 27). */
-static void transpose_d16(const float *const *v, int64_t F, int64_t Fc, float *xt) {
+/* xt (D x Fc) = the sample's vectors transposed (the columns past F stay as they are: zero).
+ * D = 16 vectors are transposed in registers with AVX-512, 16 at a time (unpack, then 64- and
+ * 128-bit shuffles): the scalar loop took ~40% of the forward's time under perf at kaggle's
+ * shape (432 loads and stores a sample at F = 27). */
+static void transpose(const float *const *v, int64_t F, int64_t D, int64_t Fc, float *xt) {
 #if defined(__AVX512F__)
-    for (int64_t f0 = 0; f0 < F; f0 += 16) {
-        __m512 r[16];
-        for (int k = 0; k < 16; ++k) r[k] = f0 + k < F ? _mm512_loadu_ps(v[f0 + k]) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int k = 0; k < 16; ++k) _mm512_storeu_ps(xt + k * Fc + f0, r[k]);
+    if (D == 16) {
+        for (int64_t f0 = 0; f0 < F; f0 += 16) {
+            __m512 r[16];
+            for (int k = 0; k < 16; ++k) r[k] = f0 + k < F ? _mm512_loadu_ps(v[f0 + k]) : _mm512_setzero_ps();
+            transpose16(r);
+            for (int k = 0; k < 16; ++k) _mm512_storeu_ps(xt + k * Fc + f0, r[k]);
+        }
+        return;
     }
-#else
-    for (int64_t f = 0; f < F; ++f)
-        for (int64_t d = 0; d < 16; ++d) xt[d * Fc + f] = v[f][d];
 #endif
+    for (int64_t f = 0; f < F; ++f)
+        for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = v[f][d];
 }
 
 /* Where vector f of sample b starts in its block (elements of 2 or 4 bytes). */
@@ -220,11 +222,11 @@ int recc_interaction_forward(const void *const *blk, const int32_t *bdt, const i
         free(zi);
         return -1;
     }
+    const int tri = triangle(li, lj, P, F);
     for (int64_t p = 0; p < P; ++p) {
         need[(li[p] / RB) * ntc + lj[p] / CB] = 1;
-        zi[p] = (int32_t)(li[p] * Fc + lj[p]);
+        if (!tri) zi[p] = (int32_t)(li[p] * Fc + lj[p]);
     }
-    const int tri = triangle(li, lj, P, F);
     /* Vectors of 32 floats or more, in whole 16-float vectors: one dot product per pair beats
      * the Gram tiles (small's D = 64, F = 9, B = 1024 on one core: 0.55 -> 0.24 ms). */
     const int direct = D % 16 == 0 && D >= 32;
@@ -264,14 +266,7 @@ int recc_interaction_forward(const void *const *blk, const int32_t *bdt, const i
             }
             if (b + 2 < B) prefetch_sample(blk, bdt, bld, fblk, fcol, F, b + 2);
             read_vectors(blk, bdt, bld, fblk, fcol, F, D, b, wide, v);
-            if (D == 16) {
-                transpose_d16(v, F, Fc, xt);
-            } else {
-                for (int64_t f = 0; f < F; ++f) {
-                    const float *x = v[f];
-                    for (int64_t d = 0; d < D; ++d) xt[d * Fc + f] = x[d];
-                }
-            }
+            transpose(v, F, D, Fc, xt);
             float *ob = out_bf16 ? row : (float *)out + b * ldo;
             for (int64_t i0 = 0; i0 < Fr; i0 += RB) {
                 for (int64_t j0 = 0; j0 < Fc; j0 += CB) {
