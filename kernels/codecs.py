@@ -101,11 +101,12 @@ def encode(x: torch.Tensor, precision: str) -> torch.Tensor:
     """Flat fp32 payload -> flat uint8 wire bytes (layout in the module docstring)."""
     check_precision(precision)
     kernels = _cuda_kernels(x)
-    if kernels is not None and precision != "fp32":
+    if kernels is not None and precision != "fp32" and x.dtype == torch.float32:
         return kernels.encode(x, precision)  # one kernel instead of a dozen torch ops
-    x = x.detach().reshape(-1).to(torch.float32)
     if precision in _CASTS:
-        return x.to(_CASTS[precision]).view(torch.uint8)
+        # One conversion (none when ``x`` already has the wire's dtype: a bf16 lookup's rows).
+        return x.detach().reshape(-1).to(_CASTS[precision]).view(torch.uint8)
+    x = x.detach().reshape(-1).to(torch.float32)
     if x.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
     b = _blocks(x)

@@ -4,7 +4,8 @@ Contract: requires nothing but a traced graph. Finds ``Z = torch.bmm(X, X.transp
 (``torch.transpose``, ``.transpose``, ``.permute(0, 2, 1)`` or ``.mT``) whose only use is the
 gather of constant index pairs ``Z[:, li, lj]`` (``li``/``lj`` read with ``get_attr``), and
 replaces the pair by ``recc.pairwise_dot(X, li, lj)``. Then, with ``concat=True`` (default),
-where X is ``torch.stack([x, v1, ...], dim=1)`` used only there and the pairs' only use is
+where X is ``torch.stack([x, v1, ...], dim=1)`` — or the reference DLRM's
+``torch.cat([x, v1, ...], dim=1).view((batch_size, -1, d))`` — used only there and the pairs' only use is
 ``torch.cat([x, pairs], dim=1)`` (DLRM's ``interact``), the stack, the pairs and the cat become
 one ``recc.dot_interaction(x, blocks, li, lj, features=...)``; a vector that is one table's
 column block of a batched lookup (``getitem(recc.split_cols(pooled, sizes), k)``) is named by
@@ -85,17 +86,46 @@ def _column_block(v: fx.Node, d: int):
     return v, 0
 
 
+_RESHAPES = ("view", "reshape")
+
+
+def _stacked_vectors(stack: fx.Node):
+    """``(vectors, nodes that build X)`` when X = ``stack`` lays [B, D] vectors side by side as
+    [B, F, D] — ``torch.stack(vectors, dim=1)``, or the reference DLRM's
+    ``torch.cat([x] + ly, dim=1).view((batch_size, -1, d))`` (``.reshape`` too) with every
+    vector D wide — each node used only on the way; else None."""
+    if _is_call(stack, torch.stack) and len(stack.users) == 1:
+        vectors, sdim = _arg(stack, 0, "tensors"), _arg(stack, 1, "dim", 0)
+        if sdim in (1, -2) and isinstance(vectors, (list, tuple)):
+            return vectors, [stack]
+        return None
+    reshape = (stack.op == "call_method" and stack.target in _RESHAPES) or _is_call(stack, torch.reshape)
+    if not reshape or len(stack.users) != 1 or not _is_call(stack.args[0], torch.cat):
+        return None
+    flat = stack.args[0]
+    vectors, cdim = _arg(flat, 0, "tensors"), _arg(flat, 1, "dim", 0)
+    if cdim not in (1, -1) or not isinstance(vectors, (list, tuple)) or len(flat.users) != 1:
+        return None
+    shape = stack.meta["val"].shape
+    if not vectors or not all(value_dim(v) == 2 and v.meta["val"].shape[1] == shape[2] for v in vectors) \
+            or shape[1] != len(vectors):
+        return None  # a vector wider than D would be several features: not this pattern
+    return vectors, [stack, flat]
+
+
 def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
-    """cat([x, pairwise_dot(stack([x, ...], 1), li, lj)], 1) -> recc.dot_interaction; True if done."""
+    """cat([x, pairwise_dot(X, li, lj)], 1) with X the vectors ``[x, ...]`` side by side
+    (``_stacked_vectors``) -> recc.dot_interaction; True if done."""
     stack, li, lj = pd.args
-    if not (_is_call(stack, torch.stack) and len(stack.users) == 1 and len(pd.users) == 1):
+    found = _stacked_vectors(stack) if len(pd.users) == 1 else None
+    if found is None:
         return False
-    vectors, sdim = _arg(stack, 0, "tensors"), _arg(stack, 1, "dim", 0)
+    vectors, builders = found
     (cat,) = pd.users
-    if not (_is_call(cat, torch.cat) and isinstance(vectors, (list, tuple)) and len(vectors) >= 2):
+    if not (_is_call(cat, torch.cat) and len(vectors) >= 2):
         return False
     parts, cdim = _arg(cat, 0, "tensors"), _arg(cat, 1, "dim", 0)
-    if sdim not in (1, -2) or cdim not in (1, -1) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+    if cdim not in (1, -1) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
         return False
     x = vectors[0]
     if parts[0] is not x or parts[1] is not pd or not all(value_dim(v) == 2 for v in vectors):
@@ -111,7 +141,7 @@ def _fold_concat(graph: fx.Graph, pd: fx.Node) -> bool:
         new = graph.call_function(OPS["dot_interaction"], (x, blocks, li, lj), {"features": tuple(features)})
     name = cat.name
     cat.replace_all_uses_with(new)
-    for n in (cat, pd, stack):
+    for n in (cat, pd, *builders):
         graph.erase_node(n)
     # A vector may appear several times in the stack: erase each piece (and its split) once.
     for v in dict.fromkeys(vectors[1:]):

@@ -28,10 +28,11 @@ DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quanti
 
 def default_pipeline(config: CompileConfig) -> str:
     """The default pipeline for ``config``: with ``dense_dtype`` other than fp32, ``cast_dense``
-    runs before ``lower`` (an fp32 compile has no stage that changes nothing)."""
+    and ``cast_embeddings`` run before ``lower`` (an fp32 compile has no stage that changes
+    nothing)."""
     if config.dense_dtype == "fp32":
         return DEFAULT_PIPELINE
-    return DEFAULT_PIPELINE.replace(",lower", ",cast_dense,lower")
+    return DEFAULT_PIPELINE.replace(",lower", ",cast_dense,cast_embeddings,lower")
 
 
 def _ensure_builtin_passes():

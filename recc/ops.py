@@ -405,25 +405,38 @@ def _check_packed(tables, rows, ids, off, counts) -> None:
                              f"table's rows [0, {rows[k]})")
 
 
-def _tbe_lookup_meta(group, sparse):
+# What a lookup writes its pooled rows in: fp32, or bf16 for a bf16 consumer (cast_embeddings).
+POOLED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def pooled_dtype(dtype: str) -> torch.dtype:
+    if dtype not in POOLED_DTYPES:
+        raise ValueError(f"recc.tbe_lookup: dtype={dtype!r} is not one of {tuple(POOLED_DTYPES)}")
+    return POOLED_DTYPES[dtype]
+
+
+def _tbe_lookup_meta(group, sparse, *, dtype="fp32"):
     if tuple(sparse.tables) == group.logical_names:
         # Before the input dist (or on one rank): the logical tables, in group order.
-        return _meta_like((sparse.batch_size, group.logical_width))
+        return _meta_like((sparse.batch_size, group.logical_width), pooled_dtype(dtype))
     # After the input dist: this rank's shards for the global batch.
-    return _meta_like((sparse.batch_size, sparse.num_tables * group.dim))
+    return _meta_like((sparse.batch_size, sparse.num_tables * group.dim), pooled_dtype(dtype))
 
 
 @define_op("tbe_lookup", meta=_tbe_lookup_meta)
-def tbe_lookup(group, sparse):
-    """recc.tbe_lookup(group, kjt) -> f32[B, T*D]
+def tbe_lookup(group, sparse, *, dtype: str = "fp32"):
+    """recc.tbe_lookup(group, kjt, dtype='fp32') -> f32[B, T*D] (bf16 with dtype='bf16')
 
     One table-batched lookup for every table of ``group`` (a ``TableGroup`` submodule): the
     output row b is the pooled rows of sample b for table 0, then table 1, ... (FBGEMM's
-    ``D_offsets``). On the runtime backends its backward is fused with the sparse optimizer:
-    the group's rows are updated inside ``loss.backward()`` and no weight gradient is produced.
-    This reference runs one ``F.embedding_bag`` per table and has no fused update.
+    ``D_offsets``). Rows are pooled in fp32 whatever the tables' dtype; ``dtype='bf16'`` rounds
+    each pooled row once, to nearest even, as it is written (``cast_embeddings`` sets it when
+    only bf16 consumers read the rows), and backward then takes a bf16 gradient. On the runtime
+    backends its backward is fused with the sparse optimizer: the group's rows are updated
+    inside ``loss.backward()`` and no weight gradient is produced. This reference runs one
+    ``F.embedding_bag`` per table and has no fused update.
     """
-    return group.reference_lookup(sparse)
+    return group.reference_lookup(sparse).to(pooled_dtype(dtype))
 
 
 def _gather_rows_meta(group, indices, *, tables, rows):
@@ -742,12 +755,15 @@ def quantize(x, *, precision: str, grad_precision: str = "fp32", parts: int = 1)
 
 
 def _dequantize_meta(x, *, dtype="fp32"):
-    return _meta_like(tuple(x.shape), WIRE_DTYPES[dtype])
+    if dtype not in POOLED_DTYPES:
+        raise ValueError(f"recc.dequantize: decodes to one of {tuple(POOLED_DTYPES)}, got dtype={dtype!r}")
+    return _meta_like(tuple(x.shape), POOLED_DTYPES[dtype])
 
 
 @define_op("dequantize", meta=_dequantize_meta)
 def dequantize(x, *, dtype: str = "fp32"):
     """recc.dequantize(x, dtype=) -> the payload a recc.quantize encoded, decoded to ``dtype``
-    (after the collectives it went through). Implemented by the runtime."""
+    (``fp32``, or ``bf16`` for a bf16 consumer: a bf16 wire is then handed over as it arrived)
+    after the collectives it went through. Implemented by the runtime."""
     raise RuntimeError("recc.dequantize runs in the runtime: lower the graph and run it from "
                        "program.instantiate()")

@@ -279,6 +279,9 @@ class _Exchange:
         self.fwd = self.bwd = None
         self.recv = None
         self.placed = False  # finish() decodes straight into the tables' columns
+        # The tables' dtype (recc.dequantize's): fp32, or bf16 for a bf16 consumer; and the
+        # pooled payload's, which its gradient comes back in.
+        self.out_dtype = self.source_dtype = torch.float32
 
     def start(self, wire, send_nbytes, label, codec, send_counts, recv_counts, measure_src=None):
         """Send ``send_nbytes[o]`` bytes of ``wire`` to rank o (in rank order); receive every
@@ -317,7 +320,10 @@ class _Exchange:
 
     def receive_grad(self):
         self.bwd.wait()
-        grad = codecs.decode_parts(self.bwd.recv, self.send_counts, self.grad_codec)
+        if codecs.is_cast(self.grad_codec) and codecs.cast_dtype(self.grad_codec) == self.source_dtype:
+            grad = self.bwd.recv.view(self.source_dtype)  # a bf16 lookup's gradient, as it arrived
+        else:
+            grad = codecs.decode_parts(self.bwd.recv, self.send_counts, self.grad_codec)
         self.bwd = None
         return grad
 
@@ -354,9 +360,10 @@ class _Exchange:
 
     def place_received(self) -> torch.Tensor:
         """Decode the arrived rows straight into their columns of ``[B, sum(dims)]``: one pass
-        (read the wire, write fp32), no decoded buffer, no concatenation."""
+        (read the wire, write ``out_dtype``: a bf16 wire into bf16 tables is a plain copy), no
+        decoded buffer, no concatenation."""
         recv, self.fwd = self.fwd.recv, None
-        out = torch.empty(self.b, sum(self.comm.dims), dtype=torch.float32, device=recv.device)
+        out = torch.empty(self.b, sum(self.comm.dims), dtype=self.out_dtype, device=recv.device)
         pieces = self._per_source(recv.view(codecs.cast_dtype(self.codec)))
         for piece, runs in zip(pieces, self.runs):
             for src, dst, n in runs:
@@ -432,6 +439,7 @@ def output_dist_start(payload, comm) -> Handle:
     else:
         exchange = _Exchange
     ex = exchange(comm, pooled.shape, pooled.shape[0] // world, shards_of, codec, grad_codec, comm_stats.current())
+    ex.source_dtype = pooled.dtype
     if encoded:
         wire, nbytes = payload.wire, payload.nbytes
     else:
@@ -509,9 +517,13 @@ def _placement_runs(comm, shards_of):
     return _column_layout(comm, shards_of)[2]
 
 
-def _reassemble(handle: Handle) -> torch.Tensor:
+def _reassemble(handle: Handle, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     token, ex, _ = handle.value
-    return ex.finish(token)
+    ex.out_dtype = dtype
+    tables = ex.finish(token)
+    # The placed path writes ``dtype`` itself; the others (row blocks that add up, block-scaled
+    # codecs, two-level groups) reassemble in fp32 and round once here.
+    return tables if tables.dtype == dtype else tables.to(dtype)
 
 
 def output_dist_wait(handle: Handle):
@@ -522,8 +534,8 @@ def output_dist_wait(handle: Handle):
     return ReceivedRows(handle) if encoded else _reassemble(handle)
 
 
-def dequantize_received(rows: ReceivedRows) -> torch.Tensor:
-    return _reassemble(rows.handle)
+def dequantize_received(rows: ReceivedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return _reassemble(rows.handle, dtype)
 
 
 # ----------------------------------------------------------------------------- data parallel

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from recc.kernels import codecs
-from recc.ops import OPS, register_impl
+from recc.ops import OPS, pooled_dtype, register_impl
 from recc.runtime.comm import (Encoded, ReceivedRows, dequantize_received, input_dist_start, input_dist_wait,
                                output_dist_start, output_dist_wait, pad_to_world_bags)
 
@@ -52,17 +52,19 @@ def quantize_impl(x, *, precision: str, grad_precision: str = "fp32", parts: int
 
 
 def dequantize_impl(x, *, dtype: str = "fp32"):
-    if dtype != "fp32":
-        raise ValueError(f"recc.dequantize: decodes to fp32 only, got dtype={dtype!r}")
+    to = pooled_dtype(dtype)
     if isinstance(x, ReceivedRows):
-        return dequantize_received(x)
+        return dequantize_received(x, to)
     if isinstance(x, Encoded):
         # No collective in between (e.g. a one-rank group): decode locally; the gradient
         # passes straight through to the source.
-        flat = codecs.decode_parts(x.wire, x.counts, x.precision)
-        return x.source + (flat.view(x.shape) - x.source).detach()
+        if codecs.is_cast(x.precision) and codecs.cast_dtype(x.precision) == x.source.dtype == to:
+            return x.source  # a bf16 lookup on a bf16 wire: nothing to decode
+        flat = codecs.decode_parts(x.wire, x.counts, x.precision).view(x.shape)
+        source = x.source.to(torch.float32)
+        return (source + (flat - source).detach()).to(to)
     if isinstance(x, torch.Tensor):
-        return x.to(torch.float32)
+        return x.to(to)
     raise TypeError(f"recc.dequantize: cannot decode a {type(x).__name__}")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from recc.ops import SparseBatch, get_op, pad_table_bags, register_impl, use_references
+from recc.ops import SparseBatch, get_op, pad_table_bags, pooled_dtype, register_impl, use_references
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
                           linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
@@ -34,7 +34,7 @@ class TBELookup(torch.autograd.Function):
     """Forward: pooled rows for every table of a group. Backward: fused optimizer update."""
 
     @staticmethod
-    def forward(ctx, weights, group, sparse):
+    def forward(ctx, weights, group, sparse, out_dtype):
         pooling = group.pooling
         ctx.group, ctx.sparse, ctx.psw, ctx.pooling = group, sparse, sparse.per_sample_weights, pooling
         # Max pooling keeps its winners from here; a data-parallel group, which recomputes them for
@@ -44,23 +44,25 @@ class TBELookup(torch.autograd.Function):
         if t == 0 or b == 0:
             # A rank may own no shard of a group; it still takes part in the collectives.
             ctx.lin, ctx.offsets, ctx.t, ctx.b = None, sparse.offsets, t, b
-            return weights.new_zeros(b, t * group.dim, dtype=torch.float32)  # pooled rows are fp32 (half tables too)
+            return weights.new_zeros(b, t * group.dim, dtype=out_dtype)  # fp32 or bf16 (half tables pool in fp32)
         lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
         offsets = sparse.offsets
         ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
         if pooling == "max":
             out, ctx.winners = max_pool(weights.detach(), lin, offsets, T=t, B=b)
-            return out
+            return out.to(out_dtype)
         return tbe_forward(weights.detach(), lin, offsets, T=t, B=b, pooling=pooling,
-                           per_sample_weights=sparse.per_sample_weights)
+                           per_sample_weights=sparse.per_sample_weights, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
         group = ctx.group
         group.step += 1
-        grad = grad.contiguous()
         lin, offsets, psw, b = ctx.lin, ctx.offsets, ctx.psw, ctx.b
         winners = ctx.winners
+        if group.data_parallel and group.world_size > 1 or ctx.pooling == "max":
+            grad = grad.float()  # (the C update alone reads a bf16 gradient as it is)
+        grad = grad.contiguous()
         if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
             # Every replica applies the same update for the global batch: its rows' summed gradients.
             if lin is None:
@@ -69,7 +71,7 @@ class TBELookup(torch.autograd.Function):
                                                           group.total_rows, group.dp_comm)
             if n:
                 _apply_update(group, rows, offsets, grad, 1, n, "sum")
-            return None, None, None
+            return None, None, None, None
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
@@ -79,7 +81,7 @@ class TBELookup(torch.autograd.Function):
                 check_max_unchanged(group, ctx.version)
         if ctx.t and b:
             _apply_update(group, lin, offsets, grad, ctx.t, b, ctx.pooling, psw, winners)
-        return None, None, None
+        return None, None, None, None
 
 
 def _apply_update(group, lin, offsets, grad, t, b, pooling, psw=None, winners=None, segments=None) -> None:
@@ -137,11 +139,11 @@ def check_max_unchanged(group, version: int) -> None:
 
 
 @register_impl("tbe_lookup", "cpu")
-def tbe_lookup_cpu(group, sparse):
+def tbe_lookup_cpu(group, sparse, *, dtype="fp32"):
     if not group.materialized:
         raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
                            f"run the model from program.instantiate()")
-    return TBELookup.apply(group.weights, group, sparse)
+    return TBELookup.apply(group.weights, group, sparse, pooled_dtype(dtype))
 
 
 class PairwiseDot(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch
 from recc.kernels import cuda as cuda_kernels
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.runtime.cpu_backend import check_max_unchanged
-from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, register_impl, use_references
+from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
 
 
@@ -85,14 +85,17 @@ class TBELookupCUDA(torch.autograd.Function):
 
 
 @register_impl("tbe_lookup", "cuda")
-def tbe_lookup_cuda(group, sparse):
+def tbe_lookup_cuda(group, sparse, *, dtype="fp32"):
     if not group.materialized:
         raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
                            f"run the model from program.instantiate()")
     if not cuda_kernels.loader.kernel_device(group.weights.device):
         raise RuntimeError(f"table group {group.group_name} is lowered for CUDA but its weights are on "
                            f"{group.weights.device}; instantiate the program on a GPU")
-    return TBELookupCUDA.apply(group.weights, group, sparse)
+    pooled = TBELookupCUDA.apply(group.weights, group, sparse)
+    # bf16 rows for a bf16 consumer: the CUDA kernels write fp32, so here it is a cast (its
+    # backward widens the gradient back to fp32 for the fused update).
+    return pooled if dtype == "fp32" else pooled.to(pooled_dtype(dtype))
 
 
 @register_impl("pack_sparse", "cuda")

@@ -170,12 +170,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, i32, ctypes.c_uint64,      # weights, their storage type (0 fp32, 1 fp16, 2 bf16), rounding seed
         i64, i64, p, p,               # R, D, momentum1, momentum2
         p, p, i64, i64,               # lin_indices, offsets, T, B
-        p, p, i32, f32,               # grad_output, per_sample_weights, mean, grad_scale
+        p, i32, p, i32, f32,          # grad_output, it is bf16 (else fp32), per_sample_weights, mean, grad_scale
         i32, f32, f32, f32, f32, f32, i32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, decoupled, bc1, bc2
         p, p, i64, i32,               # slot_map (or NULL: hashed), segments (or NULL), their count, nthreads
     ]
     lib.recc_tbe_forward.restype = ctypes.c_int
-    lib.recc_tbe_forward.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32, p, i32]
+    lib.recc_tbe_forward.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32, p, i32, i32]  # out, out is bf16, threads
     lib.recc_round_half_sr.restype = ctypes.c_int
     lib.recc_round_half_sr.argtypes = [p, i64, i32, ctypes.c_uint64, p]
     lib.recc_offsets_ok.restype = ctypes.c_int

@@ -36,6 +36,7 @@ OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 WEIGHT_DECAY_MODES = ("l2", "decoupled")
 # The weights' storage types and the C kernels' codes for them (tbe_backward.c's W_*).
 WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+POOLED_DTYPES = (torch.float32, torch.bfloat16)  # what the forward writes
 POOLINGS = ("sum", "mean", "max")
 _OPTIMIZER_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}  # matches the C enum
 
@@ -186,16 +187,23 @@ def _num_threads() -> int:
 
 def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
                           offsets: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
-                          per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+                          per_sample_weights: torch.Tensor | None = None,
+                          out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One F.embedding_bag over the concatenated weight, reordered to batch-major [B, T*D]."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_out_dtype(out_dtype)
     D = weights.shape[1]
     with torch.no_grad():
         weights = weights.float()  # half weights pool in fp32, as the C kernels do
         pooled = F.embedding_bag(lin_indices.to(torch.int64), weights, offsets.to(torch.int64),
                                  mode=pooling, per_sample_weights=per_sample_weights,
                                  include_last_offset=True)  # [T*B, D], feature-major
-        return pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D)
+        return pooled.view(T, B, D).transpose(0, 1).reshape(B, T * D).to(out_dtype)
+
+
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in POOLED_DTYPES:
+        raise ValueError(f"pooled rows are written as float32 or bfloat16, not {out_dtype}")
 
 
 def _max_bags(weights, lin_indices, offsets) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +229,8 @@ def max_pool(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Te
 
 def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
                        offsets: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
-                       per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+                       per_sample_weights: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """C pooling written straight into [B, T*D]; raises if the C kernels are unavailable."""
     lib = native.library()
     if lib is None:
@@ -229,16 +238,17 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
     if pooling == "max":
         raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_out_dtype(out_dtype)
     R, D = weights.shape
     w = weights.detach().contiguous()
     lin = lin_indices.to(torch.int64).contiguous()
     off = offsets.to(torch.int64).contiguous()
     psw = None if per_sample_weights is None else \
         per_sample_weights.detach().to(torch.float32).contiguous()
-    out = torch.empty(B, T * D, dtype=torch.float32)
+    out = torch.empty(B, T * D, dtype=out_dtype)
     rc = lib.recc_tbe_forward(w.data_ptr(), WEIGHT_DTYPES[w.dtype], R, D, lin.data_ptr(), off.data_ptr(), T, B,
                               None if psw is None else psw.data_ptr(), int(pooling == "mean"),
-                              out.data_ptr(), _num_threads())
+                              out.data_ptr(), int(out_dtype == torch.bfloat16), _num_threads())
     if rc == 1:
         raise IndexError(f"lin_indices has a row outside [0, {R}); run validate_inputs on the "
                          f"local ids to find the table and bag")
@@ -249,19 +259,22 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
 
 def tbe_forward(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Tensor, *,
                 T: int, B: int, pooling: str = "sum",
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+                per_sample_weights: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Pooled embeddings ``[B, T*D]``: row b is [pooled(table 0, b), pooled(table 1, b), ...].
 
     ``pooling`` is 'sum', 'mean' or 'max' (an empty bag pools to 0; max has no C kernel and
-    runs the reference); ``per_sample_weights`` scale each id (sum pooling only).  No autograd:
-    the caller wraps this in an autograd.Function.
+    runs the reference); ``per_sample_weights`` scale each id (sum pooling only).
+    ``out_dtype``: float32, or bfloat16 for a bf16 consumer (``cast_embeddings``): each bag is
+    summed in fp32 and rounded once, to nearest even — the bits of the fp32 result's
+    ``.to(torch.bfloat16)``. No autograd: the caller wraps this in an autograd.Function.
     """
     if pooling != "max" and native.library() is not None and weights.device.type == "cpu" and \
             _native_sizes_ok(lin_indices, T, B):
         return tbe_forward_native(weights, lin_indices, offsets, T=T, B=B, pooling=pooling,
-                                  per_sample_weights=per_sample_weights)
+                                  per_sample_weights=per_sample_weights, out_dtype=out_dtype)
     return tbe_forward_reference(weights, lin_indices, offsets, T=T, B=B, pooling=pooling,
-                                 per_sample_weights=per_sample_weights)
+                                 per_sample_weights=per_sample_weights, out_dtype=out_dtype)
 
 
 def gather_rows(weights: torch.Tensor, ids: Sequence[torch.Tensor], rows: Sequence[int],
@@ -593,7 +606,10 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     R, D = weights.shape
     lin = lin_indices.to(torch.int64).contiguous()
     off = offsets.to(torch.int64).contiguous()
-    go = grad_output.detach().to(torch.float32).contiguous()
+    # A bf16 gradient (a bf16 consumer's, ``cast_embeddings``) is read as it is and widened
+    # row by row in the kernel; any other dtype is converted to fp32 first.
+    go = grad_output.detach()
+    go = (go if go.dtype == torch.bfloat16 else go.to(torch.float32)).contiguous()
     psw = None if per_sample_weights is None else \
         per_sample_weights.detach().to(torch.float32).contiguous()
     m1 = state.get("momentum1") if optimizer != "sgd" else None
@@ -605,7 +621,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     rc = lib.recc_tbe_backward_update(
         weights.data_ptr(), WEIGHT_DTYPES[weights.dtype], _seed64(step if seed is None else seed), R, D,
         None if m1 is None else m1.data_ptr(), None if m2 is None else m2.data_ptr(),
-        lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(),
+        lin.data_ptr(), off.data_ptr(), T, B, go.data_ptr(), int(go.dtype == torch.bfloat16),
         None if psw is None else psw.data_ptr(), int(pooling == "mean"), grad_scale,
         _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay, int(weight_decay_mode == "decoupled"),
         1.0 - beta1 ** step, 1.0 - beta2 ** step, None if slot_map is None else slot_map.data_ptr(), segs,

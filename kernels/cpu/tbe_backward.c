@@ -330,7 +330,8 @@ typedef struct {
     const int64_t* lin;
     const int64_t* offsets;
     int64_t T, B;
-    const float* go;
+    const void* go;  /* [B, T*D] of fp32, or bf16 (go_bf16: a bf16 consumer's gradient, read as is) */
+    int go_bf16;
     const float* psw;
     int mean, optimizer;
     float grad_scale; /* every id's gradient is multiplied by it (the loss's 1/world share) */
@@ -414,6 +415,39 @@ static inline v16f load16(const float* p) {
 }
 
 static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof(v)); }
+
+/* bf16 <-> fp32 for whole vectors: a bf16 is the top half of an fp32; rounding to nearest even,
+ * a NaN kept a quiet NaN (torch's rule, element for element as interaction.c's scalar one). */
+typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+
+static inline v16f load16_bf16(const uint16_t* p) {
+    v16h h;
+    memcpy(&h, p, sizeof(h));
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f v;
+    memcpy(&v, &u, sizeof(v));
+    return v;
+}
+
+static inline void store16_bf16(uint16_t* p, v16f v) {
+    v16u u;
+    memcpy(&u, &v, sizeof(u));
+    const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v16u quiet = (u >> 16) | 0x40u;
+    const v16h h = __builtin_convertvector((rounded & ~(v16u)nan) | (quiet & (v16u)nan), v16h);
+    memcpy(p, &h, sizeof(h));
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 
 #define SLOT_PREFETCH 32 /* ids ahead: their row -> slot map entries */
 
@@ -521,7 +555,9 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
                                                                    : D * 4;
     const int64_t m1_stride = c->optimizer == OPT_ROWWISE_ADAGRAD ? 1 : D;
     const int has_m2 = c->optimizer == OPT_ADAM;
-    const float* restrict go = c->go;
+    const char* restrict go = (const char*)c->go;
+    const int gbf = c->go_bf16;
+    const int64_t go_bytes = D * (gbf ? 2 : 4);  /* one bag's gradient row */
     int32_t begin = 0;
     for (int64_t s = 0; s < U; ++s) {
         if (s + ROW_PREFETCH < U) {
@@ -533,32 +569,57 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
         if (s + GO_PREFETCH < U) {
             const int32_t p0 = ends[s + GO_PREFETCH - 1], p1 = ends[s + GO_PREFETCH];
             for (int32_t p = p0; p < p1 && p < p0 + 4; ++p)
-                prefetch_span(go + (int64_t)contrib[p].go_row * D, D * 4, 0);
+                prefetch_span(go + (int64_t)contrib[p].go_row * go_bytes, go_bytes, 0);
         }
         const int32_t end = ends[s];
-        if (vec) {
+        if (vec && gbf) {
             v16f a[MAX_VECS];
             {
                 const contrib_t e = contrib[begin];
-                const float* gr = go + (int64_t)e.go_row * D;
+                const uint16_t* gr = (const uint16_t*)(go + (int64_t)e.go_row * go_bytes);
+                for (int64_t v = 0; v < NV; ++v) a[v] = load16_bf16(gr + 16 * v) * e.scale;
+            }
+            for (int32_t p = begin + 1; p < end; ++p) {
+                const contrib_t e = contrib[p];
+                const uint16_t* gr = (const uint16_t*)(go + (int64_t)e.go_row * go_bytes);
+                for (int64_t v = 0; v < NV; ++v) a[v] += load16_bf16(gr + 16 * v) * e.scale;
+            }
+            for (int64_t v = 0; v < NV; ++v) store16(acc + 16 * v, a[v]);
+        } else if (vec) {
+            v16f a[MAX_VECS];
+            {
+                const contrib_t e = contrib[begin];
+                const float* gr = (const float*)(go + (int64_t)e.go_row * go_bytes);
                 for (int64_t v = 0; v < NV; ++v) a[v] = load16(gr + 16 * v) * e.scale;
             }
             for (int32_t p = begin + 1; p < end; ++p) {
                 const contrib_t e = contrib[p];
-                const float* gr = go + (int64_t)e.go_row * D;
+                const float* gr = (const float*)(go + (int64_t)e.go_row * go_bytes);
                 for (int64_t v = 0; v < NV; ++v) a[v] += load16(gr + 16 * v) * e.scale;
             }
             for (int64_t v = 0; v < NV; ++v) store16(acc + 16 * v, a[v]);
+        } else if (gbf) {
+            for (int32_t p = begin; p < end; ++p) {
+                const contrib_t e = contrib[p];
+                const uint16_t* restrict gr = (const uint16_t*)(go + (int64_t)e.go_row * go_bytes);
+                if (p == begin) {
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) acc[d] = bf16_to_f32(gr[d]) * e.scale;
+                } else {
+#pragma omp simd
+                    for (int64_t d = 0; d < D; ++d) acc[d] += bf16_to_f32(gr[d]) * e.scale;
+                }
+            }
         } else {
             {
                 const contrib_t e = contrib[begin];
-                const float* restrict gr = go + (int64_t)e.go_row * D;
+                const float* restrict gr = (const float*)(go + (int64_t)e.go_row * go_bytes);
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) acc[d] = gr[d] * e.scale;
             }
             for (int32_t p = begin + 1; p < end; ++p) {
                 const contrib_t e = contrib[p];
-                const float* restrict gr = go + (int64_t)e.go_row * D;
+                const float* restrict gr = (const float*)(go + (int64_t)e.go_row * go_bytes);
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) acc[d] += gr[d] * e.scale;
             }
@@ -604,14 +665,15 @@ static int cmp_unit_bigger_first(const void* a, const void* b) {
 
 /*
  * weights [R, D]; m1/m2: optimizer state (NULL when unused; rowwise_adagrad m1 is [R]);
- * lin [N]; offsets [T*B+1]; go [B, T*D]; psw [N] or NULL; mean: 1 for mean pooling;
+ * lin [N]; offsets [T*B+1]; go [B, T*D] of fp32, or of bf16 when go_bf16 (widened as each
+ * row is read: a bf16 consumer's gradient needs no conversion pass); psw [N] or NULL; mean: 1 for mean pooling;
  * grad_scale: multiplies every id's gradient (folded into its per-id scale, no pass over go);
  * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return, or
  * NULL: each unit then maps its rows to slots through a hash map sized by its ids.
  */
 int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, int64_t D, float* m1, float* m2,
                              const int64_t* lin, const int64_t* offsets, int64_t T,
-                             int64_t B, const float* go, const float* psw, int mean,
+                             int64_t B, const void* go, int go_bf16, const float* psw, int mean,
                              float grad_scale, int optimizer, float lr, float eps, float beta1, float beta2,
                              float wd, int decoupled, float bc1, float bc2, int32_t* slot_map,
                              const int64_t* segs, int64_t S, int nthreads) {
@@ -737,7 +799,7 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
     qsort(units, (size_t)n_units, sizeof(unit_t), cmp_unit_bigger_first);
 
     /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
-    const bwd_t ctx = {weights, wt, seed, R,  D,    m1,    m2,    lin, offsets, T,   B,   go,
+    const bwd_t ctx = {weights, wt, seed, R,  D,    m1,    m2,    lin, offsets, T,   B,   go, go_bf16,
                        psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled,
                        slot_map};
     void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
@@ -787,16 +849,18 @@ int recc_offsets_ok(const int64_t* offsets, int64_t NB, int64_t N) {
 static inline __attribute__((always_inline)) int pool_range(
     const void* restrict weights, int wt, int64_t R, const int64_t* restrict lin,
     const int64_t* restrict offsets, int64_t T, int64_t B, const float* restrict psw,
-    int mean, float* restrict out, int64_t j0, int64_t j1, const int64_t D) {
+    int mean, void* restrict out, int out_bf16, int64_t j0, int64_t j1, const int64_t D) {
     const int vec = D % 16 == 0 && D / 16 <= MAX_VECS;
     const int64_t NV = D / 16;
     int bad = 0;
     const int64_t TD = T * D;
     const int64_t i_end = offsets[j1];
     float wtmp[wt == W_F32 ? 1 : D] __attribute__((aligned(64)));  /* a half row, in fp32 */
+    float orow[out_bf16 ? D : 1] __attribute__((aligned(64)));     /* a bf16 bag, summed in fp32 */
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t t = j / B, b = j - t * B;
-        float* restrict o = out + b * TD + t * D;
+        float* restrict o = out_bf16 ? orow : (float*)out + b * TD + t * D;
+        uint16_t* restrict oh = out_bf16 ? (uint16_t*)out + b * TD + t * D : NULL;
         const int64_t lo = offsets[j], hi = offsets[j + 1];
         v16f a[MAX_VECS];
         if (vec) {
@@ -842,30 +906,40 @@ static inline __attribute__((always_inline)) int pool_range(
             if (mean && hi > lo) {
                 for (int64_t v = 0; v < NV; ++v) a[v] /= len;
             }
-            for (int64_t v = 0; v < NV; ++v) store16(o + 16 * v, a[v]);
-        } else if (mean && hi > lo) {
+            if (out_bf16) {
+                for (int64_t v = 0; v < NV; ++v) store16_bf16(oh + 16 * v, a[v]);
+            } else {
+                for (int64_t v = 0; v < NV; ++v) store16(o + 16 * v, a[v]);
+            }
+        } else {
+            if (mean && hi > lo) {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) o[d] /= len;
+                for (int64_t d = 0; d < D; ++d) o[d] /= len;
+            }
+            if (out_bf16) {
+#pragma omp simd
+                for (int64_t d = 0; d < D; ++d) oh[d] = f32_to_bf16(o[d]);
+            }
         }
     }
     return bad;
 }
 
-#define POOL_FN(DV)                                                                        \
-    static int pool_range_##DV(const void* w, int wt, int64_t R, const int64_t* lin,       \
-                               const int64_t* off, int64_t T, int64_t B, const float* psw, \
-                               int mean, float* out, int64_t j0, int64_t j1, int64_t D) {  \
-        (void)D;                                                                           \
-        return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, j0, j1, DV);           \
+#define POOL_FN(DV)                                                                          \
+    static int pool_range_##DV(const void* w, int wt, int64_t R, const int64_t* lin,         \
+                               const int64_t* off, int64_t T, int64_t B, const float* psw,   \
+                               int mean, void* out, int ob, int64_t j0, int64_t j1, int64_t D) { \
+        (void)D;                                                                             \
+        return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, ob, j0, j1, DV);         \
     }
 POOL_FN(16)
 POOL_FN(32)
 POOL_FN(64)
 POOL_FN(128)
 static int pool_range_any(const void* w, int wt, int64_t R, const int64_t* lin, const int64_t* off,
-                          int64_t T, int64_t B, const float* psw, int mean, float* out,
+                          int64_t T, int64_t B, const float* psw, int mean, void* out, int ob,
                           int64_t j0, int64_t j1, int64_t D) {
-    return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, j0, j1, D);
+    return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, ob, j0, j1, D);
 }
 
 /* First bag j in [0, NB] with offsets[j] >= target (offsets non-decreasing). */
@@ -883,18 +957,20 @@ static int64_t first_bag_at(const int64_t* offsets, int64_t NB, int64_t target) 
  * Pooling straight into the batch-major [B, T*D] output (no reorder copy).  Bags are cut
  * into runs of ~N/(8*threads) ids handed out dynamically (a thread that gets descheduled
  * does not hold the others up); rows are prefetched ahead across bag boundaries within a
- * run, and a bag sums its rows in index order.
+ * run, and a bag sums its rows in index order.  out_bf16: `out` is bf16, each bag summed in
+ * fp32 and rounded once to nearest even (a bf16 consumer's input, written in the lookup's
+ * own pass instead of a cast after it).
  */
 int recc_tbe_forward(const void* weights, int wt, int64_t R, int64_t D, const int64_t* lin,
                      const int64_t* offsets, int64_t T, int64_t B, const float* psw, int mean,
-                     float* out, int nthreads) {
+                     void* out, int out_bf16, int nthreads) {
     if (D <= 0 || T < 0 || B < 0 || (wt != W_F32 && wt != W_F16 && wt != W_BF16)) return RC_BAD_ARGS;
     const int64_t NB = T * B;
     if (NB == 0) return RC_OK;
     const int64_t N = offsets[NB];
     if (nthreads < 1) nthreads = 1;
     int (*fn)(const void*, int, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
-              const float*, int, float*, int64_t, int64_t, int64_t) =
+              const float*, int, void*, int, int64_t, int64_t, int64_t) =
         D == 16 ? pool_range_16
         : D == 32 ? pool_range_32
         : D == 64 ? pool_range_64
@@ -909,7 +985,7 @@ int recc_tbe_forward(const void* weights, int wt, int64_t R, int64_t D, const in
          * first run whose range reaches their offset, the last run takes the tail. */
         const int64_t j0 = k == 0 ? 0 : first_bag_at(offsets, NB, N * k / runs);
         const int64_t j1 = k == runs - 1 ? NB : first_bag_at(offsets, NB, N * (k + 1) / runs);
-        if (j1 > j0) bad |= fn(weights, wt, R, lin, offsets, T, B, psw, mean, out, j0, j1, D);
+        if (j1 > j0) bad |= fn(weights, wt, R, lin, offsets, T, B, psw, mean, out, out_bf16, j0, j1, D);
     }
     return bad ? RC_BAD_ID : RC_OK;
 }

@@ -275,7 +275,28 @@ def parity_jobs(world: int) -> tuple[dict, dict]:
             name = f"{mixed}/{optimizer}"
             programs[name] = compile_for(mixed_model(), mixed_data(), world, optimizer, plan=plan)
             jobs[name] = {"program": programs[name], "data": mixed_data(), "steps": (0, STEPS), "lr": LR[optimizer]}
+    jobs.update(bf16_jobs(world, programs))
     return jobs, programs
+
+
+BF16_CASES = tuple((kind, "sgd") for kind in KINDS) + (("table_wise", "rowwise_adagrad"), ("mixed", "sgd"))
+
+
+def bf16_jobs(world: int, programs: dict) -> dict:
+    """bf16 dense compute with Neo's default codecs (fp16 forward, bf16 backward), which
+    ``cast_embeddings`` turns into a bf16 exchange: every kind, and the mixed plan. Names start
+    with ``bf16/``; ``programs`` gets theirs."""
+    jobs = {}
+    for kind, optimizer in BF16_CASES:
+        name = f"bf16/{kind}/{optimizer}"
+        mixed = kind == "mixed"
+        model, data = (mixed_model, mixed_data) if mixed else (tiny_model, tiny_data)
+        sharding = {"plan": MIXED_PLAN} if mixed else {"sharding": kind}
+        programs[name] = compile_for(model(), data(), world, optimizer, dense_dtype="bf16", comm_fwd="fp16",
+                                     comm_bwd="bf16", **sharding)
+        jobs[name] = {"program": programs[name], "data": data(), "steps": (0, STEPS), "lr": LR[optimizer],
+                      "report": True}
+    return jobs
 
 
 def two_node_jobs() -> tuple[dict, dict]:

@@ -781,3 +781,56 @@ def test_segments_split_the_work_and_change_no_result(optimizer):
     with pytest.raises(ValueError, match="segments must run from 0 to T\\*B = 19"):
         tbe_backward_update_native(w0.clone(), new_state(optimizer, w0), lin, offsets, grad, T=1, B=n,
                                    optimizer=optimizer, lr=0.1, segments=[0, 7])
+
+
+# ----------------------------------------------------------------------------- bf16 pooled rows
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """bf16 values as bits, every NaN one pattern (torch's vectorised and scalar casts differ there)."""
+    return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).view(torch.int16)
+
+
+@pytest.mark.parametrize("D", [1, 13, 16, 64, 128])
+@pytest.mark.parametrize("pooling", ["sum", "mean", "max"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bf16_output_is_the_fp32_result_rounded_once(impl, D, pooling, wdtype):
+    """out_dtype=bf16 (a bf16 consumer's lookup): each bag pooled in fp32 and rounded to nearest
+    even as it is written — the bits of the fp32 output's .to(bfloat16), specials included."""
+    c = Case(T=3, B=9, D=D, rows=(40, 7, 60), max_len=7, seed=D)
+    w = c.weights.clone()
+    w[3, 0], w[5, -1], w[8, 0] = float("inf"), float("nan"), 1e-40   # an inf, a NaN, a subnormal
+    w[9] = 1.0 + 2.0 ** -8   # exactly halfway between two bf16 values: rounds to the even one
+    w = w.to(wdtype)
+    psw = c.psw if pooling == "sum" else None
+    want = tbe_forward(w, c.lin, c.offsets, T=c.T, B=c.B, pooling=pooling, per_sample_weights=psw)
+    got = tbe_forward(w, c.lin, c.offsets, T=c.T, B=c.B, pooling=pooling, per_sample_weights=psw,
+                      out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(_bits(got), _bits(want.to(torch.bfloat16)))
+
+
+def test_pooled_dtype_other_than_fp32_or_bf16_is_refused(impl):
+    c = Case()
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        tbe_forward(c.weights, c.lin, c.offsets, T=c.T, B=c.B, out_dtype=torch.float16)
+
+
+@needs_gcc
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("D", [1, 13, 16, 64, 128])
+def test_bf16_gradient_updates_as_its_fp32_widening(optimizer, D, row_map):
+    """The C update reads a bf16 gradient as it is (no conversion pass): the same rows and state,
+    bit for bit, as the same gradient widened to fp32 first."""
+    c = Case(T=4, B=16, D=D, rows=(100, 7, 300, 64), max_len=12, seed=40 + D, dup_pool=9)
+    grad = c.grad.to(torch.bfloat16)
+    for pooling, psw in (("sum", None), ("mean", None), ("sum", c.psw)):
+        out = []
+        for g in (grad, grad.float()):
+            w, s = c.weights.clone(), new_state(optimizer, c.weights)
+            tbe_backward_update_native(w, s, c.lin, c.offsets, g, T=c.T, B=c.B, pooling=pooling,
+                                       per_sample_weights=psw, optimizer=optimizer, lr=0.1, weight_decay=0.01)
+            out.append((w, s))
+        assert torch.equal(out[0][0], out[1][0]), pooling
+        for k in out[0][1]:
+            assert torch.equal(out[0][1][k], out[1][1][k]), (pooling, k)

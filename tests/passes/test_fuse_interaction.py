@@ -194,3 +194,54 @@ def test_a_vector_stacked_twice_is_read_twice_and_trains_like_eager():
     assert program.stats["fused_interaction_concats"] == 1
     assert "features=((0, 0), (0, 0), (0, 3))" in program.stages["fuse_interaction"].text
     _trains_like_eager(program, eager, ex)
+
+
+class _RefDLRMInteraction(nn.Module):
+    """The reference DLRM's ``interact_features`` (facebookresearch/dlrm): the vectors concatenated
+    and viewed as [B, F, D] instead of stacked, the index pairs built from the shape at run time.
+    ``wide`` gives one table twice the dim (a [B, 2D] vector would be two features: not fused)."""
+
+    def __init__(self, wide: bool = False):
+        super().__init__()
+        self.emb_l = nn.ModuleList([nn.EmbeddingBag(12, 6 if wide and k == 1 else 3, mode="sum") for k in range(3)])
+        self.bot_l = nn.Sequential(nn.Linear(5, 3), nn.ReLU())
+        self.top_l = nn.Sequential(nn.Linear(3 + (10 if wide else 6), 1), nn.Sigmoid())
+
+    def forward(self, dense_x, lS_o, lS_i):
+        x = self.bot_l(dense_x)
+        ly = [self.emb_l[k](lS_i[k], lS_o[k]) for k in range(len(self.emb_l))]
+        (batch_size, d) = x.shape
+        T = torch.cat([x] + ly, dim=1).view((batch_size, -1, d))
+        Z = torch.bmm(T, torch.transpose(T, 1, 2))
+        _, ni, nj = Z.shape
+        li = torch.tensor([i for i in range(ni) for j in range(i)])
+        lj = torch.tensor([j for i in range(nj) for j in range(i)])
+        Zflat = Z[:, li, lj]
+        R = torch.cat([x] + [Zflat], dim=1)
+        return self.top_l(R)
+
+
+def test_reference_dlrm_cat_view_interaction_is_fused_and_trains_like_eager():
+    """cat([x] + ly, 1).view((B, -1, d)) is read like the stack: one recc.dot_interaction over
+    the batched lookup in place, no concatenated copy; outputs and gradients are eager's."""
+    model = _RefDLRMInteraction()
+    ex = _inputs()
+    program = recc.compile(model, example_inputs=ex, pipeline=PIPELINE + ",lower", config=recc.CompileConfig(verify=2))
+    assert program.stats["fused_interaction_concats"] == 1
+    ops = _ops(program, "fuse_interaction")
+    assert recc.ops.OPS["dot_interaction"] in ops and recc.ops.OPS["pairwise_dot"] not in ops and torch.cat not in ops
+    dm = program.instantiate()
+    out = dm(*ex)
+    torch.testing.assert_close(out, model(*ex), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    model(*ex).sum().backward()
+    torch.testing.assert_close(dm.graph_module.get_submodule("bot_l.0").weight.grad, model.bot_l[0].weight.grad,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_reference_dlrm_with_a_vector_wider_than_d_keeps_its_cat():
+    model = _RefDLRMInteraction(wide=True)
+    ex = _inputs()
+    program = recc.compile(model, example_inputs=ex, pipeline=PIPELINE + ",lower")
+    assert program.stats["fused_interactions"] == 1 and program.stats["fused_interaction_concats"] == 0
+    torch.testing.assert_close(program.instantiate()(*ex), model(*ex), rtol=1e-5, atol=1e-6)
