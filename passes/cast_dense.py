@@ -15,8 +15,9 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
   ``softmax``/``log_softmax``, BatchNorm and LayerNorm, and ``recc.pairwise_dot`` (an fp32 kernel)
   — take fp32 inputs (a ``.to(torch.float32)`` on each bf16 one);
 - ``recc.dot_interaction`` takes its inputs as they are — a bf16 bottom MLP output and the fp32
-  pooled embeddings — computes its dot products in fp32 and returns ``dense``'s dtype, so between a
-  bf16 bottom and top MLP it reads and writes bf16 with no cast on either side;
+  pooled embeddings (which ``cast_embeddings``, next, turns bf16 at the lookup) — computes its dot
+  products in fp32 and returns ``dense``'s dtype, so between a bf16 bottom and top MLP it reads and
+  writes bf16 with no cast on either side;
 - everything else runs in whatever dtype its inputs have (torch's type promotion: ``relu``, ``cat``,
   elementwise ops stay bf16 between products; a bf16 value meeting an fp32 one is fp32);
 - a product whose result only those fp32 ops read, or the output (the model's head, whose logit
@@ -31,7 +32,8 @@ torch.bfloat16)`` does, but once, at compile time, and as graph nodes:
 Casts are inserted wherever a rule asks for one — right before the first node that needs it, so
 an in-place op on the value before that is included — the graph's dtypes are propagated, and every
 cast whose input already has its dtype is removed: a cast appears only where the dtype changes,
-once per value. Embedding lookups stay fp32 (their tables and fused optimizers are fp32). ``fp16`` is for
+once per value. Embedding lookups are left to ``cast_embeddings`` (their tables and fused optimizers
+stay fp32; the rows they pool go bf16 where only bf16 reads them). ``fp16`` is for
 CUDA with dynamic loss scaling and is refused here on CPU. Must not change what the graph computes
 beyond bf16 rounding of the products' inputs and outputs.
 

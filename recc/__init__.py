@@ -24,9 +24,12 @@ def __getattr__(name):
     if name in _CHECKPOINT_NAMES:
         from recc.runtime import checkpoint
         return getattr(checkpoint, name)
+    if name == "GradScaler":  # dynamic loss scaling that reaches the fused table updates
+        from recc.runtime.loss_scale import GradScaler
+        return GradScaler
     raise AttributeError(f"module 'recc' has no attribute {name!r}")
 
 __all__ = ["compile", "Cluster", "CompileConfig", "Program", "Stage", "register_pass", "PassContext",
            "launch", "rank", "world_size", "ir", "parse_spec", "format_spec", "DEFAULT_PIPELINE",
            "TableSpec", "ShardSpec", "CommSpec", "OptimizerSpec", "Plan", "DeviceSpec", "LinkSpec",
-           "save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError", "CheckpointInfo"]
+           "save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError", "CheckpointInfo", "GradScaler"]

@@ -11,6 +11,7 @@ import torch
 
 from recc.ops import SparseBatch, get_op, pad_table_bags, pooled_dtype, register_impl, use_references
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
+from recc.runtime.loss_scale import update_scale
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
                           linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
                           tbe_backward_update, tbe_forward)
@@ -85,12 +86,17 @@ class TBELookup(torch.autograd.Function):
 
 
 def _apply_update(group, lin, offsets, grad, t, b, pooling, psw=None, winners=None, segments=None) -> None:
-    """The group's fused optimizer step for one backward: ``grad`` [b, t*D] of the bags."""
+    """The group's fused optimizer step for one backward: ``grad`` [b, t*D] of the bags (skipped,
+    its step not counted, when a loss scaler is in force and ``grad`` overflowed)."""
+    scale = update_scale(group, grad)
+    if scale is None:
+        group.step -= 1
+        return
     o = group.optimizer
     tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
                         T=t, B=b, pooling=pooling, per_sample_weights=psw,
                         optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
-                        weight_decay=o.weight_decay, step=group.step, grad_scale=group.grad_scale,
+                        weight_decay=o.weight_decay, step=group.step, grad_scale=scale,
                         weight_decay_mode=o.weight_decay_mode, winners=winners, segments=segments)
 
 

@@ -17,6 +17,7 @@ from recc.kernels import linearize_indices, max_pool, tbe_backward_update_refere
 from recc.runtime.cpu_backend import check_max_unchanged
 from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
+from recc.runtime.loss_scale import update_scale
 
 
 class TBELookupCUDA(torch.autograd.Function):
@@ -67,8 +68,12 @@ class TBELookupCUDA(torch.autograd.Function):
             if pooling == "max":
                 winners = None
                 check_max_unchanged(group, ctx.version)
-        if group.grad_scale != 1.0:
-            grad = grad * group.grad_scale
+        scale = update_scale(group, grad) if t and b else group.grad_scale
+        if scale is None:  # a loss scaler is in force and the gradient overflowed: skip, step not counted
+            group.step -= 1
+            return None, None, None
+        if scale != 1.0:
+            grad = grad * scale
         if t and b and pooling == "max":
             tbe_backward_update_reference(
                 group.weights.detach(), group.optimizer_state(), linearize_indices(ids, offsets, hsc, t, b),

@@ -88,6 +88,8 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
     # Per-rank mean losses: an owner receives W ranks' gradients (or, data-parallel, gathers
     # them), so 1/W makes the update the one eager PyTorch makes for the global mean loss.
     group.grad_scale = 1.0 / group.world_size
+    # A recc.GradScaler sets the loss scale its fused updates divide by, and reads found_inf.
+    group.loss_scale, group.found_inf = 1.0, False
     group._sources = []
     group.release_sources()
     group.materialized = True
