@@ -33,6 +33,9 @@ from recc.kernels.cpu.tbe import (
 )
 
 
+_TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def _summary(times: list[float], stat: str) -> float:
     return statistics.median(times) if stat == "median" else min(times)
 
@@ -81,7 +84,11 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=50, help="timed steps per configuration")
     ap.add_argument("--stat", choices=("min", "median"), default="min")
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--table-dtype", default="fp32",
+                    help="comma-separated table dtypes timed side by side: fp32,fp16,bf16 "
+                         "(half tables: fp32 optimizer state, stochastic rounding)")
     args = ap.parse_args(argv)
+    dtypes = [_TABLE_DTYPES[d] for d in args.table_dtype.split(",")]
     T, rows, D, B = args.tables, args.rows, args.dim, args.batch
     R = T * rows
 
@@ -100,7 +107,6 @@ def main(argv=None) -> None:
         batches.append((indices, offsets, lin, int(torch.unique(lin).numel())))
     N = statistics.mean(b[0].numel() for b in batches)
     U = statistics.mean(b[3] for b in batches)
-    weights = torch.rand(R, D) * 0.01
     grad_output = torch.randn(B, T * D) * 1e-3
     print(f"T={T} rows/table={rows} D={D} B={B}  N~{N:.0f} ids/batch  unique rows U~{U:.0f} "
           f"({U / N:.1%} of ids)  zipf={args.zipf}  {args.batches} batches cycled")
@@ -144,42 +150,49 @@ def main(argv=None) -> None:
     res["linearize_indices"] = _summary(tl, stat)
 
     floors = {}
-    row_bytes = D * 4
-    for opt in OPTIMIZERS:
-        shapes = optimizer_state_shapes(opt, R, D)
-        state = {k: torch.zeros(s) for k, s in shapes.items()}
-        kw = dict(T=T, B=B, optimizer=opt, lr=0.01)
-        if lib:
-            steps(lambda lin, off: tbe_forward_native(weights, lin, off, T=T, B=B),
-                  lambda lin, off: tbe_backward_update_native(weights, state, lin, off,
-                                                              grad_output, **kw),
-                  args.steps, "forward native", f"backward+update {opt} native")
-        if not args.skip_reference and opt in ("sgd", "rowwise_adagrad"):
-            steps(lambda lin, off: tbe_forward_reference(weights, lin, off, T=T, B=B),
-                  lambda lin, off: tbe_backward_update_reference(weights, state, lin, off,
-                                                                 grad_output, **kw),
-                  max(3, args.steps // 10), "forward reference",
-                  f"backward+update {opt} reference")
-        state_row_bytes = sum(4 * (s[1] if len(s) == 2 else 1) for s in shapes.values())
-        fwd_bytes = N * row_bytes
-        bwd_bytes = B * T * D * 4 + 2 * U * (row_bytes + state_row_bytes)
-        floors[opt] = fwd_bytes + bwd_bytes
+    w32 = torch.rand(R, D) * 0.01
+    for dtype in dtypes:
+        tag = "" if dtype == torch.float32 else f" {str(dtype).split('.')[1]} tables"
+        weights = w32.to(dtype)
+        row_bytes = D * weights.element_size()
+        for opt in OPTIMIZERS:
+            shapes = optimizer_state_shapes(opt, R, D)
+            state = {k: torch.zeros(s) for k, s in shapes.items()}
+            kw = dict(T=T, B=B, optimizer=opt, lr=0.01)
+            if lib:
+                steps(lambda lin, off: tbe_forward_native(weights, lin, off, T=T, B=B),
+                      lambda lin, off: tbe_backward_update_native(weights, state, lin, off,
+                                                                  grad_output, **kw),
+                      args.steps, f"forward native{tag}", f"backward+update {opt} native{tag}")
+            if not args.skip_reference and not tag and opt in ("sgd", "rowwise_adagrad"):
+                steps(lambda lin, off: tbe_forward_reference(weights, lin, off, T=T, B=B),
+                      lambda lin, off: tbe_backward_update_reference(weights, state, lin, off,
+                                                                     grad_output, **kw),
+                      max(3, args.steps // 10), "forward reference",
+                      f"backward+update {opt} reference")
+            state_row_bytes = sum(4 * (s[1] if len(s) == 2 else 1) for s in shapes.values())
+            fwd_bytes = N * row_bytes
+            bwd_bytes = B * T * D * 4 + 2 * U * (row_bytes + state_row_bytes)
+            floors[(opt, tag)] = fwd_bytes + bwd_bytes
+    weights = w32
     if args.skip_reference:  # forward reference alone, for comparison
         steps(lambda lin, off: tbe_forward_reference(weights, lin, off, T=T, B=B), None,
               args.steps, "forward reference", None)
 
-    print(f"\n{'kernel (' + stat + ' over steps)':36s} {'ms':>8s}")
+    print(f"\n{'kernel (' + stat + ' over steps)':48s} {'ms':>8s}")
     for k, v in res.items():
-        print(f"{k:36s} {v * 1e3:8.2f}")
+        print(f"{k:48s} {v * 1e3:8.2f}")
 
     if lib:
-        print(f"\n{'optimizer':16s} {'floor MB':>9s} {'floor ms':>9s} {'fwd+bwd ms':>11s} "
-              f"{'x floor':>8s}")
-        for opt, nbytes in floors.items():
+        print(f"\n{'optimizer':30s} {'floor MB':>9s} {'floor ms':>9s} {'fwd+bwd ms':>11s} "
+              f"{'x floor':>8s} {'vs fp32':>8s}")
+        for (opt, tag), nbytes in floors.items():
             floor_s = nbytes / bw
-            got = res["forward native"] + res[f"backward+update {opt} native"]
-            print(f"{opt:16s} {nbytes / 1e6:9.1f} {floor_s * 1e3:9.2f} {got * 1e3:11.2f} "
-                  f"{got / floor_s:8.2f}")
+            got = res[f"forward native{tag}"] + res[f"backward+update {opt} native{tag}"]
+            base = res["forward native"] + res[f"backward+update {opt} native"] \
+                if "forward native" in res else float("nan")
+            print(f"{opt + tag:30s} {nbytes / 1e6:9.1f} {floor_s * 1e3:9.2f} {got * 1e3:11.2f} "
+                  f"{got / floor_s:8.2f} {base / got:7.2f}x")
         print("floor = (N rows read by forward + grad_output read + each unique row and its "
               "optimizer state read and written once) / copy bandwidth")
 

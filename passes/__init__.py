@@ -7,10 +7,11 @@ from recc.passes.quantize_comm import quantize_comm
 from recc.passes.pipeline_comm import pipeline_comm
 from recc.passes.fuse_gathers import fuse_gathers
 from recc.passes.fuse_interaction import fuse_interaction
+from recc.passes.fold_column_cat import fold_column_cat
 from recc.passes.align_linear import align_linear
 from recc.passes.fuse_linear_act import fuse_linear_act
 from recc.passes.cast_dense import cast_dense
 from recc.passes.cast_embeddings import cast_embeddings
 from recc.passes.lower import lower
 
-__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "align_linear", "fuse_linear_act", "cast_dense", "cast_embeddings", "lower"]
+__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "cast_dense", "cast_embeddings", "lower"]

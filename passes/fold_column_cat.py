@@ -1,0 +1,134 @@
+"""fold_column_cat: a concatenation of every column block of one tensor, in order, reads the tensor.
+
+Contract: requires nothing but a traced graph; the default pipeline runs it after
+``fuse_interaction`` (which claims the reference DLRM's ``cat`` + ``view`` of the same blocks
+first). ``batch_tables`` hands each table its columns of the batched lookup as
+``getitem(recc.split_cols(pooled, sizes), k)``; models written as "look every table up, then
+``torch.cat(embeddings, dim=1)``" (the reference DLRM's ``cat`` interaction, a tower's input,
+an embeddings-only module) glue them straight back together. Where a ``torch.cat`` along the
+columns (``dim=1`` or ``-1`` of 2-D pieces) reads all of one ``split_cols``'s pieces, each once,
+consecutively and in order, the run is replaced by the split's input; a cat left with that
+input alone is the input. Split pieces other ops also read stay for them; a split nobody reads
+any more is removed with its pieces. Ensures no copy of the pooled rows into their pieces'
+concatenation in forward, and no concatenation of the pieces' gradients in backward (the
+gradient reaches the lookup as one tensor). Must not change what the graph computes: the same
+values, bit for bit. Partial runs and other orders are left as they are (a partial run as a
+``narrow`` would copy as much, and its gradient would be zero-filled at full width).
+
+Before (an embeddings-only module, 2 tables of dim 4):
+    tables_g0  : tuple[2x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4))
+    emb_l_0    : f32[8,4]     = getitem(tables_g0, 0)
+    emb_l_1    : f32[8,4]     = getitem(tables_g0, 1)
+    cat        : f32[8,8]     = torch.cat([emb_l_0, emb_l_1], dim=1)
+    return [cat]
+After:
+    return [pooled_g0]
+With other inputs (``torch.cat([x] + ly, dim=1)``) the cat stays and reads the lookup:
+    cat        : f32[8,12]    = torch.cat([bot_l_3, pooled_g0], dim=1)
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from recc.ops import OPS, op_of
+from recc.passmanager import PassContext, register_pass
+
+_CATS = (torch.cat, torch.concat)
+
+
+def _piece_of(v) -> Optional[tuple[fx.Node, int]]:
+    """(split, k) when ``v`` is ``getitem(recc.split_cols(...), k)``, else None."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is operator.getitem):
+        return None
+    split, k = v.args
+    if not (isinstance(split, fx.Node) and split.op == "call_function" and op_of(split.target) is OPS["split_cols"]
+            and isinstance(k, int)):
+        return None
+    return split, k
+
+
+def _pieces(split: fx.Node) -> list[fx.Node]:
+    return sorted((u for u in split.users if _piece_of(u) is not None), key=lambda u: u.args[1])
+
+
+def _table_name(piece: fx.Node) -> str:
+    t = piece.meta.get("recc.table")
+    return t.name if t is not None else piece.name
+
+
+def _cat_parts(cat: fx.Node) -> Optional[tuple[list, int]]:
+    """(tensors, dim) of a ``torch.cat`` call, or None when it is not one."""
+    if cat.op != "call_function" or cat.target not in _CATS:
+        return None
+    tensors = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int):
+        return None
+    return list(tensors), dim
+
+
+def _folded(tensors: list) -> tuple[list, bool]:
+    """``tensors`` with each complete in-order run of one split's pieces replaced by its input."""
+    out, changed, i = [], False, 0
+    while i < len(tensors):
+        p = _piece_of(tensors[i])
+        if p is not None and p[1] == 0:
+            split = p[0]
+            n = len(split.args[1])
+            run = tensors[i:i + n]
+            if len(run) == n and all(_piece_of(v) == (split, k) for k, v in enumerate(run)):
+                out.append(split.args[0])
+                changed, i = True, i + n
+                continue
+        out.append(tensors[i])
+        i += 1
+    return out, changed
+
+
+def _columns(cat: fx.Node, tensors: list, dim: int) -> bool:
+    """Whether the cat joins 2-D pieces along their columns."""
+    vals = [v.meta.get("val") for v in tensors if isinstance(v, fx.Node)]
+    return len(vals) == len(tensors) and all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vals) \
+        and dim in (1, -1)
+
+
+@register_pass(after=("batch_tables", "fuse_interaction"))
+def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Read a split's input where a column cat puts all its pieces back together in order."""
+    graph = gm.graph
+    folded = 0
+    for cat in list(graph.nodes):
+        parts = _cat_parts(cat)
+        if parts is None or not _columns(cat, *parts):
+            continue
+        tensors, dim = parts
+        new, changed = _folded(tensors)
+        if not changed:
+            continue
+        folded += 1
+        splits = {_piece_of(v)[0] for v in tensors if _piece_of(v) is not None}
+        if len(new) == 1:
+            cat.replace_all_uses_with(new[0])
+            graph.erase_node(cat)
+        else:
+            if cat.args:
+                cat.args = (new,) + tuple(cat.args[1:])
+            else:
+                cat.kwargs = {**cat.kwargs, "tensors": new}
+            # The pieces' lines, which named each table's columns, are gone: say it here.
+            by_source = {split.args[0]: split for split in splits}
+            cat.meta["recc.notes"] = tuple(cat.meta.get("recc.notes", ())) + tuple(
+                f"{v.name} = {' | '.join(_table_name(p) for p in _pieces(by_source[v]))}"
+                for v in new if v in by_source)
+        for split in splits:
+            for piece in [u for u in split.users if not u.users]:
+                graph.erase_node(piece)
+            if not split.users:
+                graph.erase_node(split)
+    ctx.stats["folded_cats"] = folded
+    graph.lint()
+    return gm
