@@ -1,7 +1,8 @@
 """Micro-benchmark of the CPU TBE kernels on the `small` shapes.
 
     python bench/tbe_kernels.py [--tables 8 --rows 100000 --dim 64 --batch 2048
-                                           --pooling-factor 20 --zipf 1.05 --steps 50]
+                                           --pooling-factor 20 --zipf 1.05 --steps 50
+                                           --table-dtype fp32,fp16,bf16]
 
 Runs training steps the way a model does (forward of a batch, then backward+update of the
 same batch, cycling over a few different batches so caches see realistic reuse) and prints
@@ -9,7 +10,10 @@ each kernel's time, the memory bandwidth measured with a large tensor copy, and 
 memory-traffic floor: the bytes a step must move (forward reads N rows; backward reads
 grad_output and reads + writes each unique row and its optimizer state once) divided by that
 bandwidth.  Times are the minimum over steps by default (the least disturbed by other
-processes on a shared machine); --stat median reports medians.
+processes on a shared machine); --stat median reports medians.  ``--table-dtype`` times the
+same kernels with the weights stored in each listed dtype side by side (the fp16/bf16 updates
+computed in fp32 and stochastically rounded; optimizer state fp32), each against its own floor
+and as a ratio to fp32.
 """
 
 from __future__ import annotations
@@ -88,6 +92,9 @@ def main(argv=None) -> None:
                     help="comma-separated table dtypes timed side by side: fp32,fp16,bf16 "
                          "(half tables: fp32 optimizer state, stochastic rounding)")
     args = ap.parse_args(argv)
+    unknown = [d for d in args.table_dtype.split(",") if d not in _TABLE_DTYPES]
+    if unknown:
+        ap.error(f"--table-dtype: unknown dtype {unknown[0]!r} (choose from {', '.join(_TABLE_DTYPES)})")
     dtypes = [_TABLE_DTYPES[d] for d in args.table_dtype.split(",")]
     T, rows, D, B = args.tables, args.rows, args.dim, args.batch
     R = T * rows
