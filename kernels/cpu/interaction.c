@@ -43,27 +43,12 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 #define RB 4  /* rows of x per micro-tile */
 #define CB 16 /* columns (of x^T, or of D) per micro-tile: one AVX-512 vector, two AVX2 vectors */
 
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
-
-/* bf16 <-> fp32: a bf16 is the top half of an fp32. Rounding to nearest even, NaN kept a quiet
- * NaN (torch's rule). */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static void widen(const uint16_t *src, float *dst, int64_t n) {
 #pragma omp simd

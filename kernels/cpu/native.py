@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -73,7 +74,11 @@ def _compiler_version(gcc: str) -> str:
 
 def _library_path(gcc: str, source: Path) -> Path:
     h = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CFLAGS).encode(), _compiler_version(gcc).encode(),
+    # The quoted includes (kernels/cpu/*.h) are part of the source: a changed header rebuilds.
+    text = source.read_bytes()
+    headers = [source.with_name(n.decode()).read_bytes()
+               for n in sorted(set(re.findall(rb'^#include "([^"]+)"', text, re.M)))]
+    for part in (text, *headers, " ".join(CFLAGS).encode(), _compiler_version(gcc).encode(),
                  _cpu_signature().encode()):
         h.update(part)
         h.update(b"\0")

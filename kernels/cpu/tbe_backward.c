@@ -42,6 +42,8 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 enum { OPT_SGD = 0, OPT_ROWWISE_ADAGRAD = 1, OPT_ADAGRAD = 2, OPT_ADAM = 3 };
 enum { W_F32 = 0, W_F16 = 1, W_BF16 = 2 };  /* the weights' storage type */
 
@@ -51,13 +53,6 @@ static inline float f16_to_f32(uint16_t h) {
     _Float16 x;
     memcpy(&x, &h, sizeof x);
     return (float)x;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* Row `row` of half weights as fp32 into out[D]. fp16 converts with the CPU's vcvtph2ps when
@@ -448,14 +443,6 @@ static inline void store16_bf16(uint16_t* p, v16f v) {
     const v16u quiet = (u >> 16) | 0x40u;
     const v16h h = __builtin_convertvector((rounded & ~(v16u)nan) | (quiet & (v16u)nan), v16h);
     memcpy(p, &h, sizeof(h));
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
 }
 
 #define SLOT_PREFETCH 32 /* ids ahead: their row -> slot map entries */

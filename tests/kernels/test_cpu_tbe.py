@@ -562,6 +562,23 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == files
 
 
+
+@needs_gcc
+def test_a_changed_header_rebuilds(tmp_path, monkeypatch):
+    """A source's quoted includes are part of its cache key: editing bf16.h must not load the
+    library built from the old header."""
+    monkeypatch.setenv("RECC_CACHE_DIR", str(tmp_path / "cache"))
+    src_dir = tmp_path / "src"
+    src_dir.mkdir()
+    (src_dir / "value.h").write_text("static inline int value(void) { return 1; }\n")
+    source = src_dir / "probe.c"
+    source.write_text('#include "value.h"\nint probe(void) { return value(); }\n')
+    lib, info = native.build_and_load(source)
+    assert lib.probe() == 1 and info["compiled"] is True
+    (src_dir / "value.h").write_text("static inline int value(void) { return 2; }\n")
+    lib, info = native.build_and_load(source)
+    assert info["compiled"] is True and lib.probe() == 2
+
 def test_missing_gcc_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setenv("RECC_CPU_KERNELS", "auto")
     monkeypatch.setattr(native, "_TBE", native.KernelLibrary(native.SOURCE, native._declare, "CPU TBE"))

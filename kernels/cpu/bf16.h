@@ -1,0 +1,26 @@
+/* bf16 <-> fp32 for the C kernels that read or write bf16 (interaction.c, tbe_backward.c).
+ * A bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even and
+ * keeps a NaN a quiet NaN (torch's rule, so the kernels' bf16 equals `tensor.to(torch.bfloat16)`).
+ * native.py hashes this header with each source that includes it. */
+#ifndef RECC_BF16_H
+#define RECC_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#endif
