@@ -92,10 +92,10 @@ def main(argv=None) -> None:
                     help="comma-separated table dtypes timed side by side: fp32,fp16,bf16 "
                          "(half tables: fp32 optimizer state, stochastic rounding)")
     args = ap.parse_args(argv)
-    unknown = [d for d in args.table_dtype.split(",") if d not in _TABLE_DTYPES]
+    dtype_names = args.table_dtype.split(",")
+    unknown = [d for d in dtype_names if d not in _TABLE_DTYPES]
     if unknown:
         ap.error(f"--table-dtype: unknown dtype {unknown[0]!r} (choose from {', '.join(_TABLE_DTYPES)})")
-    dtypes = [_TABLE_DTYPES[d] for d in args.table_dtype.split(",")]
     T, rows, D, B = args.tables, args.rows, args.dim, args.batch
     R = T * rows
 
@@ -158,9 +158,9 @@ def main(argv=None) -> None:
 
     floors = {}
     w32 = torch.rand(R, D) * 0.01
-    for dtype in dtypes:
-        tag = "" if dtype == torch.float32 else f" {str(dtype).split('.')[1]} tables"
-        weights = w32.to(dtype)
+    for name in dtype_names:
+        tag = "" if name == "fp32" else f" {name} tables"
+        weights = w32.to(_TABLE_DTYPES[name])
         row_bytes = D * weights.element_size()
         for opt in OPTIMIZERS:
             shapes = optimizer_state_shapes(opt, R, D)

@@ -89,7 +89,7 @@ def _folded(tensors: list) -> tuple[list, bool]:
     return out, changed
 
 
-def _columns(cat: fx.Node, tensors: list, dim: int) -> bool:
+def _columns(tensors: list, dim: int) -> bool:
     """Whether the cat joins 2-D pieces along their columns."""
     vals = [v.meta.get("val") for v in tensors if isinstance(v, fx.Node)]
     return len(vals) == len(tensors) and all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in vals) \
@@ -103,7 +103,7 @@ def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     folded = 0
     for cat in list(graph.nodes):
         parts = _cat_parts(cat)
-        if parts is None or not _columns(cat, *parts):
+        if parts is None or not _columns(*parts):
             continue
         tensors, dim = parts
         new, changed = _folded(tensors)
