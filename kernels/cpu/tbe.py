@@ -461,14 +461,12 @@ def sr_row_key(seed: int, rows: torch.Tensor) -> torch.Tensor:
 
 
 def sr_bits(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """tbe_backward.c's ``sr_bits``: murmur3's fmix32 of key + col * 0x9E3779B9 (32-bit wrap)."""
+    """tbe_backward.c's ``sr_bits``: xorshift-multiply-xorshift of key + col * 0x9E3779B9 (32-bit wrap)."""
     m = 0xFFFFFFFF
     h = (key + cols * 0x9E3779B9) & m
     h ^= h >> 16
     h = (h * 0x85EBCA6B) & m
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & m
-    return h ^ (h >> 16)
+    return h ^ (h >> 13)
 
 
 def _as_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -476,12 +474,21 @@ def _as_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (bits - ((bits >= 0x8000).to(torch.int64) << 16)).to(torch.int16).view(dtype)
 
 
+def _f16_sr_normal(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """fp32 bit patterns ``u`` in fp16's normal range to fp16 bits: 13 random bits of ``r`` added
+    below fp16's mantissa, then truncation (tbe_backward.c's ``f32_to_f16_sr_normal``)."""
+    v = u + (r & 0x1FFF)
+    e = ((v >> 23) & 0xFF) - 112
+    return ((v >> 16) & 0x8000) | ((e & 0x1F) << 10) | ((v >> 13) & 0x3FF)
+
+
 def round_stochastically(w: torch.Tensor, dtype: torch.dtype, seed: int, rows: torch.Tensor) -> torch.Tensor:
     """fp32 rows ``w`` ([U, D], of weight rows ``rows``) rounded to ``dtype`` (fp16/bf16) the way
     the C kernels round them, bit for bit: random bits below the kept mantissa added, then
     truncation (fp16's normal range and bf16) — the upper neighbour with probability equal to the
     distance from the lower over the spacing, so the rounding is unbiased; below fp16's normal
-    range the magnitude in units of 2^-24 plus a uniform draw, floored. Random bits:
+    range the same, moved by 2^-14 into the first normal binade (its spacing is the subnormals')
+    and back. Random bits:
     ``sr_bits(sr_row_key(seed, row), col)``. Infinities and NaN stay; bf16 never rounds a finite
     value to infinity; fp16 values past 65504 convert as a plain conversion does."""
     D = w.shape[1]
@@ -497,13 +504,11 @@ def round_stochastically(w: torch.Tensor, dtype: torch.dtype, seed: int, rows: t
     if dtype != torch.float16:
         raise ValueError(f"stochastic rounding is to float16 or bfloat16, not {dtype}")
     a = u & 0x7FFFFFFF
-    sign = (u >> 16) & 0x8000
-    v = u + (r & 0x1FFF)
-    e = ((v >> 23) & 0xFF) - 112
-    normal = sign | ((e & 0x1F) << 10) | ((v >> 13) & 0x3FF)
-    # below the normal range: units of 2^-24 plus a uniform draw, floored (in fp32, as the C code)
-    units = w.abs() * 16777216.0 + (r >> 8).to(torch.float32) * (1.0 / 16777216.0)
-    tiny = sign | units.to(torch.int64)
+    normal = _f16_sr_normal(u, r)
+    # below the normal range: w + copysign(2^-14, w) (an fp32 add, as the C code) is in the first
+    # normal binade, spaced 2^-24 like the subnormals; rounded there, 2^-14 (0x0400) taken off
+    shifted = w + torch.copysign(torch.tensor(2.0 ** -14), w)
+    tiny = _f16_sr_normal(shifted.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, r) - 0x0400
     bits = torch.where(a < 0x38800000, tiny, normal)
     # past 65504, inf, NaN: the plain conversion
     plain = w.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF

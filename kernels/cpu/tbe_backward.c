@@ -75,8 +75,12 @@ static inline void load_half_row(const void* weights, int wt, int64_t row, int64
     }
 }
 
-/* The rounding's random bits: a 32-bit key per (seed, row) from splitmix64's finaliser, then
- * murmur3's fmix32 of key + column * 0x9E3779B9 per element (vectorisable). */
+/* The rounding's random bits: a 32-bit key per (seed, row) from splitmix64's finaliser, then per
+ * element one xorshift-multiply-xorshift round of key + column * 0x9E3779B9. For a fixed column
+ * that is a bijection of the key, so over steps (keys) each element's bits are as uniform as the
+ * keys, which is all unbiased rounding needs; one multiply instead of fmix32's two (and the
+ * column's product a constant per vector lane) made the fp16 write-back 2x cheaper — it was a
+ * quarter of an fp16 backward. */
 static inline uint32_t sr_row_key(uint64_t seed, uint64_t row) {
     uint64_t z = seed + 0x9E3779B97F4A7C15ull * (row + 1);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -89,8 +93,6 @@ static inline uint32_t sr_bits(uint32_t key, uint32_t col) {
     h ^= h >> 16;
     h *= 0x85EBCA6Bu;
     h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    h ^= h >> 16;
     return h;
 }
 
@@ -116,51 +118,57 @@ static inline uint16_t f32_to_f16_sr_normal(uint32_t u, uint32_t r) {
     return (uint16_t)(((v >> 16) & 0x8000u) | (e << 10) | ((v >> 13) & 0x3FFu));
 }
 
-/* |f| below fp16's normal range (zero and fp16 subnormals, spacing 2^-24): the magnitude in
- * units of 2^-24 plus a uniform [0, 1) draw, floored — the upper neighbour with probability the
- * fraction; 1024 units is the smallest normal, 0x0400, so the bits are the unit count. */
-static inline uint16_t f32_to_f16_sr_tiny(float f, uint32_t u, uint32_t r) {
-    const float units = fabsf(f) * 16777216.0f + (float)(int32_t)(r >> 8) * (1.0f / 16777216.0f);
-    return (uint16_t)(((u >> 16) & 0x8000u) | (uint32_t)(int32_t)units);
+/* |f| below fp16's normal range (zero and fp16 subnormals, spacing 2^-24): f + copysign(2^-14, f)
+ * lies in [2^-14, 2^-13], the first normal binade, whose spacing is the subnormals' 2^-24; it is
+ * rounded there as a normal value and 2^-14 (bits 0x0400) taken off again — the same rounding on
+ * the same grid, no second formula (an fp32 add rounds below 2^-37: 2^-13 of a unit). */
+static inline uint16_t f32_to_f16_sr_tiny(float f, uint32_t r) {
+    const float x = f + copysignf(0x1p-14f, f);
+    uint32_t ux;
+    memcpy(&ux, &x, sizeof ux);
+    return (uint16_t)(f32_to_f16_sr_normal(ux, r) - 0x0400u);
 }
 
 /* Row `row` of half weights from fp32 w[D], stochastically rounded (seed, row, column). */
 static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D, const float* restrict w,
                                   uint64_t seed) {
-    uint16_t* restrict h = (uint16_t*)weights + row * D;
+    uint16_t* restrict h16 = (uint16_t*)weights + row * D;
     const uint32_t key = sr_row_key(seed, (uint64_t)row);
     if (wt == W_BF16) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) h[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
+        for (int64_t d = 0; d < D; ++d) h16[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
         return;
     }
     int big = 0;
     int64_t d0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    /* 16 at a time: the normal range as a truncating vcvtps2ph of the bits plus 13 random bits
-     * (the scalar code's integer formula), below it the unit count, blended by a mask. */
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (; d0 + 16 <= D; d0 += 16) {
+    /* 16 at a time: a tiny value shifted into the first normal binade (as f32_to_f16_sr_tiny),
+     * then every lane as a truncating vcvtps2ph of its bits plus 13 random bits (the scalar
+     * code's integer formula), and 0x0400 taken off the tiny lanes. The random bits' key +
+     * column * 0x9E3779B9 for the 16 columns from d0 is a running sum, no multiply. */
+    const uint32_t C = 0x9E3779B9u;
+    __m512i weyl = _mm512_add_epi32(_mm512_set1_epi32((int32_t)key),
+                                    _mm512_setr_epi32(0, (int32_t)C, (int32_t)(2 * C), (int32_t)(3 * C),
+                                                      (int32_t)(4 * C), (int32_t)(5 * C), (int32_t)(6 * C),
+                                                      (int32_t)(7 * C), (int32_t)(8 * C), (int32_t)(9 * C),
+                                                      (int32_t)(10 * C), (int32_t)(11 * C), (int32_t)(12 * C),
+                                                      (int32_t)(13 * C), (int32_t)(14 * C), (int32_t)(15 * C)));
+    const __m512i step16 = _mm512_set1_epi32((int32_t)(16 * C));
+    for (; d0 + 16 <= D; d0 += 16, weyl = _mm512_add_epi32(weyl, step16)) {
         const __m512 f = _mm512_loadu_ps(w + d0);
         const __m512i u = _mm512_castps_si512(f);
         const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-        const __m512i col = _mm512_add_epi32(_mm512_set1_epi32((int32_t)d0), lanes);
-        __m512i r = _mm512_add_epi32(_mm512_set1_epi32((int32_t)key),
-                                     _mm512_mullo_epi32(col, _mm512_set1_epi32((int32_t)0x9E3779B9u)));
-        r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 16));
+        __m512i r = _mm512_xor_si512(weyl, _mm512_srli_epi32(weyl, 16));
         r = _mm512_mullo_epi32(r, _mm512_set1_epi32((int32_t)0x85EBCA6Bu));
         r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 13));
-        r = _mm512_mullo_epi32(r, _mm512_set1_epi32((int32_t)0xC2B2AE35u));
-        r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 16));
-        const __m512i v = _mm512_add_epi32(u, _mm512_and_si512(r, _mm512_set1_epi32(0x1FFF)));
-        const __m256i normal = _mm512_cvtps_ph(_mm512_castsi512_ps(v), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        const __m512 units = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16777216.0f)),
-                                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)),
-                                                         _mm512_set1_ps(1.0f / 16777216.0f)));
-        const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000));
-        const __m256i tiny = _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_cvttps_epi32(units)));
         const __mmask16 is_tiny = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x38800000));
-        _mm256_storeu_si256((__m256i*)(h + d0), _mm256_mask_blend_epi16(is_tiny, normal, tiny));
+        const __m512 shift = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32((int32_t)0x80000000u)),
+                                                                 _mm512_set1_epi32(0x38800000)));
+        const __m512i x = _mm512_castps_si512(_mm512_mask_add_ps(f, is_tiny, f, shift));
+        const __m512i v = _mm512_add_epi32(x, _mm512_and_si512(r, _mm512_set1_epi32(0x1FFF)));
+        __m256i h = _mm512_cvtps_ph(_mm512_castsi512_ps(v), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        h = _mm256_mask_sub_epi16(h, is_tiny, h, _mm256_set1_epi16(0x0400));
+        _mm256_storeu_si256((__m256i*)(h16 + d0), h);
         big |= _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x477FE000)) != 0;
     }
 #endif
@@ -169,8 +177,7 @@ static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D,
         uint32_t u;
         memcpy(&u, &w[d], sizeof u);
         const uint32_t a = u & 0x7FFFFFFFu, r = sr_bits(key, (uint32_t)d);
-        const uint16_t normal = f32_to_f16_sr_normal(u, r), tiny = f32_to_f16_sr_tiny(w[d], u, r);
-        h[d] = a < 0x38800000u ? tiny : normal;
+        h16[d] = a < 0x38800000u ? f32_to_f16_sr_tiny(w[d], r) : f32_to_f16_sr_normal(u, r);
         big |= a > 0x477FE000u;
     }
     if (big) {
@@ -180,7 +187,7 @@ static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D,
             memcpy(&u, &w[d], sizeof u);
             if ((u & 0x7FFFFFFFu) > 0x477FE000u) {
                 const _Float16 x = (_Float16)w[d];
-                memcpy(&h[d], &x, sizeof x);
+                memcpy(&h16[d], &x, sizeof x);
             }
         }
     }
