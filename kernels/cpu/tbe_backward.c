@@ -96,6 +96,30 @@ static inline uint32_t sr_bits(uint32_t key, uint32_t col) {
     return h;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SR_VEC16 1
+/* sr_bits for 16 consecutive columns: the Weyl term key + column * 0x9E3779B9 of columns
+ * d0..d0+15 is carried from one vector to the next as a running sum (sr_weyl16_first, then
+ * + sr_weyl16_step), so only the mix multiplies. */
+static inline __m512i sr_weyl16_first(uint32_t key) {
+    const uint32_t C = 0x9E3779B9u;
+    return _mm512_add_epi32(_mm512_set1_epi32((int32_t)key),
+                            _mm512_setr_epi32(0, (int32_t)C, (int32_t)(2 * C), (int32_t)(3 * C), (int32_t)(4 * C),
+                                              (int32_t)(5 * C), (int32_t)(6 * C), (int32_t)(7 * C),
+                                              (int32_t)(8 * C), (int32_t)(9 * C), (int32_t)(10 * C),
+                                              (int32_t)(11 * C), (int32_t)(12 * C), (int32_t)(13 * C),
+                                              (int32_t)(14 * C), (int32_t)(15 * C)));
+}
+
+static inline __m512i sr_weyl16_step(void) { return _mm512_set1_epi32((int32_t)(16u * 0x9E3779B9u)); }
+
+static inline __m512i sr_mix16(__m512i h) {
+    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int32_t)0x85EBCA6Bu));
+    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+}
+#endif
+
 /* fp32 -> bf16, stochastically: adding 16 random bits below the kept ones before truncating
  * rounds up with probability (dropped bits) / 2^16. Inf and NaN are kept as they are; a finite
  * value is never rounded to inf. */
@@ -134,33 +158,38 @@ static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D,
                                   uint64_t seed) {
     uint16_t* restrict h16 = (uint16_t*)weights + row * D;
     const uint32_t key = sr_row_key(seed, (uint64_t)row);
+    int64_t d0 = 0;
     if (wt == W_BF16) {
+#ifdef SR_VEC16
+        /* 16 at a time: the random bits added, the top halves kept; a lane that is or rounds to
+         * inf/NaN (never, in practice) is redone by the scalar rule. */
+        const __m512i exp = _mm512_set1_epi32(0x7F800000);
+        __m512i weyl = sr_weyl16_first(key);
+        for (; d0 + 16 <= D; d0 += 16, weyl = _mm512_add_epi32(weyl, sr_weyl16_step())) {
+            const __m512i u = _mm512_loadu_si512((const void*)(w + d0));
+            const __m512i v = _mm512_add_epi32(u, _mm512_and_si512(sr_mix16(weyl), _mm512_set1_epi32(0xFFFF)));
+            const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, exp), exp) |
+                                      _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, exp), exp);
+            _mm256_storeu_si256((__m256i*)(h16 + d0), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+            if (special)
+                for (int64_t d = d0; d < d0 + 16; ++d) h16[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
+        }
+#endif
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) h16[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
+        for (int64_t d = d0; d < D; ++d) h16[d] = f32_to_bf16_sr(w[d], sr_bits(key, (uint32_t)d));
         return;
     }
     int big = 0;
-    int64_t d0 = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef SR_VEC16
     /* 16 at a time: a tiny value shifted into the first normal binade (as f32_to_f16_sr_tiny),
      * then every lane as a truncating vcvtps2ph of its bits plus 13 random bits (the scalar
-     * code's integer formula), and 0x0400 taken off the tiny lanes. The random bits' key +
-     * column * 0x9E3779B9 for the 16 columns from d0 is a running sum, no multiply. */
-    const uint32_t C = 0x9E3779B9u;
-    __m512i weyl = _mm512_add_epi32(_mm512_set1_epi32((int32_t)key),
-                                    _mm512_setr_epi32(0, (int32_t)C, (int32_t)(2 * C), (int32_t)(3 * C),
-                                                      (int32_t)(4 * C), (int32_t)(5 * C), (int32_t)(6 * C),
-                                                      (int32_t)(7 * C), (int32_t)(8 * C), (int32_t)(9 * C),
-                                                      (int32_t)(10 * C), (int32_t)(11 * C), (int32_t)(12 * C),
-                                                      (int32_t)(13 * C), (int32_t)(14 * C), (int32_t)(15 * C)));
-    const __m512i step16 = _mm512_set1_epi32((int32_t)(16 * C));
-    for (; d0 + 16 <= D; d0 += 16, weyl = _mm512_add_epi32(weyl, step16)) {
+     * code's integer formula), and 0x0400 taken off the tiny lanes. */
+    __m512i weyl = sr_weyl16_first(key);
+    for (; d0 + 16 <= D; d0 += 16, weyl = _mm512_add_epi32(weyl, sr_weyl16_step())) {
         const __m512 f = _mm512_loadu_ps(w + d0);
         const __m512i u = _mm512_castps_si512(f);
         const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
-        __m512i r = _mm512_xor_si512(weyl, _mm512_srli_epi32(weyl, 16));
-        r = _mm512_mullo_epi32(r, _mm512_set1_epi32((int32_t)0x85EBCA6Bu));
-        r = _mm512_xor_si512(r, _mm512_srli_epi32(r, 13));
+        const __m512i r = sr_mix16(weyl);
         const __mmask16 is_tiny = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x38800000));
         const __m512 shift = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32((int32_t)0x80000000u)),
                                                                  _mm512_set1_epi32(0x38800000)));
