@@ -28,31 +28,19 @@ With other inputs (``torch.cat([x] + ly, dim=1)``) the cat stays and reads the l
 """
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from recc.ops import OPS, op_of
+from recc.graph_utils import split_cols_piece
 from recc.passmanager import PassContext, register_pass
 
 _CATS = (torch.cat, torch.concat)
 
 
-def _piece_of(v) -> Optional[tuple[fx.Node, int]]:
-    """(split, k) when ``v`` is ``getitem(recc.split_cols(...), k)``, else None."""
-    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is operator.getitem):
-        return None
-    split, k = v.args
-    if not (isinstance(split, fx.Node) and split.op == "call_function" and op_of(split.target) is OPS["split_cols"]
-            and isinstance(k, int)):
-        return None
-    return split, k
-
-
 def _pieces(split: fx.Node) -> list[fx.Node]:
-    return sorted((u for u in split.users if _piece_of(u) is not None), key=lambda u: u.args[1])
+    return sorted((u for u in split.users if split_cols_piece(u) is not None), key=lambda u: u.args[1])
 
 
 def _table_name(piece: fx.Node) -> str:
@@ -75,12 +63,12 @@ def _folded(tensors: list) -> tuple[list, bool]:
     """``tensors`` with each complete in-order run of one split's pieces replaced by its input."""
     out, changed, i = [], False, 0
     while i < len(tensors):
-        p = _piece_of(tensors[i])
+        p = split_cols_piece(tensors[i])
         if p is not None and p[1] == 0:
             split = p[0]
             n = len(split.args[1])
             run = tensors[i:i + n]
-            if len(run) == n and all(_piece_of(v) == (split, k) for k, v in enumerate(run)):
+            if len(run) == n and all(split_cols_piece(v) == (split, k) for k, v in enumerate(run)):
                 out.append(split.args[0])
                 changed, i = True, i + n
                 continue
@@ -110,7 +98,7 @@ def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not changed:
             continue
         folded += 1
-        splits = {_piece_of(v)[0] for v in tensors if _piece_of(v) is not None}
+        splits = {split_cols_piece(v)[0] for v in tensors if split_cols_piece(v) is not None}
         if len(new) == 1:
             cat.replace_all_uses_with(new[0])
             graph.erase_node(cat)

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from recc.graph_utils import rename
+from recc.graph_utils import rename, split_cols_piece
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 
@@ -53,7 +53,7 @@ def _pieces(lookup: fx.Node) -> Optional[list[fx.Node]]:
         return None
     pieces = {}
     for g in split.users:
-        if g.op != "call_function" or g.target is not operator.getitem or not isinstance(g.args[1], int):
+        if split_cols_piece(g) is None:
             return None
         if not g.users or any(not _is(u, "rows_like") or u.args[0] is not g or g in u.args[1:] for u in g.users):
             return None

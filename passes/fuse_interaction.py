@@ -42,8 +42,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from recc.graph_utils import rename, value_dim
-from recc.ops import OPS, op_of
+from recc.graph_utils import rename, split_cols_piece, value_dim
+from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 
 
@@ -77,11 +77,11 @@ def _is_call(node, fn) -> bool:
 def _column_block(v: fx.Node, d: int):
     """(tensor, first column) of vector ``v``: its place in a batched lookup when ``v`` is a
     D-wide ``split_cols`` piece used only by the stack, else (v, 0)."""
-    if (_is_call(v, operator.getitem) and len(v.users) == 1 and isinstance(v.args[0], fx.Node)
-            and v.args[0].op == "call_function" and op_of(v.args[0].target) is OPS["split_cols"]):
-        split = v.args[0]
-        source, sizes, k = _arg(split, 0, "x"), _arg(split, 1, "sizes"), v.args[1]
-        if isinstance(k, int) and sizes is not None and sizes[k] == d:
+    piece = split_cols_piece(v)
+    if piece is not None and len(v.users) == 1:
+        split, k = piece
+        source, sizes = _arg(split, 0, "x"), _arg(split, 1, "sizes")
+        if sizes is not None and sizes[k] == d:
             return source, sum(sizes[:k])
     return v, 0
 

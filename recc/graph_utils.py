@@ -1,8 +1,13 @@
 """Small graph-editing helpers shared by passes."""
 from __future__ import annotations
 
+import operator
+from typing import Optional
+
 import torch
 import torch.fx as fx
+
+from recc.ops import OPS, op_of
 
 # node.meta[STAGE] names the pipeline stage a node runs in (set by pipeline_comm, read by the
 # IR printer and the runtime); SPARSE_DIST is the stage that runs one batch ahead.
@@ -14,6 +19,18 @@ def value_dim(node) -> int | None:
     """Dimensions of the tensor ``node`` computes (from its shape annotation), else None."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dim() if isinstance(val, torch.Tensor) else None
+
+
+def split_cols_piece(v) -> Optional[tuple[fx.Node, int]]:
+    """``(split, k)`` when ``v`` is piece k of a ``recc.split_cols`` (``getitem(split, k)``), else
+    None: how a batched lookup's per-table columns appear to the passes that read them in place."""
+    if not (isinstance(v, fx.Node) and v.op == "call_function" and v.target is operator.getitem):
+        return None
+    split, k = v.args
+    if not (isinstance(split, fx.Node) and split.op == "call_function" and op_of(split.target) is OPS["split_cols"]
+            and isinstance(k, int)):
+        return None
+    return split, k
 
 
 def resolve_attr(root, path: str):
