@@ -995,6 +995,12 @@ def parity_check(systems: list[System], reference: nn.Module, batch) -> None:
         print(f"  parity: {s.name:<28} max |p - p_user| on batch 0 = {diff:.2e}  {flag}")
 
 
+def _llc_mb() -> float:
+    from recc.kernels.cpu.tbe import last_level_cache_bytes
+
+    return last_level_cache_bytes() / 2**20
+
+
 def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -1172,6 +1178,9 @@ def main(argv=None) -> None:
     p.add_argument("--config", default="small", help="model/data preset: small | kaggle | tiny (any recc.models preset)")
     p.add_argument("--optimizer", default="both", choices=[*OPTIMIZERS, "both"])
     p.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
+    p.add_argument("--rows", type=int, default=None,
+                   help="rows of every table (default: the preset's); e.g. to compare fp16 and fp32 tables "
+                        "with the tables in and out of this CPU's last-level cache (printed in the header)")
     p.add_argument("--steps", type=int, default=3, help="steps per system per timing round")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds; the median is reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per system before timing")
@@ -1212,6 +1221,8 @@ def main(argv=None) -> None:
                      help="also time recc compiled without these passes (comma-separated, e.g. fuse_gathers), "
                           "side by side with the default pipeline")
     args = p.parse_args(argv)
+    if args.rows is not None and args.rows < 1:
+        p.error("--rows must be >= 1")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or args.num_batches < 1:
         p.error("--steps, --rounds and --num-batches must be >= 1, --warmup >= 0")
     if args.world_size < 1:
@@ -1267,6 +1278,8 @@ def main(argv=None) -> None:
     cfg = load_preset(args.config)
     if args.batch_size:
         cfg["batch_size"] = args.batch_size
+    if args.rows:
+        cfg["num_embeddings"] = [args.rows] * len(cfg["num_embeddings"])
     model = build_model(cfg)
     if not all(hasattr(model, a) for a in ("emb_l", "bot_l", "top_l", "interact")):
         sys.exit(f"preset {args.config!r} is not a DLRM (emb_l/bot_l/top_l/interact); this bench compares DLRMs")
@@ -1282,7 +1295,7 @@ def main(argv=None) -> None:
     ids = statistics.mean(sum(i.numel() for i in b[2]) for b in batches)
     print(f"recc train_throughput | preset {args.config}: {len(model.emb_l)} tables, {rows:,} rows, "
           f"{weight_mb:,.0f} MB of tables, {ids:,.0f} ids/batch | "
-          f"torch {torch.__version__}, {threads} threads")
+          f"torch {torch.__version__}, {threads} threads | last-level cache {_llc_mb():,.0f} MB")
 
     kjts = None
     if "torchrec" in args.systems:

@@ -547,10 +547,11 @@ _DEFAULT_LLC_BYTES = 32 << 20
 def direct_map_rows() -> int:
     """The most weight rows the direct row -> slot map serves: a quarter of this CPU's last-level
     cache (sysfs; 32 MiB when it cannot be read) over 4 bytes a row."""
-    return _last_level_cache_bytes() // 4 // 4
+    return last_level_cache_bytes() // 4 // 4
 
 
-def _last_level_cache_bytes() -> int:
+def last_level_cache_bytes() -> int:
+    """This CPU's largest cache level's size in bytes (sysfs; 32 MiB when it cannot be read)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     best = (0, _DEFAULT_LLC_BYTES)
     for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
