@@ -3,9 +3,10 @@
 torch's ``F.linear`` on CPU calls MKL's sgemm, which on non-Intel x86 CPUs (this project's AMD
 EPYC with AVX-512) runs a slower code path; oneDNN dispatches on the CPU's instruction set
 instead. Measured on one core, B=2048 (``python bench/dense_kernels.py``): forward and input
-gradient ~10% faster through oneDNN, the weight gradient faster through MKL — so each product
-goes where it runs best. The forward fuses the ReLU into the GEMM's epilogue, which saves the
-separate activation pass over the output.
+gradient ~10% faster through oneDNN; the weight gradient goes where it runs best on this CPU
+(``_weight_grad_onednn``: oneDNN on the EPYC at two threads, MKL on Intel CPUs, where MKL runs
+its own path). The forward fuses the ReLU into the GEMM's epilogue, which saves the separate
+activation pass over the output (on an Intel Xeon too: 1.0-1.9x F.linear + relu).
 
 oneDNN is reached through ``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler
 (Inductor) lowers CPU linear + pointwise to. Small products (under ``MIN_MACS``), other dtypes,
@@ -107,12 +108,15 @@ def _weight_grad_transposed(k: int) -> bool:
 
 
 def _weight_grad_onednn(g: torch.Tensor, x: torch.Tensor) -> bool:
-    """oneDNN's matmul for an fp32 weight gradient with K, N >= 64: 1.6-1.75x MKL's ``g^T x`` on
-    this CPU (2 threads, B=4096: K x N = 369x512 302 vs 182 GFLOP/s, 512x256 314 vs 191, 256x64
-    266 vs 176, 1024x1024 356 vs 201); below that, and in bf16 (where MKL's product is faster:
-    827 vs 560 at 369x512), the MKL product."""
+    """oneDNN's matmul for an fp32 weight gradient with K, N >= 64 on a CPU that is not Intel's:
+    1.6-1.75x MKL's ``g^T x`` on an AMD EPYC (Zen 5, 2 threads, B=4096: K x N = 369x512 302 vs
+    182 GFLOP/s, 512x256 314 vs 191, 256x64 266 vs 176, 1024x1024 356 vs 201), where MKL runs
+    its slower path. On an Intel Xeon (AVX-512) MKL runs its own and is the faster, 1.2-2.4x
+    (B=2048/4096, min of 25: 512x256 2.38 vs 3.26 ms, 368x512 3.32 vs 4.85, 64x512 0.84 vs 2.00,
+    256x64 0.36 vs 0.61 at B=2048): oneDNN reads the transposed [N, B] operand through a copy.
+    Below 64, and in bf16 (MKL faster: 827 vs 560 GFLOP/s at 369x512 on the EPYC), MKL too."""
     return (g.dtype == x.dtype == torch.float32 and min(x.shape[1], g.shape[1]) >= 64
-            and _use_onednn(g.t(), x.t()))
+            and native.cpu_vendor() != "GenuineIntel" and _use_onednn(g.t(), x.t()))
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ uses the C kernels when they build and otherwise warns once and falls back to th
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -52,12 +53,26 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "recc" / "kernels"
 
 
+def _cpuinfo_lines() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo (``GenuineIntel``, ``AuthenticAMD``, ...), or "" when there
+    is none (other architectures, no procfs)."""
+    for line in _cpuinfo_lines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def _cpu_signature() -> str:
     # The flags line and model name decide what -march=native may emit.
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
+    lines = _cpuinfo_lines()
     keep = []
     for prefix in ("model name", "flags", "Features", "CPU part"):
         for line in lines:
