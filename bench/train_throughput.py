@@ -48,6 +48,7 @@ printed. No fraction of the machine's limit in this mode (see bench/README.md).
     python bench/train_throughput.py --config small --optimizer both
     python bench/train_throughput.py --config kaggle --optimizer sgd --rounds 7
     python bench/train_throughput.py --config small --world-size 2
+    python bench/train_throughput.py --config small --table-dtype fp16 --rows 1000000
     python bench/train_throughput.py --model deepfm --rounds 9
 """
 
