@@ -78,9 +78,9 @@ static inline void load_half_row(const void* weights, int wt, int64_t row, int64
 /* The rounding's random bits: a 32-bit key per (seed, row) from splitmix64's finaliser, then per
  * element one xorshift-multiply-xorshift round of key + column * 0x9E3779B9. For a fixed column
  * that is a bijection of the key, so over steps (keys) each element's bits are as uniform as the
- * keys, which is all unbiased rounding needs; one multiply instead of fmix32's two (and the
- * column's product a constant per vector lane) made the fp16 write-back 2x cheaper — it was a
- * quarter of an fp16 backward. */
+ * keys, which is all unbiased rounding needs. One multiply instead of fmix32's two, the
+ * column's product a running sum per vector lane and the tiny values' shift below made the fp16
+ * write-back 1.7x cheaper (0.41 -> 0.24 ns a value, L1-resident, on an Intel Xeon). */
 static inline uint32_t sr_row_key(uint64_t seed, uint64_t row) {
     uint64_t z = seed + 0x9E3779B97F4A7C15ull * (row + 1);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
