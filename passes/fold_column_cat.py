@@ -98,7 +98,7 @@ def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if not changed:
             continue
         folded += 1
-        splits = {split_cols_piece(v)[0] for v in tensors if split_cols_piece(v) is not None}
+        splits = {p[0] for p in map(split_cols_piece, tensors) if p is not None}
         if len(new) == 1:
             cat.replace_all_uses_with(new[0])
             graph.erase_node(cat)
