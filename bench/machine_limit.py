@@ -8,6 +8,11 @@ their dtype and shape + the step's embedding bytes at the measured copy bandwidt
   ``[B, N] x [N, K]`` (not for the model's first layer, whose input is data). Each shape is timed
   here, in this run, on every path torch offers for the dtype — ``torch.mm`` (MKL on this CPU's
   fp32) and oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) — and the fastest counts.
+  For bf16 that includes the fp32 products of the same (bf16-valued) operands, which compute the
+  same thing (a product of bf16 numbers is exact in fp32, the sum is fp32 either way): on a CPU
+  whose bf16 GEMMs are slower than its fp32 ones (an Intel Xeon without AMX) those are the
+  machine's fastest bf16 products, and ``recc.linear`` runs them (``bf16_products``). The
+  widening itself is not counted.
   The interaction's and elementwise ops' time is not in the limit (it is small next to the GEMMs
   for the DLRM presets, and a lower bound only gets lower for leaving it out).
 - Embeddings: ``embedding_bytes`` of ``train_throughput.py`` (rows read, touched rows and state
@@ -51,6 +56,11 @@ def gemm_seconds(m: int, k: int, n: int, dtype: str) -> tuple[float, str]:
         pointwise = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
         if pointwise is not None:
             paths["onednn"] = lambda: pointwise(a, bt, None, "none", [], "")
+        if dt == torch.bfloat16:
+            a32, b32, bt32 = a.float(), b.float(), bt.float()
+            paths["torch.mm fp32"] = lambda: torch.mm(a32, b32)
+            if pointwise is not None:
+                paths["onednn fp32"] = lambda: pointwise(a32, bt32, None, "none", [], "")
         times = {name: _best_seconds(fn) for name, fn in paths.items()}
         best = min(times, key=times.get)
         _CACHE[key] = (times[best], best)

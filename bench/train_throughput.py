@@ -1322,6 +1322,9 @@ def main(argv=None) -> None:
           f"RECC_KEEP_HEAP=0 for glibc's defaults)")
     bandwidth = memory_bandwidth(threads)  # the limit of every row and the embedding-only floor
     print(f"memory bandwidth (512 MB copy, read+write, best of 7): {bandwidth / 1e9:.1f} GB/s")
+    if args.precision == "bf16":
+        from recc.kernels.cpu.linear import bf16_products
+        print(f"recc bf16: products on {bf16_products()} units (RECC_BF16_PRODUCTS=auto|bf16|fp32)")
 
     optimizers = OPTIMIZERS if args.optimizer == "both" else (args.optimizer,)
     t0 = time.perf_counter()

@@ -13,11 +13,12 @@
 #include <string.h>
 #include <omp.h>
 
-/* The ReLU mask and bias-gradient sum of one [B, N] gradient of element type T: TO_F reads an
- * element as fp32, ZERO is T's zero. The mask copies the element (bf16 bits stay bits); db is
- * summed in fp32 for both types. */
-#define RELU_BACKWARD(NAME, T, TO_F, ZERO)                                                          \
-    int NAME(const T *grad, int64_t ldg, const T *y, int64_t ldy, int64_t B, int64_t N, T *g, float *db,   \
+/* The ReLU mask and bias-gradient sum of one [B, N] gradient of element type T, written as TOUT:
+ * TO_F reads a T as fp32, STORE turns a T into a TOUT, OUT_F reads a TOUT as fp32, ZERO is TOUT's
+ * zero. For T == TOUT the mask copies the element (bf16 bits stay bits); bf16 into fp32 is exact.
+ * db is summed in fp32. */
+#define RELU_BACKWARD(NAME, T, TOUT, TO_F, STORE, OUT_F, ZERO)                                          \
+    int NAME(const T *grad, int64_t ldg, const T *y, int64_t ldy, int64_t B, int64_t N, TOUT *g, float *db, \
              int nthreads) {                                                                       \
         if (nthreads < 1) nthreads = 1;                                                            \
         float *part = NULL;                                                                        \
@@ -33,10 +34,11 @@
             int64_t in_block = 0;                                                                  \
             _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; ++b) {                  \
                 const T *gr = grad + b * ldg, *yr = y + b * ldy;                                   \
-                T *out = g + b * N;                                                                \
-                _Pragma("omp simd") for (int64_t n = 0; n < N; ++n) out[n] = TO_F(yr[n]) <= 0.f ? ZERO : gr[n]; \
+                TOUT *out = g + b * N;                                                             \
+                _Pragma("omp simd") for (int64_t n = 0; n < N; ++n)                                \
+                    out[n] = TO_F(yr[n]) <= 0.f ? ZERO : STORE(gr[n]);                             \
                 if (blk) {                                                                         \
-                    _Pragma("omp simd") for (int64_t n = 0; n < N; ++n) blk[n] += TO_F(out[n]);    \
+                    _Pragma("omp simd") for (int64_t n = 0; n < N; ++n) blk[n] += OUT_F(out[n]);   \
                     if (++in_block == 64) {                                                        \
                         for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;          \
                         in_block = 0;                                                              \
@@ -65,5 +67,10 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
-RELU_BACKWARD(recc_relu_backward, float, f32_as_f32, 0.f)
-RELU_BACKWARD(recc_relu_backward_bf16, uint16_t, bf16_to_float, 0)
+static inline uint16_t bf16_as_bf16(uint16_t h) { return h; }
+
+RELU_BACKWARD(recc_relu_backward, float, float, f32_as_f32, f32_as_f32, f32_as_f32, 0.f)
+RELU_BACKWARD(recc_relu_backward_bf16, uint16_t, uint16_t, bf16_to_float, bf16_as_bf16, bf16_to_float, 0)
+/* bf16 in, fp32 out: the masked gradient for a bf16 layer whose products run on fp32 units
+ * (linear.py's ``bf16_products``), so its GEMMs read it without a separate widening pass. */
+RELU_BACKWARD(recc_relu_backward_bf16_f32, uint16_t, float, bf16_to_float, bf16_to_float, f32_as_f32, 0.f)

@@ -20,6 +20,8 @@ not stay in cache).
 from __future__ import annotations
 
 import ctypes
+import os
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -35,6 +37,8 @@ def _declare(lib) -> None:
     lib.recc_relu_backward.argtypes = [p, i64, p, i64, i64, i64, p, p, ctypes.c_int]
     lib.recc_relu_backward_bf16.restype = ctypes.c_int
     lib.recc_relu_backward_bf16.argtypes = [p, i64, p, i64, i64, i64, p, p, ctypes.c_int]
+    lib.recc_relu_backward_bf16_f32.restype = ctypes.c_int
+    lib.recc_relu_backward_bf16_f32.argtypes = [p, i64, p, i64, i64, i64, p, p, ctypes.c_int]
 
 
 _KERNELS = native.KernelLibrary(Path(__file__).with_name("linear.c"), _declare, "ReLU backward")
@@ -52,6 +56,61 @@ def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (native.mode() != "reference" and x.device.type == "cpu" and x.dtype == w.dtype
             and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
             and x.shape[0] * w.shape[0] * w.shape[1] >= MIN_MACS and _pointwise() is not None)
+
+
+BF16_PRODUCTS = ("bf16", "fp32")
+_BF16_CHOICE: dict = {}     # RECC_BF16_PRODUCTS value -> the units it resolved to in this process
+_FP32_MARGIN = 0.8          # fp32 units only for a clear win: they move twice the operand bytes
+
+
+def _time_best(fn, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _measure_bf16_products() -> str:
+    x = torch.randn(2048, 512).to(torch.bfloat16)
+    w = torch.randn(512, 512).to(torch.bfloat16)
+    op = _pointwise()
+    bf16 = _time_best(lambda: op(x, w, None, "none", [], ""))
+    fp32 = _time_best(lambda: op(x.float(), w.float(), None, "none", [], "").to(torch.bfloat16))
+    return "fp32" if fp32 < _FP32_MARGIN * bf16 else "bf16"
+
+
+def bf16_products() -> str:
+    """Which units run ``recc.linear``'s bf16 products on this CPU: ``"bf16"`` (oneDNN's bf16
+    GEMMs) or ``"fp32"`` (the operands widened to fp32 — exactly: every bf16 value is an fp32 value
+    — through the fp32 GEMMs, the result rounded to bf16). Both compute the same thing: a product
+    of two bf16 numbers is exact in fp32, both sum in fp32 and round the sum to bf16 once, so only
+    the summation order differs (as between any two GEMM blockings). What differs is speed: on the
+    AMD EPYC (Zen 5) bf16 GEMMs run ~2x fp32's; on an Intel Xeon with AVX512-BF16 but no AMX,
+    0.6x (kaggle's layers at B=4096: 108 ms of bf16 products per step against 68 in fp32, 77 with
+    the widening). XLA's CPU backend widens bf16 dots to fp32 for the same reason.
+
+    ``RECC_BF16_PRODUCTS=bf16|fp32`` forces one; otherwise (``auto``) the first call times one
+    2048x512x512 product both ways (~50 ms, once per process) and takes fp32 only when it is
+    clearly faster (under 0.8x the bf16 time, widening included). Activations, saved tensors and
+    the dist's payloads stay bf16 either way; only the GEMMs' operands are widened, in cache-sized
+    passes the GEMMs read next."""
+    raw = os.environ.get("RECC_BF16_PRODUCTS", "auto").strip().lower()
+    if raw not in _BF16_CHOICE:
+        if raw in BF16_PRODUCTS:
+            _BF16_CHOICE[raw] = raw
+        elif raw == "auto":
+            _BF16_CHOICE[raw] = _measure_bf16_products() if _pointwise() is not None else "bf16"
+        else:
+            raise ValueError(f"RECC_BF16_PRODUCTS={raw!r}: expected auto, bf16 or fp32")
+    return _BF16_CHOICE[raw]
+
+
+def _widen_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether this bf16 product runs on fp32 units (``bf16_products``)."""
+    return x.dtype == torch.bfloat16 and _use_onednn(x, w) and bf16_products() == "fp32"
 
 
 def check_activation(activation: str) -> None:
@@ -72,11 +131,15 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
                          f"[B, K] and weight [N, K])")
     if not _use_onednn(x, w):
         return _torch_linear(x, w, b, activation)
+    if _widen_bf16(x, w):
+        y = _pointwise()(x.float(), w.float(), None if b is None else b.float(), activation, [], "")
+        return y.to(torch.bfloat16)
     return _pointwise()(x.contiguous(), w.contiguous(), b, activation, [], "")
 
 
-def relu_backward(grad: torch.Tensor, y: torch.Tensor, bias_grad: bool):
-    """``(grad * (y > 0), its column sum or None)`` for a [B, N] gradient and ReLU output."""
+def relu_backward(grad: torch.Tensor, y: torch.Tensor, bias_grad: bool, widen: bool = False):
+    """``(grad * (y > 0), its column sum or None)`` for a [B, N] gradient and ReLU output; with
+    ``widen``, a bf16 gradient comes back as fp32 (both results), for GEMMs on fp32 units."""
     if grad.shape != y.shape or grad.dim() != 2:
         raise ValueError(f"relu_backward: grad {tuple(grad.shape)} and output {tuple(y.shape)} must be one [B, N] shape")
     dtype = grad.dtype
@@ -84,18 +147,21 @@ def relu_backward(grad: torch.Tensor, y: torch.Tensor, bias_grad: bool):
         grad.device.type == "cpu" else None
     if lib is None:
         g = torch.ops.aten.threshold_backward(grad, y, 0)
+        g = g.float() if widen else g
         return g, (g.sum(0) if bias_grad else None)
     grad = grad if grad.stride(1) == 1 else grad.contiguous()
     y = y if y.stride(1) == 1 else y.contiguous()
     b, n = grad.shape
-    g = torch.empty(b, n, dtype=dtype)
+    widen = widen and dtype == torch.bfloat16
+    g = torch.empty(b, n, dtype=torch.float32 if widen else dtype)
     db = torch.empty(n, dtype=torch.float32) if bias_grad else None   # summed in fp32 either way
-    fn = lib.recc_relu_backward if dtype == torch.float32 else lib.recc_relu_backward_bf16
+    fn = (lib.recc_relu_backward if dtype == torch.float32 else
+          lib.recc_relu_backward_bf16_f32 if widen else lib.recc_relu_backward_bf16)
     rc = fn(grad.data_ptr(), grad.stride(0), y.data_ptr(), y.stride(0), b, n, g.data_ptr(),
             None if db is None else db.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("relu_backward: the C kernel could not allocate its per-thread sums")
-    return g, (db.to(dtype) if db is not None else None)
+    return g, (db.to(g.dtype) if db is not None else None)
 
 
 def _weight_grad_transposed(k: int) -> bool:
@@ -136,8 +202,12 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Opt
     """Gradients ``(dx, dw, db)`` of ``linear_forward`` given its output ``y`` (needed for relu);
     entries whose ``needs`` flag is False come back as None."""
     g, db = grad.contiguous(), None
+    wide = grad.dtype == torch.bfloat16 and _widen_bf16(x, w)
     if activation == "relu":
-        g, db = relu_backward(g, y, bool(needs[2]))
+        g, db = relu_backward(g, y, bool(needs[2]), widen=wide)
+    if wide:
+        # bf16 products on fp32 units: widen each operand once; round each result to bf16 once.
+        g, w, x = g.float(), w.float(), (x.float() if needs[1] else x)
     dx = dw = None
     if needs[0]:
         # The transposed weight as a view: oneDNN packs it for the GEMM either way (a contiguous
@@ -147,4 +217,6 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Opt
         dw = weight_grad(g, x)
     if needs[2] and db is None:
         db = g.sum(0)
+    if wide:
+        dx, dw, db = (None if t is None else t.to(torch.bfloat16) for t in (dx, dw, db))
     return dx, dw, db

@@ -143,11 +143,14 @@ def test_weight_grad_has_row_major_strides(n, k):
     torch.testing.assert_close(got, g.t().mm(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("units", linear_mod.BF16_PRODUCTS)
 @pytest.mark.parametrize("activation", ["none", "relu"])
 @pytest.mark.parametrize("b, k, n", SHAPES)
-def test_bf16_forward_and_backward_match_torch_in_bf16(b, k, n, activation):
-    """cast_dense's bf16 layers: oneDNN's bf16 GEMM and the bf16 ReLU/bias kernel against torch
-    autograd on F.linear in bf16 (the bias gradient is summed in fp32, then rounded once)."""
+def test_bf16_forward_and_backward_match_torch_in_bf16(monkeypatch, b, k, n, activation, units):
+    """cast_dense's bf16 layers: oneDNN's bf16 GEMM (or the fp32 one on widened operands) and the
+    bf16 ReLU/bias kernel against torch autograd on F.linear in bf16 (the bias gradient is summed
+    in fp32, then rounded once)."""
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", units)
     x, w, bvec, grad = (t.bfloat16() for t in _case(b, k, n, seed=3))
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bvec))
     ref = F.linear(xr, wr, br)
@@ -161,3 +164,86 @@ def test_bf16_forward_and_backward_match_torch_in_bf16(b, k, n, activation):
     for got, want, name in ((dx, xr.grad, "dx"), (dw, wr.grad, "dw"), (db, br.grad, "db")):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale, msg=name)
+
+
+def _bf16_case(b=512, k=368, n=256, seed=5):
+    x, w, bvec, grad = _case(b, k, n, seed=seed)
+    return x.bfloat16(), w.bfloat16(), bvec.bfloat16(), grad.bfloat16()
+
+
+@pytest.mark.parametrize("activation", ["none", "relu"])
+def test_bf16_products_on_fp32_units_equal_bf16_gemms(monkeypatch, activation):
+    """The two ways to run a bf16 product compute one thing (exact products, fp32 sums, one
+    rounding to bf16): results agree but for a rare last-bit tie from the summation order, and the
+    fp32-unit results are the fp32 product of the same operands, rounded once."""
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    x, w, bvec, grad = _bf16_case()
+    out = {}
+    for units in linear_mod.BF16_PRODUCTS:
+        monkeypatch.setenv("RECC_BF16_PRODUCTS", units)
+        y = linear_forward(x, w, bvec, activation)
+        out[units] = (y, *linear_backward(grad, x, w, y, activation))
+    for name, a, b in zip(("y", "dx", "dw", "db"), out["bf16"], out["fp32"]):
+        assert a.dtype == b.dtype == torch.bfloat16, name
+        ulp = torch.finfo(torch.bfloat16).eps * a.float().abs().clamp_min(1e-2)
+        assert ((a.float() - b.float()).abs() <= ulp).all(), name
+        assert (a == b).float().mean() > 0.99, name
+    want = F.linear(x.float(), w.float(), bvec.float())
+    want = torch.relu(want) if activation == "relu" else want
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-2)
+    assert ((out["fp32"][0].float() - want).abs() <= ulp).all()
+
+
+def test_bf16_products_run_where_bf16_products_says(monkeypatch):
+    """Forward and both gradient products see fp32 operands when the units are fp32 and bf16
+    ones otherwise (a dispatch that ignored the choice would leave the bf16 GEMMs running)."""
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    real_op, real_wg = linear_mod._pointwise(), linear_mod.weight_grad
+    seen = []
+
+    def spy_op(a, b, *rest):
+        seen.append(("onednn", a.dtype, b.dtype))
+        return real_op(a, b, *rest)
+
+    def spy_wg(g, x):
+        seen.append(("weight_grad", g.dtype, x.dtype))
+        return real_wg(g, x)
+
+    monkeypatch.setattr(linear_mod, "_pointwise", lambda: spy_op)
+    monkeypatch.setattr(linear_mod, "weight_grad", spy_wg)
+    x, w, bvec, grad = _bf16_case()
+    for units, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        monkeypatch.setenv("RECC_BF16_PRODUCTS", units)
+        seen.clear()
+        y = linear_forward(x, w, bvec, "relu")
+        linear_backward(grad, x, w, y, "relu")
+        assert [s[0] for s in seen] == ["onednn", "onednn", "weight_grad"]
+        assert all(s[1] == s[2] == dtype for s in seen), (units, seen)
+
+
+def test_bf16_products_auto_takes_fp32_only_when_clearly_faster(monkeypatch):
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", "auto")
+    for bf16_s, fp32_s, want in ((1.0, 0.7, "fp32"), (1.0, 0.9, "bf16"), (0.5, 1.0, "bf16")):
+        times = iter((bf16_s, fp32_s))
+        monkeypatch.setattr(linear_mod, "_time_best", lambda fn: next(times))
+        monkeypatch.setattr(linear_mod, "_BF16_CHOICE", {})
+        assert linear_mod.bf16_products() == want
+        assert linear_mod.bf16_products() == want       # measured once, then kept
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", "fp16")
+    with pytest.raises(ValueError, match=r"RECC_BF16_PRODUCTS='fp16': expected auto, bf16 or fp32"):
+        linear_mod.bf16_products()
+
+
+def test_relu_backward_widens_bf16_to_fp32_exactly():
+    g = torch.Generator().manual_seed(2)
+    grad = torch.randn(200, 96, generator=g).bfloat16()
+    y = torch.relu(torch.randn(200, 96, generator=g)).bfloat16()
+    narrow, db_narrow = linear_mod.relu_backward(grad, y, True)
+    wide, db_wide = linear_mod.relu_backward(grad, y, True, widen=True)
+    assert narrow.dtype == torch.bfloat16 and wide.dtype == db_wide.dtype == torch.float32
+    assert torch.equal(wide, narrow.float())
+    assert torch.equal(db_wide.to(torch.bfloat16), db_narrow)
