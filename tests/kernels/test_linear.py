@@ -227,12 +227,12 @@ def test_bf16_products_auto_takes_fp32_only_when_clearly_faster(monkeypatch):
     if linear_mod._pointwise() is None:
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setenv("RECC_BF16_PRODUCTS", "auto")
-    for bf16_s, fp32_s, want in ((1.0, 0.7, "fp32"), (1.0, 0.9, "bf16"), (0.5, 1.0, "bf16")):
-        times = iter((bf16_s, fp32_s))
-        monkeypatch.setattr(linear_mod, "_time_best", lambda fn: next(times))
+    for bf16_s, fp32_s, want in ((1.0, 0.85, "fp32"), (1.0, 0.95, "bf16"), (0.5, 1.0, "bf16")):
+        calls = []
+        monkeypatch.setattr(linear_mod, "_time_pair", lambda a, b, t=(bf16_s, fp32_s): calls.append(1) or t)
         monkeypatch.setattr(linear_mod, "_BF16_CHOICE", {})
         assert linear_mod.bf16_products() == want
-        assert linear_mod.bf16_products() == want       # measured once, then kept
+        assert linear_mod.bf16_products() == want and len(calls) == 1     # measured once, then kept
     monkeypatch.setenv("RECC_BF16_PRODUCTS", "fp16")
     with pytest.raises(ValueError, match=r"RECC_BF16_PRODUCTS='fp16': expected auto, bf16 or fp32"):
         linear_mod.bf16_products()
