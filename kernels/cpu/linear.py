@@ -1,17 +1,21 @@
-"""Dense layers on CPU: ``y = act(x W^T + b)`` and its backward, on oneDNN where it is faster.
+"""Dense layers on CPU: ``y = act(x W^T + b)`` and its backward, each product on the faster of
+oneDNN and MKL for its shape on this CPU.
 
 torch's ``F.linear`` on CPU calls MKL's sgemm, which on non-Intel x86 CPUs (this project's AMD
 EPYC with AVX-512) runs a slower code path; oneDNN dispatches on the CPU's instruction set
-instead. Measured on one core, B=2048 (``python bench/dense_kernels.py``): forward and input
-gradient ~10% faster through oneDNN; the weight gradient goes where it runs best on this CPU
-(``_weight_grad_onednn``: oneDNN on the EPYC at two threads, MKL on Intel CPUs, where MKL runs
-its own path). The forward fuses the ReLU into the GEMM's epilogue, which saves the separate
-activation pass over the output (on an Intel Xeon too: 1.0-1.9x F.linear + relu).
+instead. On the EPYC (one core, B=2048, ``python bench/dense_kernels.py``) forward and input
+gradient ran ~10% faster through oneDNN and the weight gradient 1.6-1.75x; on an Intel Xeon MKL's
+weight gradient was 1.2-2.4x oneDNN's, and its forward + ReLU 0.55-1.1x oneDNN's fused one,
+layer by layer and from one day to the next. So each large product (forward, input gradient,
+weight gradient) is timed both ways on its first call for a shape (``_fastest``, like cuDNN's
+benchmark mode; ``RECC_CPU_GEMM_TUNING=0`` keeps the defaults: oneDNN for the forward and input
+gradient, ``_weight_grad_onednn``'s rule for the weight gradient). oneDNN's forward fuses the
+ReLU into the GEMM's epilogue; MKL's applies it in place after.
 
 oneDNN is reached through ``torch.ops.mkldnn._linear_pointwise``, the op torch's own compiler
 (Inductor) lowers CPU linear + pointwise to. Small products (under ``MIN_MACS``), other dtypes,
 torch builds without oneDNN and ``RECC_CPU_KERNELS=reference`` use ``F.linear``. The math is the
-same fp32 products in a different blocking order: results agree to fp32 rounding.
+same products in a different blocking order: results agree to fp32 rounding.
 
 In backward the ReLU's mask and the bias gradient are one pass of a C kernel (``linear.c``)
 instead of ``threshold_backward`` and a column sum (two passes over a [B, N] gradient that does
@@ -137,9 +141,67 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     if not _use_onednn(x, w):
         return _torch_linear(x, w, b, activation)
     if _widen_bf16(x, w):
-        y = _pointwise()(x.float(), w.float(), None if b is None else b.float(), activation, [], "")
-        return y.to(torch.bfloat16)
-    return _pointwise()(x.contiguous(), w.contiguous(), b, activation, [], "")
+        return _forward(x.float(), w.float(), None if b is None else b.float(), activation).to(torch.bfloat16)
+    return _forward(x.contiguous(), w.contiguous(), b, activation)
+
+
+_TUNED: dict = {}          # (product, dtype, shape, threads, ...) -> the candidate that runs it
+_TUNING_ROUNDS = 3
+_TUNING_MARGIN = 0.95      # another candidate replaces the default only when clearly faster
+
+
+def gemm_tuning() -> bool:
+    """Whether large products pick their backend by timing (``RECC_CPU_GEMM_TUNING=0``: never)."""
+    return os.environ.get("RECC_CPU_GEMM_TUNING", "1").strip() != "0"
+
+
+def _fastest(key: tuple, candidates: dict) -> str:
+    """The name of the fastest of ``candidates`` (name -> function of no arguments, all computing
+    the same product), the first one being the default. Each shape is timed once per process, on
+    its first call, like cuDNN's benchmark mode: the candidates run alternately, best of
+    ``_TUNING_ROUNDS``, and another replaces the default only under 0.95x its time. Why time rather
+    than rule: which of MKL and oneDNN is faster depends on the CPU and the shape, and rules
+    measured on one machine were wrong on the next (an Intel Xeon: MKL's forward+ReLU 0.55-1.1x
+    oneDNN's fused one depending on the layer; oneDNN's weight gradient 1.2-2.4x slower than MKL's,
+    the other way round on the AMD EPYC). Ties are within fp32 rounding of each other."""
+    names = list(candidates)
+    if len(names) == 1 or not gemm_tuning():
+        return names[0]
+    key = key + (torch.get_num_threads(),)
+    if key not in _TUNED:
+        best = dict.fromkeys(names, float("inf"))
+        for fn in candidates.values():
+            fn()                                   # oneDNN builds and caches its primitive here
+        for _ in range(_TUNING_ROUNDS):
+            for name, fn in candidates.items():
+                t0 = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        pick = min(names, key=best.get)
+        _TUNED[key] = pick if best[pick] < _TUNING_MARGIN * best[names[0]] else names[0]
+    return _TUNED[key]
+
+
+def _mkl_linear(x, w, b, activation):
+    y = torch.addmm(b, x, w.t()) if b is not None else x.mm(w.t())
+    return y.relu_() if activation == "relu" else y
+
+
+def _forward(x, w, b, activation):
+    candidates = {"onednn": lambda: _pointwise()(x, w, b, activation, [], ""),
+                  "mkl": lambda: _mkl_linear(x, w, b, activation)}
+    key = ("forward", x.dtype, x.shape[0], x.shape[1], w.shape[0], activation, b is not None)
+    return candidates[_fastest(key, candidates)]()
+
+
+def input_grad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``g w`` ([B, K]) for a [B, N] output gradient and [N, K] weight, as the faster product."""
+    if not _use_onednn(g, w):
+        return g.mm(w)
+    # The transposed weight as a view: oneDNN packs it for the GEMM either way (a contiguous
+    # copy first cost ~0.3 ms per layer at B=2048).
+    candidates = {"onednn": lambda: _pointwise()(g, w.t(), None, "none", [], ""), "mkl": lambda: g.mm(w)}
+    return candidates[_fastest(("input_grad", g.dtype, *g.shape, w.shape[1]), candidates)]()
 
 
 def relu_backward(grad: torch.Tensor, y: torch.Tensor, bias_grad: bool, widen: bool = False):
@@ -191,9 +253,18 @@ def _weight_grad_onednn(g: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``g^T x`` ([N, K]) for a [B, N] output gradient and [B, K] input, as the faster product."""
-    if _weight_grad_onednn(g, x):
-        return _pointwise()(g.t(), x.t(), None, "none", [], "")
+    """``g^T x`` ([N, K]) for a [B, N] output gradient and [B, K] input, as the faster product:
+    oneDNN's or MKL's (``_mkl_weight_grad``), the rule's choice first (``_weight_grad_onednn``),
+    timed where both apply."""
+    mkl = lambda: _mkl_weight_grad(g, x)  # noqa: E731
+    if not (g.dtype == x.dtype == torch.float32 and min(x.shape[1], g.shape[1]) >= 64 and _use_onednn(g.t(), x.t())):
+        return mkl()
+    onednn = lambda: _pointwise()(g.t(), x.t(), None, "none", [], "")  # noqa: E731
+    candidates = {"onednn": onednn, "mkl": mkl} if _weight_grad_onednn(g, x) else {"mkl": mkl, "onednn": onednn}
+    return candidates[_fastest(("weight_grad", g.dtype, *g.shape, x.shape[1]), candidates)]()
+
+
+def _mkl_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if native.mode() != "reference" and x.device.type == "cpu" and _weight_grad_transposed(x.shape[1]):
         dw_t = x.t().mm(g)
         # A fresh row-major [N, K] (``contiguous()`` of a one-row or one-column transpose keeps
@@ -215,9 +286,7 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Opt
         g, w, x = g.float(), w.float(), (x.float() if needs[1] else x)
     dx = dw = None
     if needs[0]:
-        # The transposed weight as a view: oneDNN packs it for the GEMM either way (a contiguous
-        # copy first cost ~0.3 ms per layer at B=2048).
-        dx = _pointwise()(g, w.t(), None, "none", [], "") if _use_onednn(g, w) else g.mm(w)
+        dx = input_grad(g, w)
     if needs[1]:
         dw = weight_grad(g, x)
     if needs[2] and db is None:

@@ -213,6 +213,7 @@ def test_bf16_products_run_where_bf16_products_says(monkeypatch):
 
     monkeypatch.setattr(linear_mod, "_pointwise", lambda: spy_op)
     monkeypatch.setattr(linear_mod, "weight_grad", spy_wg)
+    monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "0")     # the default backends: one call each
     x, w, bvec, grad = _bf16_case()
     for units, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         monkeypatch.setenv("RECC_BF16_PRODUCTS", units)
@@ -247,3 +248,45 @@ def test_relu_backward_widens_bf16_to_fp32_exactly():
     assert narrow.dtype == torch.bfloat16 and wide.dtype == db_wide.dtype == torch.float32
     assert torch.equal(wide, narrow.float())
     assert torch.equal(db_wide.to(torch.bfloat16), db_narrow)
+
+
+def test_fastest_takes_the_faster_candidate_once_per_shape(monkeypatch):
+    import time as time_mod
+    monkeypatch.setattr(linear_mod, "_TUNED", {})
+    calls = {"slow": 0, "fast": 0}
+
+    def make(name, seconds):
+        def fn():
+            calls[name] += 1
+            time_mod.sleep(seconds)
+        return fn
+
+    cands = {"slow": make("slow", 0.004), "fast": make("fast", 0.0)}
+    assert linear_mod._fastest(("t", 1), cands) == "fast"
+    timed = dict(calls)
+    assert linear_mod._fastest(("t", 1), cands) == "fast" and calls == timed     # kept, not retimed
+    # within the margin the default (first) stays
+    assert linear_mod._fastest(("t", 2), {"a": make("slow", 0.002), "b": make("fast", 0.0019)}) == "a"
+    monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "0")
+    assert linear_mod._fastest(("t", 3), cands) == "slow"
+
+
+@pytest.mark.parametrize("pick", ["onednn", "mkl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_tuned_candidate_matches_torch(monkeypatch, pick, dtype):
+    """Whichever backend the timing picks, forward and gradients are the layer's (ReLU, bias)."""
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(linear_mod, "_fastest", lambda key, cands: pick if pick in cands else next(iter(cands)))
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", "bf16")
+    x, w, bvec, grad = (t.to(dtype) for t in _case(512, 368, 256, seed=7))
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bvec))
+    ref = torch.relu(F.linear(xr, wr, br))
+    y = linear_forward(x, w, bvec, "relu")
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(y.float(), ref.float(), **tol)
+    ref.backward(grad)
+    dx, dw, db = linear_backward(grad, x, w, y, "relu")
+    for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float() / scale, want.float() / scale, **tol)
