@@ -251,24 +251,27 @@ def test_relu_backward_widens_bf16_to_fp32_exactly():
 
 
 def test_fastest_takes_the_faster_candidate_once_per_shape(monkeypatch):
-    import time as time_mod
+    clock = [0.0]
+    monkeypatch.setattr(linear_mod, "_clock", lambda: clock[0])
     monkeypatch.setattr(linear_mod, "_TUNED", {})
-    calls = {"slow": 0, "fast": 0}
+    calls = {}
 
-    def make(name, seconds):
+    def make(name, seconds):        # a candidate that takes `seconds` of the fake clock
         def fn():
-            calls[name] += 1
-            time_mod.sleep(seconds)
+            calls[name] = calls.get(name, 0) + 1
+            clock[0] += seconds
         return fn
 
-    cands = {"slow": make("slow", 0.004), "fast": make("fast", 0.0)}
+    cands = {"slow": make("slow", 0.004), "fast": make("fast", 0.001)}
     assert linear_mod._fastest(("t", 1), cands) == "fast"
     timed = dict(calls)
+    assert timed == {"slow": 1 + linear_mod._TUNING_ROUNDS, "fast": 1 + linear_mod._TUNING_ROUNDS}
     assert linear_mod._fastest(("t", 1), cands) == "fast" and calls == timed     # kept, not retimed
-    # within the margin the default (first) stays
-    assert linear_mod._fastest(("t", 2), {"a": make("slow", 0.002), "b": make("fast", 0.0019)}) == "a"
+    # within the margin the default (first) stays; past it the other wins
+    assert linear_mod._fastest(("t", 2), {"a": make("a", 0.002), "b": make("b", 0.00196)}) == "a"
+    assert linear_mod._fastest(("t", 3), {"a": make("a", 0.002), "b": make("b", 0.0018)}) == "b"
     monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "0")
-    assert linear_mod._fastest(("t", 3), cands) == "slow"
+    assert linear_mod._fastest(("t", 4), cands) == "slow"
 
 
 @pytest.mark.parametrize("pick", ["onednn", "mkl"])
