@@ -65,29 +65,31 @@ def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
 BF16_PRODUCTS = ("bf16", "fp32")
 _BF16_CHOICE: dict = {}     # RECC_BF16_PRODUCTS value -> the units it resolved to in this process
 _FP32_MARGIN = 0.9          # fp32 units only for a clear win: they move twice the operand bytes
+_clock = time.perf_counter
 
 
-def _time_pair(a, b, rounds: int = 5) -> tuple[float, float]:
-    """Best times of ``a`` and ``b``, run alternately (a busy machine slows both alike)."""
-    a(), b()
-    best_a = best_b = float("inf")
+def _best_times(candidates: dict, rounds: int) -> dict:
+    """Best time of each of ``candidates`` (name -> function of no arguments) over ``rounds``,
+    run alternately after one untimed call each (a busy machine slows them alike; oneDNN builds
+    and caches its primitive on that first call)."""
+    for fn in candidates.values():
+        fn()
+    best = dict.fromkeys(candidates, float("inf"))
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        best_a, best_b = min(best_a, t1 - t0), min(best_b, t2 - t1)
-    return best_a, best_b
+        for name, fn in candidates.items():
+            t0 = _clock()
+            fn()
+            best[name] = min(best[name], _clock() - t0)
+    return best
 
 
 def _measure_bf16_products() -> str:
     x = torch.randn(2048, 512).to(torch.bfloat16)
     w = torch.randn(512, 512).to(torch.bfloat16)
     op = _pointwise()
-    bf16, fp32 = _time_pair(lambda: op(x, w, None, "none", [], ""),
-                            lambda: op(x.float(), w.float(), None, "none", [], "").to(torch.bfloat16))
-    return "fp32" if fp32 < _FP32_MARGIN * bf16 else "bf16"
+    best = _best_times({"bf16": lambda: op(x, w, None, "none", [], ""),
+                        "fp32": lambda: op(x.float(), w.float(), None, "none", [], "").to(torch.bfloat16)}, rounds=5)
+    return "fp32" if best["fp32"] < _FP32_MARGIN * best["bf16"] else "bf16"
 
 
 def bf16_products() -> str:
@@ -148,7 +150,6 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
 _TUNED: dict = {}          # (product, dtype, shape, threads, ...) -> the candidate that runs it
 _TUNING_ROUNDS = 3
 _TUNING_MARGIN = 0.95      # another candidate replaces the default only when clearly faster
-_clock = time.perf_counter
 
 
 def gemm_tuning() -> bool:
@@ -170,14 +171,7 @@ def _fastest(key: tuple, candidates: dict) -> str:
         return names[0]
     key = key + (torch.get_num_threads(),)
     if key not in _TUNED:
-        best = dict.fromkeys(names, float("inf"))
-        for fn in candidates.values():
-            fn()                                   # oneDNN builds and caches its primitive here
-        for _ in range(_TUNING_ROUNDS):
-            for name, fn in candidates.items():
-                t0 = _clock()
-                fn()
-                best[name] = min(best[name], _clock() - t0)
+        best = _best_times(candidates, _TUNING_ROUNDS)
         pick = min(names, key=best.get)
         _TUNED[key] = pick if best[pick] < _TUNING_MARGIN * best[names[0]] else names[0]
     return _TUNED[key]

@@ -230,7 +230,8 @@ def test_bf16_products_auto_takes_fp32_only_when_clearly_faster(monkeypatch):
     monkeypatch.setenv("RECC_BF16_PRODUCTS", "auto")
     for bf16_s, fp32_s, want in ((1.0, 0.85, "fp32"), (1.0, 0.95, "bf16"), (0.5, 1.0, "bf16")):
         calls = []
-        monkeypatch.setattr(linear_mod, "_time_pair", lambda a, b, t=(bf16_s, fp32_s): calls.append(1) or t)
+        monkeypatch.setattr(linear_mod, "_best_times",
+                            lambda c, rounds, t={"bf16": bf16_s, "fp32": fp32_s}: calls.append(1) or t)
         monkeypatch.setattr(linear_mod, "_BF16_CHOICE", {})
         assert linear_mod.bf16_products() == want
         assert linear_mod.bf16_products() == want and len(calls) == 1     # measured once, then kept
