@@ -252,6 +252,7 @@ def test_relu_backward_widens_bf16_to_fp32_exactly():
 
 
 def test_fastest_takes_the_faster_candidate_once_per_shape(monkeypatch):
+    monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "1")
     clock = [0.0]
     monkeypatch.setattr(linear_mod, "_clock", lambda: clock[0])
     monkeypatch.setattr(linear_mod, "_TUNED", {})
