@@ -243,8 +243,12 @@ def _weight_grad_onednn(g: torch.Tensor, x: torch.Tensor) -> bool:
     (B=2048/4096, min of 25: 512x256 2.38 vs 3.26 ms, 368x512 3.32 vs 4.85, 64x512 0.84 vs 2.00,
     256x64 0.36 vs 0.61 at B=2048): oneDNN reads the transposed [N, B] operand through a copy.
     Below 64, and in bf16 (MKL faster: 827 vs 560 GFLOP/s at 369x512 on the EPYC), MKL too."""
-    return (g.dtype == x.dtype == torch.float32 and min(x.shape[1], g.shape[1]) >= 64
-            and native.cpu_vendor() != "GenuineIntel" and _use_onednn(g.t(), x.t()))
+    return _weight_grad_onednn_applies(g, x) and native.cpu_vendor() != "GenuineIntel"
+
+
+def _weight_grad_onednn_applies(g: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether oneDNN is a candidate for this weight gradient at all (fp32, K and N >= 64)."""
+    return g.dtype == x.dtype == torch.float32 and min(x.shape[1], g.shape[1]) >= 64 and _use_onednn(g.t(), x.t())
 
 
 def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -252,7 +256,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     oneDNN's or MKL's (``_mkl_weight_grad``), the rule's choice first (``_weight_grad_onednn``),
     timed where both apply."""
     mkl = lambda: _mkl_weight_grad(g, x)  # noqa: E731
-    if not (g.dtype == x.dtype == torch.float32 and min(x.shape[1], g.shape[1]) >= 64 and _use_onednn(g.t(), x.t())):
+    if not _weight_grad_onednn_applies(g, x):
         return mkl()
     onednn = lambda: _pointwise()(g.t(), x.t(), None, "none", [], "")  # noqa: E731
     candidates = {"onednn": onednn, "mkl": mkl} if _weight_grad_onednn(g, x) else {"mkl": mkl, "onednn": onednn}
