@@ -471,6 +471,21 @@ static inline v16f load16_bf16(const uint16_t* p) {
 #endif
 }
 
+/* 16 fp16 (wt W_F16, one vcvtph2ps) or bf16 values as fp32. */
+static inline v16f load16_half(const uint16_t* p, int wt) {
+    if (wt == W_BF16) return load16_bf16(p);
+    v16f v;
+#if defined(__AVX512F__)
+    const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    memcpy(&v, &w, sizeof(v));
+#else
+    float f[16];
+    load_half_row(p, W_F16, 0, 16, f);
+    memcpy(&v, f, sizeof(v));
+#endif
+    return v;
+}
+
 static inline void store16_bf16(uint16_t* p, v16f v) {
     v16u u;
     memcpy(&u, &v, sizeof(u));
@@ -911,6 +926,17 @@ static inline __attribute__((always_inline)) int pool_range(
                 bad = 1;
                 continue;
             }
+            const float sc = psw ? psw[i] : 1.0f;
+            if (vec && wt != W_F32) {
+                /* Half rows widened in registers, 16 at a time (no fp32 copy of the row). */
+                const uint16_t* restrict hr = (const uint16_t*)weights + (int64_t)row * D;
+                if (psw) {
+                    for (int64_t v = 0; v < NV; ++v) a[v] += sc * load16_half(hr + 16 * v, wt);
+                } else {
+                    for (int64_t v = 0; v < NV; ++v) a[v] += load16_half(hr + 16 * v, wt);
+                }
+                continue;
+            }
             const float* restrict wr;
             if (wt == W_F32) {
                 wr = (const float*)weights + row * D;
@@ -918,7 +944,6 @@ static inline __attribute__((always_inline)) int pool_range(
                 load_half_row(weights, wt, (int64_t)row, D, wtmp);
                 wr = wtmp;
             }
-            const float sc = psw ? psw[i] : 1.0f;
             if (vec) {
                 if (psw) {
                     for (int64_t v = 0; v < NV; ++v) a[v] += sc * load16(wr + 16 * v);

@@ -69,12 +69,16 @@ def _case(dtype, rows=40, D=16, B=6, seed=0):
 
 @needs_c
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("D", [16, 7])
-def test_forward_pools_half_rows_in_fp32(dtype, D):
+@pytest.mark.parametrize("D", [16, 64, 7])
+@pytest.mark.parametrize("mode", ["sum", "mean", "weighted"])
+def test_forward_pools_half_rows_in_fp32(dtype, D, mode):
+    """D 16 and 64 pool the half rows widened in registers, D 7 through an fp32 copy of each row."""
     w, lin, off, _ = _case(dtype, D=D)
-    want = F.embedding_bag(lin, w.float(), off, mode="sum", include_last_offset=True)
+    psw = torch.rand(lin.numel(), generator=torch.Generator().manual_seed(5)) if mode == "weighted" else None
+    pooling = "mean" if mode == "mean" else "sum"
+    want = F.embedding_bag(lin, w.float(), off, mode=pooling, per_sample_weights=psw, include_last_offset=True)
     for fn in (tbe_forward_native, tbe_forward_reference):
-        got = fn(w, lin, off, T=1, B=off.numel() - 1)
+        got = fn(w, lin, off, T=1, B=off.numel() - 1, pooling=pooling, per_sample_weights=psw)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
