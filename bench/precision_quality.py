@@ -14,7 +14,8 @@ precision: on ``small`` it is 0.0003 with 100 batches (205k samples), so ~0.0007
 this script used to default to (it scales as 1/sqrt(samples)) — a third of the 0.002 target.
 Two seeds that read -0.0022 on 20 batches read -0.0014 and +0.0006 on 100. The training itself
 also moves a little from run to run (which GEMM backend runs a layer is timed at start-up, and
-summation order follows it): seed 0 gave -0.0012 and -0.0014, seed 3 +0.0001 and +0.0006, in two runs each on 100 batches.
+summation order follows it): seed 0 gave -0.0012 and -0.0014, seed 3 +0.0001 and +0.0006, in
+two runs each on 100 batches.
 
 Variants: ``fp32`` (both fp32), ``bf16`` (bf16 dense compute, fp32 master weights),
 ``bf16+fp16t`` (bf16 dense, fp16 tables with stochastic rounding), ``bf16+bf16t``.
@@ -50,17 +51,14 @@ def train_and_eval(model, data, dense_dtype: str, table_dtype: str, args) -> dic
         opt.zero_grad()
     seconds = time.perf_counter() - t0
     metrics = Metrics()
-    preds = []
+    preds, labels = [], []
     with torch.no_grad():
         for dense_x, lS_o, lS_i, y in data.batches(args.eval_batches, start=1_000_000):
             pred = dmodel(dense_x, lS_o, lS_i)
             metrics.update(pred, y)
             preds.append(pred.detach().reshape(-1).double())
-    return {**metrics.compute(), "seconds": seconds, "pred": torch.cat(preds)}
-
-
-def held_out_labels(data, batches: int) -> torch.Tensor:
-    return torch.cat([y.reshape(-1).double() for *_, y in data.batches(batches, start=1_000_000)])
+            labels.append(y.reshape(-1).double())
+    return {**metrics.compute(), "seconds": seconds, "pred": torch.cat(preds), "y": torch.cat(labels)}
 
 
 def dauc_standard_error(pred: torch.Tensor, ref: torch.Tensor, y: torch.Tensor, resamples: int,
@@ -105,13 +103,12 @@ def main(argv=None) -> int:
           f"lr={args.lr:g}, held-out {args.eval_batches} batches, one process, {torch.get_num_threads()} threads")
     print(f"{'variant':<12} {'dense':>6} {'tables':>7} {'log loss':>9} {'AUC':>8} {'dAUC':>8} {'+-se':>7} "
           f"{'train s':>8} {'ms/step':>8}")
-    y = held_out_labels(data, args.eval_batches)
     ref = None
     for name in names:
         dense, tables = VARIANTS[name]
         m = train_and_eval(model, data, dense, tables, args)
         ref = m if ref is None else ref
-        se = 0.0 if m is ref else dauc_standard_error(m["pred"], ref["pred"], y, args.bootstrap)
+        se = 0.0 if m is ref else dauc_standard_error(m["pred"], ref["pred"], ref["y"], args.bootstrap)
         print(f"{name:<12} {dense:>6} {tables:>7} {m['log_loss']:>9.4f} {m['auc']:>8.4f} "
               f"{m['auc'] - ref['auc']:>+8.4f} {se:>7.4f} {m['seconds']:>8.1f} {m['seconds'] / args.steps * 1e3:>8.2f}",
               flush=True)

@@ -486,6 +486,13 @@ static inline v16f load16_half(const uint16_t* p, int wt) {
     return v;
 }
 
+/* Values 16v..16v+15 of weight row `row` as fp32, whatever the storage type: half rows are
+ * widened in registers (no fp32 copy of the row). */
+static inline v16f load16_row(const void* weights, int wt, int64_t row, int64_t D, int64_t v) {
+    if (wt == W_F32) return load16((const float*)weights + row * D + 16 * v);
+    return load16_half((const uint16_t*)weights + row * D + 16 * v, wt);
+}
+
 static inline void store16_bf16(uint16_t* p, v16f v) {
     v16u u;
     memcpy(&u, &v, sizeof(u));
@@ -902,7 +909,7 @@ static inline __attribute__((always_inline)) int pool_range(
     int bad = 0;
     const int64_t TD = T * D;
     const int64_t i_end = offsets[j1];
-    float wtmp[wt == W_F32 ? 1 : D] __attribute__((aligned(64)));  /* a half row, in fp32 */
+    float wtmp[wt == W_F32 || vec ? 1 : D] __attribute__((aligned(64)));  /* a half row, in fp32 */
     float orow[out_bf16 ? D : 1] __attribute__((aligned(64)));     /* a bf16 bag, summed in fp32 */
     for (int64_t j = j0; j < j1; ++j) {
         const int64_t t = j / B, b = j - t * B;
@@ -927,13 +934,11 @@ static inline __attribute__((always_inline)) int pool_range(
                 continue;
             }
             const float sc = psw ? psw[i] : 1.0f;
-            if (vec && wt != W_F32) {
-                /* Half rows widened in registers, 16 at a time (no fp32 copy of the row). */
-                const uint16_t* restrict hr = (const uint16_t*)weights + (int64_t)row * D;
+            if (vec) {
                 if (psw) {
-                    for (int64_t v = 0; v < NV; ++v) a[v] += sc * load16_half(hr + 16 * v, wt);
+                    for (int64_t v = 0; v < NV; ++v) a[v] += sc * load16_row(weights, wt, (int64_t)row, D, v);
                 } else {
-                    for (int64_t v = 0; v < NV; ++v) a[v] += load16_half(hr + 16 * v, wt);
+                    for (int64_t v = 0; v < NV; ++v) a[v] += load16_row(weights, wt, (int64_t)row, D, v);
                 }
                 continue;
             }
@@ -944,13 +949,7 @@ static inline __attribute__((always_inline)) int pool_range(
                 load_half_row(weights, wt, (int64_t)row, D, wtmp);
                 wr = wtmp;
             }
-            if (vec) {
-                if (psw) {
-                    for (int64_t v = 0; v < NV; ++v) a[v] += sc * load16(wr + 16 * v);
-                } else {
-                    for (int64_t v = 0; v < NV; ++v) a[v] += load16(wr + 16 * v);
-                }
-            } else if (psw) {
+            if (psw) {
 #pragma omp simd
                 for (int64_t d = 0; d < D; ++d) o[d] += sc * wr[d];
             } else {
