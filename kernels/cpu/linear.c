@@ -13,6 +13,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "bf16.h"
+
 /* The ReLU mask and bias-gradient sum of one [B, N] gradient of element type T, written as TOUT:
  * TO_F reads a T as fp32, STORE turns a T into a TOUT, OUT_F reads a TOUT as fp32, ZERO is TOUT's
  * zero. For T == TOUT the mask copies the element (bf16 bits stay bits); bf16 into fp32 is exact.
@@ -59,18 +61,24 @@
 
 static inline float f32_as_f32(float x) { return x; }
 
-/* bf16 bits as fp32 (recc.linear under cast_dense). */
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 static inline uint16_t bf16_as_bf16(uint16_t h) { return h; }
 
 RELU_BACKWARD(recc_relu_backward, float, float, f32_as_f32, f32_as_f32, f32_as_f32, 0.f)
-RELU_BACKWARD(recc_relu_backward_bf16, uint16_t, uint16_t, bf16_to_float, bf16_as_bf16, bf16_to_float, 0)
+RELU_BACKWARD(recc_relu_backward_bf16, uint16_t, uint16_t, bf16_to_f32, bf16_as_bf16, bf16_to_f32, 0)
 /* bf16 in, fp32 out: the masked gradient for a bf16 layer whose products run on fp32 units
  * (linear.py's ``bf16_products``), so its GEMMs read it without a separate widening pass. */
-RELU_BACKWARD(recc_relu_backward_bf16_f32, uint16_t, float, bf16_to_float, bf16_to_float, f32_as_f32, 0.f)
+RELU_BACKWARD(recc_relu_backward_bf16_f32, uint16_t, float, bf16_to_f32, bf16_to_f32, f32_as_f32, 0.f)
+
+/* A bf16 layer's output on fp32 units (linear.py's ``bf16_products``): the GEMM's fp32 result
+ * x [n] rounded to bf16 into out, and the rounded value written back into x (exact), so the next
+ * layer's GEMM reads x as its widened input instead of widening out again: one pass where
+ * ``.to(bfloat16)`` and the next layer's ``.float()`` were two. */
+void recc_round_bf16_keep_f32(float *x, uint16_t *out, int64_t n, int nthreads) {
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for simd num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+        const uint16_t h = f32_to_bf16(x[i]);
+        out[i] = h;
+        x[i] = bf16_to_f32(h);
+    }
+}

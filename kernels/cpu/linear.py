@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import native
 
@@ -43,6 +44,8 @@ def _declare(lib) -> None:
     lib.recc_relu_backward_bf16.argtypes = [p, i64, p, i64, i64, i64, p, p, ctypes.c_int]
     lib.recc_relu_backward_bf16_f32.restype = ctypes.c_int
     lib.recc_relu_backward_bf16_f32.argtypes = [p, i64, p, i64, i64, i64, p, p, ctypes.c_int]
+    lib.recc_round_bf16_keep_f32.restype = None
+    lib.recc_round_bf16_keep_f32.argtypes = [p, p, i64, ctypes.c_int]
 
 
 _KERNELS = native.KernelLibrary(Path(__file__).with_name("linear.c"), _declare, "ReLU backward")
@@ -124,6 +127,35 @@ def _widen_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and _use_onednn(x, w) and bf16_products() == "fp32"
 
 
+# A bf16 tensor -> (its fp32 widening, the bf16 tensor's version when widened). A bf16 layer on
+# fp32 units reads each bf16 operand as fp32 in its forward and again in its backward, and an
+# MLP's next layer reads this layer's output: the widening is made once, when the output is
+# rounded (``_round_keep_wide``) or on the first read (``_widened``), and lives as long as the bf16
+# tensor. kaggle at B=4096: 10 widenings of a [4096, 512] activation per step became 6.
+_WIDE = WeakTensorKeyDictionary()
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """``t.float()``, made once per bf16 tensor (and made again if ``t`` was written in place)."""
+    hit = _WIDE.get(t)
+    if hit is not None and hit[1] == t._version:
+        return hit[0]
+    wide = t.float()
+    _WIDE[t] = (wide, t._version)
+    return wide
+
+
+def _round_keep_wide(y: torch.Tensor) -> torch.Tensor:
+    """An fp32 GEMM result as bf16, its rounded fp32 values kept as the bf16 tensor's widening."""
+    lib = _KERNELS.get() if y.is_contiguous() else None
+    if lib is None:
+        return y.to(torch.bfloat16)
+    out = torch.empty(y.shape, dtype=torch.bfloat16)
+    lib.recc_round_bf16_keep_f32(y.data_ptr(), out.data_ptr(), y.numel(), torch.get_num_threads())
+    _WIDE[out] = (y, out._version)
+    return out
+
+
 def check_activation(activation: str) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"linear: activation {activation!r} not in {ACTIVATIONS}")
@@ -143,7 +175,7 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     if not _use_onednn(x, w):
         return _torch_linear(x, w, b, activation)
     if _widen_bf16(x, w):
-        return _forward(x.float(), w.float(), None if b is None else b.float(), activation).to(torch.bfloat16)
+        return _round_keep_wide(_forward(_widened(x), _widened(w), None if b is None else b.float(), activation))
     return _forward(x.contiguous(), w.contiguous(), b, activation)
 
 
@@ -282,7 +314,7 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Opt
         g, db = relu_backward(g, y, bool(needs[2]), widen=wide)
     if wide:
         # bf16 products on fp32 units: widen each operand once; round each result to bf16 once.
-        g, w, x = g.float(), w.float(), (x.float() if needs[1] else x)
+        g, w, x = g.float(), _widened(w), (_widened(x) if needs[1] else x)
     dx = dw = None
     if needs[0]:
         dx = input_grad(g, w)

@@ -251,6 +251,45 @@ def test_relu_backward_widens_bf16_to_fp32_exactly():
     assert torch.equal(db_wide.to(torch.bfloat16), db_narrow)
 
 
+def test_rounding_to_bf16_keeps_the_rounded_fp32_values():
+    """The fp32-unit forward's output pass: its bf16 bits are torch's round-to-nearest-even (ties,
+    subnormals, infinities, NaN), and the fp32 it keeps is exactly those bf16 values widened."""
+    g = torch.Generator().manual_seed(4)
+    special = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1e-40, -1e-40, 3.4e38,
+                            float("inf"), float("-inf"), float("nan")])
+    y = torch.cat([torch.randn(4099, generator=g) * 100, special])
+    want = y.to(torch.bfloat16)
+    kept = y.clone()
+    got = linear_mod._round_keep_wide(kept)
+    assert torch.equal(got.view(torch.int16)[:-1], want.view(torch.int16)[:-1])
+    assert got[-1].isnan() and kept[-1].isnan()
+    assert torch.equal(kept[:-1], want.float()[:-1])
+    assert linear_mod._widened(got) is kept
+
+
+def test_bf16_layers_on_fp32_units_widen_each_activation_once(monkeypatch):
+    """Two bf16 layers on fp32 units: the second reads the first's output through the fp32 values
+    kept when it was rounded, its backward reads the same widening, and a tensor written in place
+    after it was widened is widened again (a stale widening would silently use the old values)."""
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", "fp32")
+    x, w1, b1, _ = _bf16_case(k=368, n=256)
+    w2 = (torch.randn(128, 256) / 16).bfloat16()
+    widened = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(tuple(t.shape)) or real_float(t))
+    h = linear_forward(x, w1, b1, "relu")
+    y = linear_forward(h, w2, None, "none")
+    dh, dw2, _ = linear_backward(torch.ones_like(y), h, w2, None, "none", (True, True, False))
+    assert widened.count((512, 368)) == 1 and (512, 256) not in widened, widened
+    monkeypatch.undo()
+    assert torch.equal(linear_mod._widened(h), h.float())
+    torch.testing.assert_close(dw2.float(), torch.ones(512, 128).t().mm(h.float()), rtol=1e-2, atol=1e-1)
+    h.mul_(2)
+    assert torch.equal(linear_mod._widened(h), h.float())
+
+
 def test_fastest_takes_the_faster_candidate_once_per_shape(monkeypatch):
     monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "1")
     clock = [0.0]
