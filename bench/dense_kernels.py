@@ -10,7 +10,10 @@ model has one), at the per-rank batch of a world of ``--world-size`` ranks, one 
   ReLU fused, oneDNN input gradient, MKL weight gradient).
 
 Prints per layer the median milliseconds of forward and backward over ``--reps`` runs, the two
-side by side with the ratio, and the totals. Then the dot interaction at the same batch, fp32
+side by side with the ratio, and the totals; and next to recc's the layer's share of the
+machine's limit (``machine_limit.py``: its three GEMMs, two for the first layer, each at the
+fastest path measured in this run, best of 5, operands hot) and recc's fraction of it — what the
+layer alone would cost ``train_throughput.py``'s ``of limit`` column if nothing else ran. Then the dot interaction at the same batch, fp32
 and bf16: ``torch`` is the reference DLRM's ``stack`` + ``bmm`` + lower-triangle gather +
 ``cat`` under autograd (under ``torch.autocast(bf16)`` for the bf16 row, as a TorchRec user
 with autocast runs it), ``recc`` is ``recc.kernels.dot_interaction_*`` reading the dense
@@ -29,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from machine_limit import gemm_seconds
 from recc.heap import keep_step_memory
 from recc.kernels import dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward
 from recc.models import build_model, load_preset
@@ -150,16 +154,21 @@ def main(argv=None) -> int:
     print(f"dense layers of {args.config} at B={b}, {args.threads} thread(s), torch {torch.__version__}, "
           f"oneDNN {'available' if onednn else 'NOT available (recc falls back to F.linear)'}")
     print(f"{'layer':<9} {'K x N':>11} {'relu':>4} | {'torch fwd':>9} {'bwd':>7} | {'recc fwd':>8} {'bwd':>7} "
-          f"{'K pad':>5} | {'torch/recc':>10}")
-    tot_t = tot_r = 0.0
+          f"{'K pad':>5} | {'torch/recc':>10} | {'limit':>6} {'recc of limit':>13}")
+    tot_t = tot_r = tot_l = 0.0
     for i, (name, k, n, relu) in enumerate(layers(model)):
         needs_dx = i != 0  # the first layer's input (dense features) needs no gradient
         t_f, t_b, r_f, r_b, pad = time_layer(b, k, n, relu, args.reps, needs_dx)
+        products = [(b, k, n), (n, b, k)] + ([(b, n, k)] if needs_dx else [])   # as machine_limit counts them
+        lim = 1e3 * sum(gemm_seconds(*shape, "fp32")[0] for shape in products)
         tot_t += t_f + t_b
         tot_r += r_f + r_b
+        tot_l += lim
         print(f"{name:<9} {f'{k}x{n}':>11} {'yes' if relu else 'no':>4} | {t_f:>9.2f} {t_b:>7.2f} | {r_f:>8.2f} "
-              f"{r_b:>7.2f} {f'+{pad}' if pad else '':>5} | {(t_f + t_b) / (r_f + r_b):>9.2f}x")
-    print(f"{'total':<9} {'':>11} {'':>4} | {tot_t:>17.2f} | {tot_r:>16.2f} {'':>5} | {tot_t / tot_r:>9.2f}x")
+              f"{r_b:>7.2f} {f'+{pad}' if pad else '':>5} | {(t_f + t_b) / (r_f + r_b):>9.2f}x | {lim:>6.2f} "
+              f"{lim / (r_f + r_b):>12.0%}")
+    print(f"{'total':<9} {'':>11} {'':>4} | {tot_t:>17.2f} | {tot_r:>16.2f} {'':>5} | {tot_t / tot_r:>9.2f}x | "
+          f"{tot_l:>6.2f} {tot_l / tot_r:>12.0%}")
 
     tables, d = len(model.emb_l), model.emb_l[0].embedding_dim
     p_pairs = tables * (tables + 1) // 2
