@@ -68,6 +68,13 @@ def gemm_seconds(m: int, k: int, n: int, dtype: str) -> tuple[float, str]:
     return _CACHE[key]
 
 
+def forget() -> None:
+    """Drop every measured product, so the next limit is measured afresh (once per timing round:
+    on a busy VM the machine's speed drifts over a run, and a step is only comparable with a
+    limit measured next to it)."""
+    _CACHE.clear()
+
+
 def linear_layers(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 

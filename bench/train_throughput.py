@@ -4,7 +4,9 @@ All systems train the same model (a preset from ``recc.models``) from the same i
 on the same pre-generated synthetic batches, in one process with the same number of torch
 threads. Each system runs its warm-up steps, then the systems take turns in timing rounds
 (a few steps each, the order rotating every round) so that noise on the machine lands on all
-of them alike; the reported figure is each system's median over the rounds.
+of them alike; the reported figure is each system's median over the rounds. The machine's limit
+(``machine_limit.py``) is measured afresh at the start of every round of the full step, and each
+system's ``of limit`` is the median over rounds of that round's limit / its step time there.
 
 Systems (for ``--optimizer sgd`` / ``rowwise_adagrad``):
 
@@ -890,7 +892,10 @@ class Timed:
         return (max(self.step_times) - min(self.step_times)) / self.median
 
 
-def interleaved(systems: list[System], num_batches: int, *, warmup: int, steps: int, rounds: int) -> list[Timed]:
+def interleaved(systems: list[System], num_batches: int, *, warmup: int, steps: int, rounds: int,
+                each_round=None) -> list[Timed]:
+    """Warm-up, then ``rounds`` timing rounds of ``steps`` steps per system; ``each_round()``, when
+    given, runs at the start of every round (the limit's measurement, next to the steps it bounds)."""
     timed = [Timed(s, num_batches) for s in systems]
     for t in timed:
         t.run(warmup)
@@ -899,6 +904,8 @@ def interleaved(systems: list[System], num_batches: int, *, warmup: int, steps: 
     gc.disable()
     try:
         for r in range(rounds):
+            if each_round is not None:
+                each_round()
             shift = r % len(timed)
             for t in timed[shift:] + timed[:shift]:  # rotate who goes first
                 t.step_times.append(t.run(steps))
@@ -1006,6 +1013,16 @@ def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _median_round(round_limits: list[dict], dtype: str) -> dict:
+    """The round whose ``dtype`` limit is the median of the rounds' (the upper median)."""
+    return sorted((lim[dtype] for lim in round_limits), key=lambda x: x["seconds"])[len(round_limits) // 2]
+
+
+def _limit_range(round_limits: list[dict]) -> str:
+    return ", ".join(f"{d} {min(s) * 1e3:.1f}-{max(s) * 1e3:.1f} ms" for d, s in sorted(
+        {d: [lim[d]["seconds"] for lim in round_limits] for d in round_limits[0]}.items()))
+
+
 def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, threads):
     eps = 1e-8
     ctx = dict(model=model, batches=batches, kjts=kjts, grads=grads, optimizer=optimizer, lr=args.lr,
@@ -1020,21 +1037,31 @@ def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, 
     # Full training step.
     systems = build_systems("model", which, ctx)
     parity_check(systems, model, batches[0])
-    timed = interleaved(systems, len(batches), warmup=args.warmup, steps=args.steps, rounds=args.rounds)
+    emb_bytes = embedding_bytes(model, batches, optimizer)
+    dtypes = sorted({s.dtype for s in systems})
+    round_limits: list[dict] = []   # per round: dtype -> machine_limit.step_limit
+
+    def measure_limit():
+        machine_limit.forget()
+        bw = memory_bandwidth(threads, repeats=3)
+        round_limits.append({d: machine_limit.step_limit(model, B, d, emb_bytes, bw) for d in dtypes})
+
+    timed = interleaved(systems, len(batches), warmup=args.warmup, steps=args.steps, rounds=args.rounds,
+                        each_round=measure_limit)
     # Each row against the TorchRec / eager row of its own dtype (recc bf16 vs TorchRec+autocast).
     tr = {t.system.dtype: t.median for t in timed if isinstance(t.system, TorchRecSystem)}
     ea = {t.system.dtype: t.median for t in timed if isinstance(t.system, EagerSystem)}
-    emb_bytes = embedding_bytes(model, batches, optimizer)
-    limits = {d: machine_limit.step_limit(model, B, d, emb_bytes, bandwidth) for d in {t.system.dtype for t in timed}}
-    print(f"\n  full training step (median of {args.rounds} rounds); the machine's limit, measured in this run:")
-    for d, lim in sorted(limits.items()):
-        print(f"    {machine_limit.describe(lim, d)}")
+    print(f"\n  full training step (median of {args.rounds} rounds); the machine's limit, measured at the start "
+          f"of every round (the median round's; it ranged {_limit_range(round_limits)}):")
+    for d in dtypes:
+        print(f"    {machine_limit.describe(_median_round(round_limits, d), d)}")
     print(f"  {'system':<28} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} {'of limit':>9} "
           f"{'vs torchrec':>12} {'vs eager':>9} {'last loss':>10}")
     for t in timed:
         m, d = t.median, t.system.dtype
+        of_limit = statistics.median(lim[d]["seconds"] / s for lim, s in zip(round_limits, t.step_times))
         print(f"  {t.system.name:<28} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
-              f"{limits[d]['seconds'] / m:>8.0%} {fmt_ratio(tr[d] / m if d in tr else None):>12} "
+              f"{of_limit:>8.0%} {fmt_ratio(tr[d] / m if d in tr else None):>12} "
               f"{fmt_ratio(ea[d] / m if d in ea else None):>9} {t.last_loss:>10.4f}")
     del systems, timed
     gc.collect()
