@@ -1059,7 +1059,7 @@ def run_optimizer(args, cfg, model, batches, kjts, grads, optimizer, bandwidth, 
           f"{'vs torchrec':>12} {'vs eager':>9} {'last loss':>10}")
     for t in timed:
         m, d = t.median, t.system.dtype
-        of_limit = statistics.median(lim[d]["seconds"] / s for lim, s in zip(round_limits, t.step_times))
+        of_limit = statistics.median(lim[d]["seconds"] / s for lim, s in zip(round_limits, t.step_times, strict=True))
         print(f"  {t.system.name:<28} {B / m:>11,.0f} {m * 1e3:>9.2f} {t.best * 1e3:>9.2f} {t.spread:>6.0%} "
               f"{of_limit:>8.0%} {fmt_ratio(tr[d] / m if d in tr else None):>12} "
               f"{fmt_ratio(ea[d] / m if d in ea else None):>9} {t.last_loss:>10.4f}")

@@ -1,6 +1,7 @@
 /* bf16 <-> fp32 for the C kernels that read or write bf16 (interaction.c, tbe_backward.c).
- * A bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even and
- * keeps a NaN a quiet NaN (torch's rule, so the kernels' bf16 equals `tensor.to(torch.bfloat16)`).
+ * A bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even, as
+ * `tensor.to(torch.bfloat16)` does, bit for bit but for NaN: a NaN keeps its sign and the top of
+ * its payload with the quiet bit set (fp32 0x7FC00000 -> 0x7FC0), where torch writes 0xFFFF.
  * native.py hashes this header with each source that includes it. */
 #ifndef RECC_BF16_H
 #define RECC_BF16_H

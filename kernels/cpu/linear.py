@@ -109,8 +109,8 @@ def bf16_products() -> str:
     2048x512x512 product both ways, alternately, best of 5 (~70 ms, once per process), and takes
     fp32 only when it is clearly faster (under 0.9x the bf16 time, widening included; on the Xeon
     0.67-0.88x at this shape, busy VM, 0.6x at kaggle's). Activations, saved tensors and
-    the dist's payloads stay bf16 either way; only the GEMMs' operands are widened, in cache-sized
-    passes the GEMMs read next."""
+    the dist's payloads stay bf16 either way; the GEMMs read fp32 widenings of their operands,
+    each made once and kept next to its bf16 tensor until that is freed (``_WIDE``)."""
     raw = os.environ.get("RECC_BF16_PRODUCTS", "auto").strip().lower()
     if raw not in _BF16_CHOICE:
         if raw in BF16_PRODUCTS:
@@ -128,20 +128,34 @@ def _widen_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 # A bf16 tensor -> (its fp32 widening, the bf16 tensor's version when widened). A bf16 layer on
-# fp32 units reads each bf16 operand as fp32 in its forward and again in its backward, and an
-# MLP's next layer reads this layer's output: the widening is made once, when the output is
-# rounded (``_round_keep_wide``) or on the first read (``_widened``), and lives as long as the bf16
-# tensor. kaggle at B=4096: 10 widenings of a [4096, 512] activation per step became 6.
+# fp32 units reads each bf16 operand as fp32 in its forward, its input again in its backward (the
+# weight gradient), and an MLP's next layer reads this layer's output: the widening is made once,
+# when the output is rounded (``_round_keep_wide``) or on the first read (``_widened``), and lives
+# as long as the bf16 tensor (a saved activation: until its backward has run; ~33 MB at kaggle's
+# B=4096). kaggle at B=4096: 10 copies of a [4096, 512] activation per step became 3.
+#
+# Only tensors made in this step are kept: a layer's rounded output, and bf16 tensors with a
+# grad_fn (made by an op of this step's graph, e.g. a weight's per-step cast). A leaf (a bf16
+# parameter, a user's input buffer) can be rewritten in ways its version counter does not see
+# (``.data``, numpy, ``data_ptr``), so it is widened afresh at every read; inference tensors
+# (``torch.inference_mode``) have no version counter and are not kept either.
 _WIDE = WeakTensorKeyDictionary()
 
 
+def _keepable(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and not t.is_inference()
+
+
 def _widened(t: torch.Tensor) -> torch.Tensor:
-    """``t.float()``, made once per bf16 tensor (and made again if ``t`` was written in place)."""
+    """``t.float()``, made once per bf16 tensor of this step (again if ``t`` was written in place)."""
+    if not _keepable(t):
+        return t.float()
     hit = _WIDE.get(t)
     if hit is not None and hit[1] == t._version:
         return hit[0]
     wide = t.float()
-    _WIDE[t] = (wide, t._version)
+    if t.grad_fn is not None:
+        _WIDE[t] = (wide, t._version)
     return wide
 
 
@@ -152,7 +166,8 @@ def _round_keep_wide(y: torch.Tensor) -> torch.Tensor:
         return y.to(torch.bfloat16)
     out = torch.empty(y.shape, dtype=torch.bfloat16)
     lib.recc_round_bf16_keep_f32(y.data_ptr(), out.data_ptr(), y.numel(), torch.get_num_threads())
-    _WIDE[out] = (y, out._version)
+    if _keepable(out):
+        _WIDE[out] = (y, out._version)
     return out
 
 

@@ -448,7 +448,7 @@ static inline v16f load16(const float* p) {
 static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof(v)); }
 
 /* bf16 <-> fp32 for whole vectors: a bf16 is the top half of an fp32; rounding to nearest even,
- * a NaN kept a quiet NaN (torch's rule, element for element as interaction.c's scalar one). */
+ * a NaN kept a quiet NaN (element for element as bf16.h's scalar f32_to_bf16). */
 typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));

@@ -253,11 +253,14 @@ def test_relu_backward_widens_bf16_to_fp32_exactly():
 
 def test_rounding_to_bf16_keeps_the_rounded_fp32_values():
     """The fp32-unit forward's output pass: its bf16 bits are torch's round-to-nearest-even (ties,
-    subnormals, infinities, NaN), and the fp32 it keeps is exactly those bf16 values widened."""
+    subnormals, infinities; a NaN stays a NaN — torch writes 0xFFFF, the kernel a quiet NaN of the
+    same sign), and the fp32 it keeps is exactly those bf16 values widened."""
     g = torch.Generator().manual_seed(4)
     special = torch.tensor([0.0, -0.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1e-40, -1e-40, 3.4e38,
                             float("inf"), float("-inf"), float("nan")])
     y = torch.cat([torch.randn(4099, generator=g) * 100, special])
+    if linear_mod._KERNELS.get() is None:
+        pytest.skip("no C kernels here (RECC_CPU_KERNELS=reference or no compiler)")
     want = y.to(torch.bfloat16)
     kept = y.clone()
     got = linear_mod._round_keep_wide(kept)
@@ -288,6 +291,28 @@ def test_bf16_layers_on_fp32_units_widen_each_activation_once(monkeypatch):
     torch.testing.assert_close(dw2.float(), torch.ones(512, 128).t().mm(h.float()), rtol=1e-2, atol=1e-1)
     h.mul_(2)
     assert torch.equal(linear_mod._widened(h), h.float())
+
+
+def test_bf16_widening_is_not_kept_for_tensors_from_outside_the_step(monkeypatch):
+    """A leaf bf16 tensor (a parameter, a user's buffer) rewritten where its version counter does
+    not see it (``.data``) is read afresh by the next forward; a tensor made by this step's graph
+    keeps its widening; inference tensors have no version counter and still run."""
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", "fp32")
+    x, w, bvec, _ = _bf16_case()
+    first = linear_forward(x, w, None, "none")
+    x.data = (x.float() * 2).bfloat16()          # a new storage, x's version unchanged
+    second = linear_forward(x, w, None, "none")
+    torch.testing.assert_close(second.float(), 2 * first.float(), rtol=2e-2, atol=2e-2)
+    made = x.float().requires_grad_().bfloat16()  # has a grad_fn: an op of this step made it
+    assert linear_mod._widened(made) is linear_mod._widened(made)
+    with torch.inference_mode():
+        xi, wi, bi = x.clone(), w.clone(), bvec.clone()
+        inf = linear_forward(linear_forward(xi, wi, bi, "relu"), wi[:, :256].contiguous(), None, "none")
+    with torch.no_grad():
+        ref = linear_forward(linear_forward(x, w, bvec, "relu"), w[:, :256].contiguous(), None, "none")
+    assert torch.equal(inf, ref)
 
 
 def test_fastest_takes_the_faster_candidate_once_per_shape(monkeypatch):
