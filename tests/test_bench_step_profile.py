@@ -1,0 +1,67 @@
+"""bench/step_profile.py: every profiled op lands in the part its name says, and the parts of a
+real recc step add up to that step."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def step_profile():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import step_profile
+        yield step_profile
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_ops_land_in_the_part_their_name_says(step_profile):
+    sp = step_profile
+    assert sp.part_of("aten::mm") == sp.part_of("mkldnn::_linear_pointwise") == "GEMMs"
+    assert sp.part_of("recc.tbe_lookup[cpu]") == sp.part_of("TBELookup") == "embedding forward"
+    assert sp.part_of("TBELookupBackward") == "embedding backward + update"
+    assert sp.part_of("DotInteractionBackward") == "interaction"
+    assert sp.part_of("recc.pack_sparse[cpu]").startswith("pack_sparse")
+    # a name that only starts like a part's exact name is not that part
+    assert sp.part_of("aten::mm_out_special") == sp.part_of("aten::relu") == sp.OTHER
+
+
+def _row(out: str, label: str) -> list[float]:
+    line = next(ln for ln in out.splitlines() if ln.startswith(label))
+    return [float(v) for v in re.findall(r"\d+\.\d+", line[len(label):])]
+
+
+def test_the_parts_of_a_recc_step_add_up_to_it(step_profile, capsys):
+    step_profile.main(["--config", "tiny", "--steps", "2", "--warmup", "1", "--precision", "fp32,bf16"])
+    out = capsys.readouterr().out
+    steps = _row(out, "step (unprofiled median)")
+    parts = [_row(out, p) for p in [*step_profile.PARTS, step_profile.OTHER]]
+    assert len(steps) == 2 and all(len(p) >= 2 for p in parts)
+    for col in range(2):
+        assert sum(p[col] for p in parts) == pytest.approx(steps[col], abs=0.01 * len(parts))
+        for name in ("GEMMs", "embedding forward", "embedding backward + update", "interaction"):
+            assert _row(out, name)[col] > 0, f"{name} is empty in column {col}:\n{out}"
+    assert "80% of the limit is a" in out
+
+
+def test_every_op_s_own_time_is_counted_once(step_profile):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    a = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            with torch.profiler.record_function("TBELookupBackward"):
+                (a @ a).relu().sum()
+    parts, other = step_profile.parts_per_step(prof, steps=3)
+    total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6 / 3
+    assert sum(parts.values()) == pytest.approx(total, rel=1e-9)
+    assert parts["GEMMs"] > 0 and parts["embedding backward + update"] > 0
+    assert sum(other.values()) == pytest.approx(parts[step_profile.OTHER], rel=1e-9)
+    assert "aten::relu" in other or "aten::clamp_min" in other
