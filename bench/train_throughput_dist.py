@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import machine_limit
 import train_throughput as tt
 from recc.heap import keep_step_memory
 from recc.models import SyntheticData, build_model, load_preset, slice_batch
@@ -247,6 +248,25 @@ def rank_main(job: dict) -> dict:
                 e.parity = (e.system.predict(0) - want).abs().max().item()
             attempt(e, "parity check", check)
 
+    round_limits: list[dict] = []   # rank 0's, per round: dtype -> machine_limit.step_limit
+
+    def measure_limit() -> None:
+        """The machine's limit for one step of the global batch, measured by rank 0 with every core
+        while the other ranks wait in the next vote (a gloo all-reduce blocks in a socket read and
+        leaves the cores to rank 0): the world does the global batch's work on this one machine."""
+        spec = job.get("limit")
+        if rank != 0 or not spec:
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(spec["cores"])
+        try:
+            machine_limit.forget()
+            bw = tt.memory_bandwidth(spec["cores"], repeats=3)
+            round_limits.append({d: machine_limit.step_limit(model, spec["batch"], d, spec["emb_bytes"], bw)
+                                 for d in spec["dtypes"]})
+        finally:
+            torch.set_num_threads(threads)
+
     def run(e: _Entry, steps: int) -> None:
         for _ in range(steps):
             loss = e.system.step(e.next_batch % nb)
@@ -264,6 +284,7 @@ def rank_main(job: dict) -> dict:
     gc.disable()
     try:
         for r in range(job["rounds"]):
+            measure_limit()
             live = [e for e in entries if e.system is not None]
             shift = r % max(1, len(live))
             for e in live[shift:] + live[:shift]:
@@ -290,7 +311,7 @@ def rank_main(job: dict) -> dict:
         if gc_was_enabled:
             gc.enable()
 
-    out = {"rank": rank, "threads": torch.get_num_threads(), "systems": {}}
+    out = {"rank": rank, "threads": torch.get_num_threads(), "systems": {}, "limits": round_limits}
     for e in entries:
         out["systems"][e.key] = dict(name=e.name, error=e.error, failed_at=e.failed_at, times=e.times,
                                      last_loss=e.last_loss, parity=e.parity, faults=e.faults,
@@ -365,9 +386,12 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             else:
                 print("  program.plan (sharding='auto'): as printed above")
 
+    dtypes = ["fp32", "bf16"] if args.precision == "bf16" else ["fp32"]
+    limit = dict(dtypes=dtypes, emb_bytes=tt.embedding_bytes(model, batches, optimizer), batch=B,
+                 cores=len(os.sched_getaffinity(0)))
     job = dict(model=model, batches=batches, optimizer=optimizer, lr=args.lr, eps=eps, systems=systems,
                programs=programs, threads=args.threads, warmup=args.warmup, steps=args.steps,
-               rounds=args.rounds)
+               rounds=args.rounds, limit=limit)
     t0 = time.perf_counter()
     try:
         results = recc.launch(rank_main, recc.Cluster.local(W), job)
@@ -415,8 +439,22 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             return None
         return statistics.median(a / b for a, b in zip(per_round[ref], per_round[key]))
 
+    round_limits = results[0]["limits"]
+
+    def of_limit(key):
+        """Median over rounds of that round's limit / the world's step in it (the row's dtype)."""
+        d = "bf16" if key.endswith("_bf16") else "fp32"
+        if key not in per_round or len(per_round[key]) != len(round_limits):
+            return None
+        return statistics.median(lim[d]["seconds"] / t for lim, t in zip(round_limits, per_round[key], strict=True))
+
     print(f"\n  full training step, world of {W} (median of {args.rounds} rounds; samples/s = global B / step time)")
-    print(f"  {'system':<34} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} "
+    if round_limits:
+        print(f"  the machine's limit for a step of the global batch, measured by rank 0 with all {limit['cores']} "
+              f"cores at the start of every round (the median round's; it ranged {tt._limit_range(round_limits)}):")
+        for d in dtypes:
+            print(f"    {machine_limit.describe(tt._median_round(round_limits, d), d)}")
+    print(f"  {'system':<34} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} {'of limit':>9} "
           f"{'vs torchrec':>12} {'(paired)':>9} {'vs eager+DDP':>13} {'last loss':>10}")
     for key, per_rank in rows.items():
         name = per_rank[0]["name"]
@@ -425,7 +463,9 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             loss = statistics.mean(p["last_loss"] for p in per_rank)  # equal slices: the global mean
             tr = med.get(base("torchrec", key), (None,))[0]
             ea = med.get(base("eager", key), (None,))[0]
+            frac = of_limit(key)
             print(f"  {name:<34} {B / m:>11,.0f} {m * 1e3:>9.2f} {best * 1e3:>9.2f} {spread:>6.0%} "
+                  f"{'-' if frac is None else format(frac, '.0%'):>9} "
                   f"{tt.fmt_ratio(tr / m if tr else None):>12} {tt.fmt_ratio(paired(key)):>9} "
                   f"{tt.fmt_ratio(ea / m if ea else None):>13} {loss:>10.4f}")
         elif key in compile_errors:
