@@ -5,11 +5,12 @@
 
 Each variant (every --precision x --table-dtype pair) is compiled with recc and trained on the
 same synthetic batches as ``train_throughput.py``: a few untimed steps, then ``--steps`` timed
-steps (their median is the step), then ``--steps`` more under ``torch.profiler``. Every profiled
+steps, the variants taking turns two steps at a time (their median is the step), then ``--steps``
+more of each under ``torch.profiler``. Every profiled
 op's own time (``self_cpu_time_total``) is put in one part by its name (``PARTS``; recc's
 autograd functions and ops are named ranges, so the parts read like the IR), per step. The
 machine's limit (``machine_limit.py``: the GEMMs at their fastest path, the embedding bytes at
-copy bandwidth) is measured right before each variant is timed.
+copy bandwidth) is measured right before the variants are timed.
 
 The table answers "what bounds this step": the GEMMs' time in the step against their share of
 the limit, the embedding kernels against the bytes floor, and everything else, which the limit
@@ -78,24 +79,35 @@ def make_system(model, batches, grads, args, precision: str, table_dtype: str):
     return tt.ReccSystem(model, batches, args.optimizer, args.lr, 1e-8, precision, table_dtype)
 
 
-def measure(system, n_batches: int, args):
-    """(median step seconds, profiled seconds per step, part -> s/step, other op -> s/step)."""
-    for i in range(args.warmup):
-        system.step(i % n_batches)
-    times = []
-    for i in range(args.steps):
-        t0 = time.perf_counter()
-        system.step(i % n_batches)
-        times.append(time.perf_counter() - t0)
+def time_interleaved(systems: list, n_batches: int, args) -> list[float]:
+    """Median step seconds of each system: warm-up, then ``--steps`` timed steps each, two at a
+    time, the systems taking turns (run one after the other, the second ran up to 1.2x slower
+    than in the opposite order: it inherits the first one's cache and heap)."""
+    for system in systems:
+        for i in range(args.warmup):
+            system.step(i % n_batches)
+    times: list[list[float]] = [[] for _ in systems]
+    for r in range(0, args.steps, 2):
+        for k, system in enumerate(systems):
+            for i in range(r, min(r + 2, args.steps)):
+                t0 = time.perf_counter()
+                system.step(i % n_batches)
+                times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def profile_steps(system, n_batches: int, args):
+    """(profiled seconds per step, part -> s/step, other op -> s/step) over ``--steps`` steps."""
     from torch.profiler import ProfilerActivity, profile
 
+    system.step(0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for i in range(args.steps):
             system.step(i % n_batches)
         profiled = (time.perf_counter() - t0) / args.steps
     parts, other = parts_per_step(prof, args.steps)
-    return statistics.median(times), profiled, parts, other
+    return profiled, parts, other
 
 
 def main(argv=None) -> None:
@@ -152,19 +164,20 @@ def main(argv=None) -> None:
           f"{threads} threads | torch {torch.__version__} | {args.steps} steps timed, {args.steps} profiled")
 
     variants = [(pr, td) for pr in precisions for td in table_dtypes]
-    cols = []
     keep_step_memory()
-    for pr, td in variants:
-        system = make_system(model, batches, grads, args, pr, td)
-        machine_limit.forget()
-        bw = tt.memory_bandwidth(threads, repeats=3)
+    systems = [make_system(model, batches, grads, args, pr, td) for pr, td in variants]
+    machine_limit.forget()
+    bw = tt.memory_bandwidth(threads, repeats=3)
+    steps = time_interleaved(systems, len(batches), args)
+    cols = []
+    for (pr, td), system, step in zip(variants, systems, steps, strict=True):
         limit = machine_limit.step_limit(model, B, pr, emb_bytes, bw)
         if args.embedding_only:
             limit = {**limit, "seconds": limit["embedding_s"], "dense_s": 0.0}
-        step, profiled, parts, other = measure(system, len(batches), args)
+        profiled, parts, other = profile_steps(system, len(batches), args)
         cols.append(dict(name=f"{pr} dense, {td} tables" if not args.embedding_only else f"{td} tables",
                          limit=limit, step=step, profiled=profiled, parts=parts, other=other))
-        del system
+    del systems
 
     w = max(len(c["name"]) for c in cols)
     w = max(w, 10)
