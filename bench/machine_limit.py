@@ -32,6 +32,8 @@ import time
 import torch
 from torch import nn
 
+from recc.kernels.cpu.linear import onednn_has_bf16
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CACHE: dict = {}
 
@@ -57,7 +59,8 @@ def gemm_seconds(m: int, k: int, n: int, dtype: str) -> tuple[float, str]:
         bt = b.t().contiguous()                       # oneDNN's linear takes the weight as [n, k]
         paths = {"torch.mm": lambda: torch.mm(a, b)}
         pointwise = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-        if pointwise is not None:
+        # oneDNN builds no bf16 primitive where it has no bf16 kernels (an AVX2-only CPU)
+        if pointwise is not None and (dt == torch.float32 or onednn_has_bf16()):
             paths["onednn"] = lambda: pointwise(a, bt, None, "none", [], "")
         times = {name: _best_seconds(fn) for name, fn in paths.items()}
         if dt == torch.bfloat16:

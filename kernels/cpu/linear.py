@@ -59,10 +59,25 @@ def _pointwise():
     return op
 
 
-def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _onednn_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x @ w.T`` is a product recc hands to oneDNN (or, in bf16, to its fp32 GEMMs on
+    widened operands): large enough, on the CPU, fp32 or bf16 operands of one dtype."""
     return (native.mode() != "reference" and x.device.type == "cpu" and x.dtype == w.dtype
             and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
             and x.shape[0] * w.shape[0] * w.shape[1] >= MIN_MACS and _pointwise() is not None)
+
+
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU. Without AVX512 (an AVX2-only EPYC VM) it has no
+    bf16 kernel and its bf16 primitives fail to build ("could not create a primitive
+    descriptor"), so bf16 products go to its fp32 GEMMs on widened operands instead."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe is not None and probe())
+
+
+def _use_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether oneDNN runs ``x @ w.T`` in x's own dtype."""
+    return _onednn_eligible(x, w) and (x.dtype == torch.float32 or onednn_has_bf16())
 
 
 BF16_PRODUCTS = ("bf16", "fp32")
@@ -108,7 +123,8 @@ def bf16_products() -> str:
     ``RECC_BF16_PRODUCTS=bf16|fp32`` forces one; otherwise (``auto``) the first call times one
     2048x512x512 product both ways, alternately, best of 5 (~70 ms, once per process), and takes
     fp32 only when it is clearly faster (under 0.9x the bf16 time, widening included; on the Xeon
-    0.67-0.88x at this shape, busy VM, 0.6x at kaggle's). Activations, saved tensors and
+    0.67-0.88x at this shape, busy VM, 0.6x at kaggle's); where oneDNN has no bf16 GEMMs
+    (``onednn_has_bf16``: an AVX2-only CPU), fp32 without timing. Activations, saved tensors and
     the dist's payloads stay bf16 either way; the GEMMs read fp32 widenings of their operands,
     each made once and kept next to its bf16 tensor until that is freed (``_WIDE``)."""
     raw = os.environ.get("RECC_BF16_PRODUCTS", "auto").strip().lower()
@@ -116,7 +132,12 @@ def bf16_products() -> str:
         if raw in BF16_PRODUCTS:
             _BF16_CHOICE[raw] = raw
         elif raw == "auto":
-            _BF16_CHOICE[raw] = _measure_bf16_products() if _pointwise() is not None else "bf16"
+            if _pointwise() is None:
+                _BF16_CHOICE[raw] = "bf16"      # no oneDNN: torch's own bf16 products
+            elif not onednn_has_bf16():
+                _BF16_CHOICE[raw] = "fp32"      # no bf16 GEMMs on this CPU: nothing to time
+            else:
+                _BF16_CHOICE[raw] = _measure_bf16_products()
         else:
             raise ValueError(f"RECC_BF16_PRODUCTS={raw!r}: expected auto, bf16 or fp32")
     return _BF16_CHOICE[raw]
@@ -124,7 +145,7 @@ def bf16_products() -> str:
 
 def _widen_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether this bf16 product runs on fp32 units (``bf16_products``)."""
-    return x.dtype == torch.bfloat16 and _use_onednn(x, w) and bf16_products() == "fp32"
+    return x.dtype == torch.bfloat16 and _onednn_eligible(x, w) and bf16_products() == "fp32"
 
 
 # A bf16 tensor -> (its fp32 widening, the bf16 tensor's version when widened). A bf16 layer on
@@ -187,10 +208,10 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} do not multiply (x must be "
                          f"[B, K] and weight [N, K])")
-    if not _use_onednn(x, w):
-        return _torch_linear(x, w, b, activation)
     if _widen_bf16(x, w):
         return _round_keep_wide(_forward(_widened(x), _widened(w), None if b is None else b.float(), activation))
+    if not _use_onednn(x, w):
+        return _torch_linear(x, w, b, activation)
     return _forward(x.contiguous(), w.contiguous(), b, activation)
 
 

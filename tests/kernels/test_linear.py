@@ -176,8 +176,8 @@ def test_bf16_products_on_fp32_units_equal_bf16_gemms(monkeypatch, activation):
     """The two ways to run a bf16 product compute one thing (exact products, fp32 sums, one
     rounding to bf16): results agree but for a rare last-bit tie from the summation order, and the
     fp32-unit results are the fp32 product of the same operands, rounded once."""
-    if linear_mod._pointwise() is None:
-        pytest.skip("this torch has no oneDNN")
+    if linear_mod._pointwise() is None or not linear_mod.onednn_has_bf16():
+        pytest.skip("oneDNN has no bf16 GEMMs here")
     x, w, bvec, grad = _bf16_case()
     out = {}
     for units in linear_mod.BF16_PRODUCTS:
@@ -200,7 +200,7 @@ def test_bf16_products_run_where_bf16_products_says(monkeypatch):
     ones otherwise (a dispatch that ignored the choice would leave the bf16 GEMMs running)."""
     if linear_mod._pointwise() is None:
         pytest.skip("this torch has no oneDNN")
-    real_op, real_wg = linear_mod._pointwise(), linear_mod.weight_grad
+    real_op = linear_mod._pointwise()
     seen = []
 
     def spy_op(a, b, *rest):
@@ -208,26 +208,62 @@ def test_bf16_products_run_where_bf16_products_says(monkeypatch):
         return real_op(a, b, *rest)
 
     def spy_wg(g, x):
+        # its own product (weight_grad may itself call oneDNN, by CPU vendor)
         seen.append(("weight_grad", g.dtype, x.dtype))
-        return real_wg(g, x)
+        return g.t().mm(x)
 
     monkeypatch.setattr(linear_mod, "_pointwise", lambda: spy_op)
     monkeypatch.setattr(linear_mod, "weight_grad", spy_wg)
     monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "0")     # the default backends: one call each
     x, w, bvec, grad = _bf16_case()
+    bf16_gemms = linear_mod.onednn_has_bf16()
     for units, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         monkeypatch.setenv("RECC_BF16_PRODUCTS", units)
         seen.clear()
         y = linear_forward(x, w, bvec, "relu")
         linear_backward(grad, x, w, y, "relu")
+        if dtype == torch.bfloat16 and not bf16_gemms:
+            # oneDNN has no bf16 kernels on this CPU: never asked for one (it would fail to build)
+            assert [s[0] for s in seen] == ["weight_grad"] and seen[0][1] == dtype, seen
+            continue
         assert [s[0] for s in seen] == ["onednn", "onednn", "weight_grad"]
         assert all(s[1] == s[2] == dtype for s in seen), (units, seen)
+
+
+def test_bf16_products_go_to_fp32_units_where_onednn_has_no_bf16(monkeypatch):
+    """On a CPU whose oneDNN builds no bf16 primitive (AVX2 only), auto picks the fp32 units
+    without timing, and a bf16 layer then runs: no oneDNN call sees a bf16 operand."""
+    if linear_mod._pointwise() is None:
+        pytest.skip("this torch has no oneDNN")
+    real_op = linear_mod._pointwise()
+    seen = []
+
+    def spy_op(a, b, *rest):
+        seen.append((a.dtype, b.dtype))
+        return real_op(a, b, *rest)
+
+    monkeypatch.setattr(linear_mod, "onednn_has_bf16", lambda: False)
+    monkeypatch.setattr(linear_mod, "_pointwise", lambda: spy_op)
+    monkeypatch.setattr(linear_mod, "_BF16_CHOICE", {})
+    monkeypatch.setattr(linear_mod, "_best_times", lambda c, rounds: pytest.fail("timed bf16 GEMMs"))
+    monkeypatch.setenv("RECC_BF16_PRODUCTS", "auto")
+    assert linear_mod.bf16_products() == "fp32"
+    x, w, bvec, grad = _bf16_case()
+    monkeypatch.setenv("RECC_CPU_GEMM_TUNING", "0")
+    y = linear_forward(x, w, bvec, "relu")
+    dx, dw, db = linear_backward(grad, x, w, y, "relu")
+    assert y.dtype == dx.dtype == dw.dtype == db.dtype == torch.bfloat16
+    assert seen and all(a == b == torch.float32 for a, b in seen), seen
+    want = torch.relu(F.linear(x.float(), w.float(), bvec.float()))
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-2)
+    assert ((y.float() - want).abs() <= ulp).all()
 
 
 def test_bf16_products_auto_takes_fp32_only_when_clearly_faster(monkeypatch):
     if linear_mod._pointwise() is None:
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setenv("RECC_BF16_PRODUCTS", "auto")
+    monkeypatch.setattr(linear_mod, "onednn_has_bf16", lambda: True)
     for bf16_s, fp32_s, want in ((1.0, 0.85, "fp32"), (1.0, 0.95, "bf16"), (0.5, 1.0, "bf16")):
         calls = []
         monkeypatch.setattr(linear_mod, "_best_times",
