@@ -24,6 +24,7 @@ not stay in cache).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import time
 from pathlib import Path
@@ -67,6 +68,7 @@ def _onednn_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.shape[0] * w.shape[0] * w.shape[1] >= MIN_MACS and _pointwise() is not None)
 
 
+@functools.lru_cache(maxsize=None)   # asked per bf16 layer call; the CPU does not change
 def onednn_has_bf16() -> bool:
     """Whether oneDNN runs bf16 GEMMs on this CPU. Without AVX512 (an AVX2-only EPYC VM) it has no
     bf16 kernel and its bf16 primitives fail to build ("could not create a primitive
