@@ -48,6 +48,8 @@ def test_the_parts_of_a_recc_step_add_up_to_it(step_profile, capsys):
         for name in ("GEMMs", "embedding forward", "embedding backward + update", "interaction"):
             assert _row(out, name)[col] > 0, f"{name} is empty in column {col}:\n{out}"
     assert "80% of the limit is a" in out
+    for dtype in ("fp32", "bf16"):   # each dtype's own limit, measured around the steps
+        assert re.search(rf"^{dtype} limit's GEMMs: [0-9.]+ ms, the fastest of 3 measurements", out, re.M), out
 
 
 def test_every_op_s_own_time_is_counted_once(step_profile):
