@@ -59,9 +59,6 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
     Tables built on meta get ``table_init``'s values for ``seed`` (``recc.runtime.table_init``)."""
     group.set_rank(rank)
     rows, dim = group.total_rows, group.dim
-    if group.weight_dtype == torch.bfloat16 and device.type == "cuda":
-        raise ValueError(f"table group {group.group_name}: bf16 tables have no CUDA kernel; use "
-                         f"CompileConfig(table_dtype='fp16') on GPUs")
     # Half tables start as the user's fp32 values rounded to nearest (copy_ converts).
     weights = _table_memory((rows, dim), device, group.weight_dtype)
     for j in range(group.num_tables):

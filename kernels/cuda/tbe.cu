@@ -1,6 +1,6 @@
 /*
  * CUDA kernels for one table-batched embedding (TBE) group: T tables sharing a dim D, stored
- * as one concatenated weight [R, D] (fp32 or fp16), with the semantics of recc.kernels.cpu.tbe.
+ * as one concatenated weight [R, D] (fp32, fp16 or bf16), with the semantics of recc.kernels.cpu.tbe.
  *
  * Layout (FBGEMM's names): `ids` holds LOCAL ids, tables back to back; `offsets` has T*B+1
  * int64 entries, feature-major (bag j = t*B + b); table t owns weight rows
@@ -13,7 +13,7 @@
  *
  * Forward (tbe_forward_*): a group of `lanes` threads (a power of two <= 32: a sub-warp when D
  * is small) pools one bag, each lane owning V consecutive columns (V = 4: one 16-byte fp32 or
- * 8-byte fp16 load per row; V = 1 when D % 4 != 0 or rows are not aligned), ids unrolled by 4
+ * 8-byte fp16/bf16 load per row; V = 1 when D % 4 != 0 or rows are not aligned), ids unrolled by 4
  * so four row loads are in flight.  Sum or mean (empty bag -> 0), optional per-sample weights.
  *
  * Backward + fused optimizer, "exact" (duplicate ids summed, each row updated once):
@@ -28,11 +28,12 @@
  *     shared memory in a fixed order (deterministic).
  *  Both update kernels return at once when `err` is set (a bad id or, checked by
  *  tbe_linearize, a malformed bag), so a bad batch writes nothing.
- *  fp16 weights are read and updated in fp32 and written back with stochastic rounding (an
- *  unbiased rounding keyed by (seed, row, column), so small updates are not lost to
- *  round-to-nearest); optimizer state is always fp32.
+ *  fp16 and bf16 weights are read and updated in fp32 and written back with stochastic
+ *  rounding (an unbiased rounding keyed by (seed, row, column), so small updates are not lost
+ *  to round-to-nearest); optimizer state is always fp32.
  */
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -57,8 +58,18 @@ __device__ __forceinline__ void load_row(const __half* p, Vec<4>& r) {
     const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&x.y));
     r.v[0] = a.x; r.v[1] = a.y; r.v[2] = b.x; r.v[3] = b.y;
 }
+/* A bf16 is the top half of an fp32: widening is a shift, exact. */
+__device__ __forceinline__ float bf16_bits_to_float(unsigned int bits) { return __uint_as_float(bits << 16); }
+__device__ __forceinline__ void load_row(const __nv_bfloat16* p, Vec<4>& r) {
+    const uint2 x = *reinterpret_cast<const uint2*>(p);
+    r.v[0] = bf16_bits_to_float(x.x & 0xFFFFu); r.v[1] = bf16_bits_to_float(x.x >> 16);
+    r.v[2] = bf16_bits_to_float(x.y & 0xFFFFu); r.v[3] = bf16_bits_to_float(x.y >> 16);
+}
 __device__ __forceinline__ void load_row(const float* p, Vec<1>& r) { r.v[0] = *p; }
 __device__ __forceinline__ void load_row(const __half* p, Vec<1>& r) { r.v[0] = __half2float(*p); }
+__device__ __forceinline__ void load_row(const __nv_bfloat16* p, Vec<1>& r) {
+    r.v[0] = bf16_bits_to_float(__bfloat16_as_ushort(*p));
+}
 
 /* Partial vector loads at the end of a row never happen: the host picks V = 4 only when
  * D % 4 == 0, so a lane's V columns are all inside the row. */
@@ -85,11 +96,26 @@ __device__ __forceinline__ __half stochastic_half(float x, u64 key) {
     return u < frac ? hi : lo;
 }
 
+/* fp32 -> bf16 the same way: the dropped low 16 bits are the fraction of the gap between the
+ * two neighbouring bf16 values (same sign, adjacent bit patterns), so rounding away from zero
+ * with that probability is unbiased. Inf and NaN keep their top half (a NaN stays a NaN: its
+ * quiet bit is in the top half); a finite value never rounds to inf. */
+__device__ __forceinline__ __nv_bfloat16 stochastic_bf16(float x, u64 key) {
+    const unsigned int bits = __float_as_uint(x);
+    const unsigned short lo = (unsigned short)(bits >> 16);
+    if (!isfinite(x) || (lo & 0x7FFF) == 0x7F7F) return __ushort_as_bfloat16(lo);  /* max finite stays */
+    const unsigned int u = (unsigned int)(mix64(key) >> 48);  /* [0, 2^16) */
+    return __ushort_as_bfloat16((unsigned short)(lo + (u < (bits & 0xFFFFu) ? 1 : 0)));
+}
+
 __device__ __forceinline__ void store_row(float* p, const float* v, int n, u64) {
     for (int k = 0; k < n; ++k) p[k] = v[k];
 }
 __device__ __forceinline__ void store_row(__half* p, const float* v, int n, u64 key) {
     for (int k = 0; k < n; ++k) p[k] = stochastic_half(v[k], mix64(key + (u64)k));
+}
+__device__ __forceinline__ void store_row(__nv_bfloat16* p, const float* v, int n, u64 key) {
+    for (int k = 0; k < n; ++k) p[k] = stochastic_bf16(v[k], mix64(key + (u64)k));
 }
 
 /* Rows of table t that are also rows of the weight: hash_size_cumsum is a caller's device
@@ -191,6 +217,8 @@ FORWARD(tbe_forward_f32_v4, float, 4)
 FORWARD(tbe_forward_f32_v1, float, 1)
 FORWARD(tbe_forward_f16_v4, __half, 4)
 FORWARD(tbe_forward_f16_v1, __half, 1)
+FORWARD(tbe_forward_bf16_v4, __nv_bfloat16, 4)
+FORWARD(tbe_forward_bf16_v1, __nv_bfloat16, 1)
 
 /* ------------------------------------------------------------------ backward: linearize */
 
@@ -481,3 +509,7 @@ UPDATE(tbe_update_block_f32_v4, update_block_body, float, 4)
 UPDATE(tbe_update_block_f32_v1, update_block_body, float, 1)
 UPDATE(tbe_update_block_f16_v4, update_block_body, __half, 4)
 UPDATE(tbe_update_block_f16_v1, update_block_body, __half, 1)
+UPDATE(tbe_update_warp_bf16_v4, update_warp_body, __nv_bfloat16, 4)
+UPDATE(tbe_update_warp_bf16_v1, update_warp_body, __nv_bfloat16, 1)
+UPDATE(tbe_update_block_bf16_v4, update_block_body, __nv_bfloat16, 4)
+UPDATE(tbe_update_block_bf16_v1, update_block_body, __nv_bfloat16, 1)

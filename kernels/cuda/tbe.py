@@ -5,8 +5,8 @@ in the calling convention, both so that no host sync is needed on the fast path:
 
 - the kernels take LOCAL ids plus ``hash_size_cumsum`` (a device tensor) and linearize
   inside, checking each id against its own table;
-- weights may be fp32 or fp16 (fp16 rows are pooled in fp32 and updated with stochastic
-  rounding); optimizer state is fp32.
+- weights may be fp32, fp16 or bf16 (half rows are pooled in fp32 and updated in fp32, then
+  written back with stochastic rounding); optimizer state is fp32.
 
 Bounds: ``tbe_forward`` reads back one 16-byte error record after its kernel (the one sync it
 makes) and raises IndexError naming the table, bag and position of the first bad id (ValueError
@@ -61,15 +61,18 @@ def _vector_width(D: int, *tensors: torch.Tensor) -> int:
     return 4
 
 
+_WEIGHT_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
 def _suffix(weights: torch.Tensor, V: int) -> str:
-    return f"{'f32' if weights.dtype == torch.float32 else 'f16'}_v{V}"
+    return f"{_WEIGHT_SUFFIX[weights.dtype]}_v{V}"
 
 
 def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights):
     if not loader.kernel_device(weights.device):
         raise ValueError(f"the CUDA TBE kernels need CUDA tensors, got weights on {weights.device}")
-    if weights.dim() != 2 or weights.dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"weights must be a 2-D float32 or float16 tensor, got {weights.dtype} "
+    if weights.dim() != 2 or weights.dtype not in _WEIGHT_SUFFIX:
+        raise ValueError(f"weights must be a 2-D float32, float16 or bfloat16 tensor, got {weights.dtype} "
                          f"{tuple(weights.shape)}")
     if not weights.is_contiguous():
         raise ValueError("weights must be contiguous (the kernels address rows as row * D)")
@@ -175,7 +178,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         table_names=None, checked: bool = False, weight_decay_mode: str = "l2") -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place; the math of
     ``recc.kernels.cpu.tbe.tbe_backward_update``.  ``seed`` keys the stochastic rounding of
-    fp16 weights (default: ``step``)."""
+    fp16/bf16 weights (default: ``step``)."""
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")

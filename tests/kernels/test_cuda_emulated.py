@@ -1,6 +1,6 @@
 """Every CUDA kernel, run by the CPU harness (``recc.kernels.cuda.emulator``) through the same
 Python launch code a GPU uses, against the CPU reference: TBE forward and the fused backward
-with every optimizer, pooling and weight type; fp16 stochastic rounding; bounds; every codec;
+with every optimizer, pooling and weight type; fp16/bf16 stochastic rounding; bounds; every codec;
 row bucketization.  The harness runs under ASan/UBSan, so a read past a tensor fails here."""
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def case(T, D, B, wdtype, seed, hot=0, weighted=False, mean_len=3):
 @pytest.mark.parametrize("D", DIMS + (1031,))
 @pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", False), ("sum", True)])
 def test_forward_matches_the_reference(D, pooling, weighted):
-    for wdtype in (torch.float32, torch.float16):
+    for wdtype in (torch.float32, torch.float16, torch.bfloat16):
         T, B = 3, 7
         g, rows, ids, offsets, hsc, w, psw = case(T, D, B, wdtype, D, weighted=weighted)
         got = gpu.tbe_forward(w, ids, offsets, hsc, T=T, B=B, pooling=pooling, per_sample_weights=psw)
@@ -142,13 +142,18 @@ def test_backward_matches_the_reference(D, opt):
         assert torch.equal(w_got[untouched], w[untouched]), "rows absent from the batch are not written"
 
 
+HALF = {torch.float16: (2 ** -10, 2 ** -24), torch.bfloat16: (2 ** -7, 2 ** -133)}  # one step: relative, at 0
+
+
+@pytest.mark.parametrize("wdtype", HALF, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 @pytest.mark.parametrize("D", (3, 64, 260))
-def test_backward_fp16_weights(D, opt):
-    w, w_got, w_ref, state, s_ref = _update_both(2, D, 9, torch.float16, opt, "sum", True, hot=gpu.LONG_RUN + 1)
-    assert w_got.dtype == torch.float16
-    # stochastic rounding moves a value by less than one fp16 step (2^-10 relative)
-    assert bool(((w_got.float() - w_ref).abs() <= w_ref.abs() * 2 ** -10 + 2 ** -24).all())
+def test_backward_half_weights(D, opt, wdtype):
+    w, w_got, w_ref, state, s_ref = _update_both(2, D, 9, wdtype, opt, "sum", True, hot=gpu.LONG_RUN + 1)
+    assert w_got.dtype == wdtype
+    # stochastic rounding moves a value by less than one step of its type
+    step, tiny = HALF[wdtype]
+    assert bool(((w_got.float() - w_ref).abs() <= w_ref.abs() * step + tiny).all())
     for k in s_ref:
         assert rel(state[k], s_ref[k]) <= 2e-5, k
 
@@ -227,34 +232,51 @@ def test_results_do_not_depend_on_the_thread_order(seed):
         assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
-# ----------------------------------------------------------------------------- fp16 rounding
+# ----------------------------------------------------------------------------- half rounding
 
 
-def test_fp16_stochastic_rounding_is_unbiased():
-    # One sgd step of lr*g far below half an fp16 step of 1.0 on 256k values: round-to-nearest
-    # would move none; stochastic rounding moves each down with probability frac, so the mean
-    # moves by lr*g within a few standard deviations of the binomial count.
-    R, D, lr = 4096, 64, 1e-4
-    w = torch.ones(R, D, dtype=torch.float16)
+# (type, start, lr, neighbour): one sgd step of lr (gradient 1) far below half the spacing
+# at the start, so round-to-nearest would never move; ``neighbour`` is the value one step
+# toward the fp32 result (below 1.0 for a positive start; past -1.0, away from zero, for -1.0)
+ROUNDING = [(torch.float16, 1.0, 1e-4, 1.0 - 2.0 ** -11), (torch.bfloat16, 1.0, 1e-3, 1.0 - 2.0 ** -8),
+            (torch.bfloat16, -1.0, 1e-3, -1.0 - 2.0 ** -7)]
+
+
+@pytest.mark.parametrize("wdtype,start,lr,neighbour", ROUNDING, ids=["fp16", "bf16", "bf16-negative"])
+def test_stochastic_rounding_is_unbiased(wdtype, start, lr, neighbour):
+    # Stochastic rounding moves each value to the neighbour with probability frac = lr / spacing,
+    # so the fraction moved is frac within a few standard deviations of the binomial count.
+    R, D = 4096, 64
+    w = torch.full((R, D), start, dtype=wdtype)
     ids = torch.arange(R)
     offsets = torch.arange(R + 1)
     hsc = torch.tensor([0, R])
     gpu.tbe_backward_update(w, {}, ids, offsets, hsc, torch.ones(R, D), T=1, B=R, optimizer="sgd", lr=lr, step=1)
-    ulp = 2.0 ** -11  # fp16 spacing just below 1.0
-    frac = lr / ulp
-    lowered = (w != 1.0)
-    assert bool((w[lowered].float() == 1.0 - ulp).all()), "only the two neighbouring halves"
+    frac = lr / abs(neighbour - start)
+    moved = (w != start)
+    assert bool((w[moved].float() == neighbour).all()), "only the two neighbouring values"
     n = R * D
-    p = float(lowered.float().mean())
+    p = float(moved.float().mean())
     sigma = (frac * (1 - frac) / n) ** 0.5
     assert abs(p - frac) < 5 * sigma, (p, frac, sigma)
     # the rounding is keyed by (seed, row, column): another step draws other bits, the same
     # seed the same ones
-    w2 = torch.ones(R, D, dtype=torch.float16)
+    w2 = torch.full((R, D), start, dtype=wdtype)
     gpu.tbe_backward_update(w2, {}, ids, offsets, hsc, torch.ones(R, D), T=1, B=R, optimizer="sgd", lr=lr, step=2)
-    w3 = torch.ones(R, D, dtype=torch.float16)
+    w3 = torch.full((R, D), start, dtype=wdtype)
     gpu.tbe_backward_update(w3, {}, ids, offsets, hsc, torch.ones(R, D), T=1, B=R, optimizer="sgd", lr=lr, step=1)
     assert not torch.equal(w, w2) and torch.equal(w, w3)
+
+
+def test_bf16_rounding_keeps_inf_nan_and_the_largest_finite_value():
+    big = torch.finfo(torch.bfloat16).max
+    w = torch.tensor([[big, -big, float("inf"), float("nan")]], dtype=torch.bfloat16)
+    ids, offsets, hsc = torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0, 1])
+    # a push past the largest finite value (in fp32 still finite: 3.39e38 + 1e36) stays finite
+    gpu.tbe_backward_update(w, {}, ids, offsets, hsc, torch.tensor([[-1e36, 1e36, 0.0, 0.0]]), T=1, B=1,
+                            optimizer="sgd", lr=1.0, step=1)
+    assert w[0, 0].item() == big and w[0, 1].item() == -big
+    assert w[0, 2].item() == float("inf") and bool(torch.isnan(w[0, 3]))
 
 
 def test_fp16_small_updates_accumulate_over_steps():
