@@ -516,6 +516,7 @@ def main(argv=None) -> int:
     if not args.skip_step:
         sections.append(("step small", lambda: bench_step(report, dev, "small", args.batch, None, args.steps)))
         sections.append(("precision steps", lambda: mp.bench_precision_steps(report, dev, bw, args.batch, args.steps)))
+        sections.append(("profile", lambda: mp.profile_recc_step(dev, args.batch)))
         if not args.quick:
             sections.append(("step dlrmv2", lambda: bench_step(report, dev, "dlrmv2", args.batch, 1_000_000,
                                                                max(5, args.steps // 2))))

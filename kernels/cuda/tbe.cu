@@ -22,12 +22,14 @@
  *     stay in index order and its sum order is the CPU kernels' order.
  *  3. tbe_runs: run-length encoding of the sorted rows into run_start[0..num_runs], with
  *     num_runs and run_start read on the device: no host sync.
- *  4. tbe_update_warp_*: one group of `lanes` threads per run (grid-stride), gradient summed in
- *     registers (D <= lanes*V*MAX_CHUNKS), optimizer applied once; runs longer than
- *     `long_run` are left to tbe_update_block_*: a whole block per run, partial sums combined in
- *     shared memory in a fixed order (deterministic).
- *  Both update kernels return at once when `err` is set (a bad id or, checked by
- *  tbe_linearize, a malformed bag), so a bad batch writes nothing.
+ *  4. tbe_long_run_partials_*: runs longer than `long_run` ids (hot rows: thousands of ids
+ *     under a zipf distribution) are cut into segments of `seg` sorted positions, each summed
+ *     by its own group of threads into a partial row.
+ *  5. tbe_update_*: one group of `lanes` threads per run (grid-stride), gradient summed in
+ *     registers (D <= lanes*V*MAX_CHUNKS) — a short run's ids in index order, a long run's
+ *     partials in segment order (deterministic) — and the optimizer applied once.
+ *  Both kernels return at once when `err` is set (a bad id or, checked by tbe_linearize, a
+ *  malformed bag), so a bad batch writes nothing.
  *  fp16 and bf16 weights are read and updated in fp32 and written back with stochastic
  *  rounding (an unbiased rounding keyed by (seed, row, column), so small updates are not lost
  *  to round-to-nearest); optimizer state is always fp32.
@@ -288,7 +290,28 @@ struct OptArgs {
     int decoupled; /* weight decay: 0 L2 (added to g), 1 decoupled (the row shrinks by 1 - lr*wd first) */
 };
 
-/* Sum of ids [s, e) of a run into g (chunk c covers columns d0 + c*lanes*V .. +V). */
+/* One id's gradient row, already scaled: g*w for weighted sums, g/len for mean (the CPU
+ * reference's rounding). */
+template <int V>
+__device__ __forceinline__ const float* id_row(i64 i, const i64* __restrict__ perm,
+                                               const int* __restrict__ bag_of,
+                                               const i64* __restrict__ offsets, int T, i64 B, int D,
+                                               const float* __restrict__ go,
+                                               const float* __restrict__ psw, int mean, float& mul,
+                                               float& div) {
+    const i64 p = perm[i];
+    const int bag = bag_of[p];
+    const int t = (int)(bag / B);
+    const i64 b = bag - (i64)t * B;
+    mul = psw ? psw[p] : 1.0f;
+    div = mean ? (float)(offsets[bag + 1] - offsets[bag]) : 1.0f;
+    return go + b * ((i64)T * D) + (i64)t * D;
+}
+
+/* Sum of ids s, s+step, ... < e of a run into g (chunk c covers columns d_first + c*lanes*V ..
+ * +V).  Four ids are in flight at a time (their rows are independent loads; a run of hundreds
+ * of ids one dependent load chain after another is what bounds the update), and they are
+ * added in index order, so the sum is the one-at-a-time sum. */
 template <int V>
 __device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, i64 step,
                                            int d_first, int nchunks, int lanes, int D,
@@ -297,29 +320,119 @@ __device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64
                                            const i64* __restrict__ offsets, int T, i64 B,
                                            const float* __restrict__ go,
                                            const float* __restrict__ psw, int mean) {
-    for (i64 i = s; i < e; i += step) {
-        const i64 p = perm[i];
-        const int bag = bag_of[p];
-        const int t = (int)(bag / B);
-        const i64 b = bag - (i64)t * B;
-        const float* gr = go + b * ((i64)T * D) + (i64)t * D;
-        const float w = psw ? psw[p] : 1.0f;
-        const float len = mean ? (float)(offsets[bag + 1] - offsets[bag]) : 1.0f;
+    constexpr int U = 4;
+    for (i64 i = s; i < e; i += U * step) {
+        const float* gr[U];
+        float mul[U], div[U];
+        int n = 0;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i64 j = i + u * step;
+            if (j < e) {
+                gr[u] = id_row<V>(j, perm, bag_of, offsets, T, B, D, go, psw, mean, mul[u], div[u]);
+                n = u + 1;
+            }
+        }
 #pragma unroll
         for (int c = 0; c < MAX_CHUNKS; ++c) {
-            if (c < nchunks) {
-                const int d0 = d_first + c * lanes * V;
-                if (d0 < D) {
-                    Vec<V> r;
-                    load_row(gr + d0, r);
+            const int d0 = d_first + c * lanes * V;
+            if (c >= nchunks || d0 >= D) continue;
+            Vec<V> r[U];
 #pragma unroll
-                    for (int k = 0; k < V; ++k) {
-                        /* the CPU reference's rounding: g*w for weighted sums, g/len for mean */
-                        const float v = mean ? r.v[k] / len : (psw ? r.v[k] * w : r.v[k]);
-                        g[c][k] += v;
-                    }
-                }
+            for (int u = 0; u < U; ++u)
+                if (u < n) load_row(gr[u] + d0, r[u]);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (u >= n) break;
+#pragma unroll
+                for (int k = 0; k < V; ++k)
+                    g[c][k] += mean ? r[u].v[k] / div[u] : (psw ? r[u].v[k] * mul[u] : r[u].v[k]);
             }
+        }
+    }
+}
+
+/* Long runs (more than `long_run` ids) are summed in two steps, so a hot row's thousands of
+ * ids are spread over many groups instead of one: the sorted ids are cut into segments of
+ * `seg` positions (seg <= long_run), tbe_long_run_partials sums each segment's share of a long
+ * run into partials[segment][slot][D], and the update kernel adds a run's partials in segment
+ * order (a fixed order: the result does not depend on the schedule).  A segment meets at most
+ * two long runs: slot 0 holds the run that covers its first position, slot 1 the long run
+ * that starts inside it (a long run is longer than a segment, so at most one starts there and
+ * does not end there). */
+template <int V>
+__device__ __forceinline__ void long_run_partials_body(
+        const int* __restrict__ sorted, const int* __restrict__ run_idx,
+        const int* __restrict__ run_start, const i64* __restrict__ perm,
+        const int* __restrict__ bag_of, const i64* __restrict__ offsets, int T, i64 B,
+        const float* __restrict__ go, const float* __restrict__ psw, int mean, i64 N, int D,
+        int lanes, int long_run, int seg, float* __restrict__ partials, const u64* err) {
+    if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
+    const int lane = threadIdx.x % lanes;
+    const i64 group = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / lanes;
+    const i64 groups = ((i64)gridDim.x * blockDim.x) / lanes;
+    const int nchunks = (D + lanes * V - 1) / (lanes * V);
+    const i64 segments = (N + seg - 1) / seg;
+    for (i64 c = group; c < segments; c += groups) {
+        const i64 p0 = c * seg, p1 = min(p0 + (i64)seg, N);
+        if (sorted[p0] == SENTINEL_I32) continue;  /* bad ids sort last: nothing from here on */
+        const int first = run_idx[p0] - 1;
+        int last = first;
+        for (i64 p = p1 - 1; p > p0; --p)  /* the last valid position's run */
+            if (sorted[p] != SENTINEL_I32) { last = run_idx[p] - 1; break; }
+        for (int slot = 0; slot < 2; ++slot) {
+            const int run = slot == 0 ? first : last;
+            if (slot == 1 && (last == first || run_start[last] <= p0)) break;
+            const i64 s = run_start[run], e = run_start[run + 1];
+            if (e - s <= long_run) continue;
+            float g[MAX_CHUNKS][V];
+#pragma unroll
+            for (int cc = 0; cc < MAX_CHUNKS; ++cc)
+#pragma unroll
+                for (int k = 0; k < V; ++k) g[cc][k] = 0.0f;
+            accumulate<V>(g, max(s, p0), min(e, p1), 1, lane * V, nchunks, lanes, D, perm, bag_of,
+                          offsets, T, B, go, psw, mean);
+            float* out = partials + (c * 2 + slot) * (i64)D;
+#pragma unroll
+            for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+                const int d0 = lane * V + cc * lanes * V;
+                if (cc < nchunks && d0 < D)
+#pragma unroll
+                    for (int k = 0; k < V; ++k) out[d0 + k] = g[cc][k];
+            }
+        }
+    }
+}
+
+#define PARTIALS(NAME, V)                                                                       \
+    extern "C" __global__ void NAME(const int* sorted, const int* run_idx, const int* run_start, \
+                                    const i64* perm, const int* bag_of, const i64* offsets,     \
+                                    int T, i64 B, const float* go, const float* psw, int mean,  \
+                                    i64 N, int D, int lanes, int long_run, int seg,             \
+                                    float* partials, const u64* err) {                         \
+        long_run_partials_body<V>(sorted, run_idx, run_start, perm, bag_of, offsets, T, B, go, \
+                                  psw, mean, N, D, lanes, long_run, seg, partials, err);        \
+    }
+PARTIALS(tbe_long_run_partials_v4, 4)
+PARTIALS(tbe_long_run_partials_v1, 1)
+
+/* A long run's gradient: its segments' partials added in segment order. */
+template <int V>
+__device__ __forceinline__ void sum_partials(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, int seg,
+                                             int d_first, int nchunks, int lanes, int D,
+                                             const float* __restrict__ partials) {
+    const i64 c0 = s / seg, c1 = (e - 1) / seg;
+    for (i64 c = c0; c <= c1; ++c) {
+        const int slot = (c == c0 && s != c0 * seg) ? 1 : 0;
+        const float* row = partials + (c * 2 + slot) * (i64)D;
+#pragma unroll
+        for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+            const int d0 = d_first + cc * lanes * V;
+            if (cc >= nchunks || d0 >= D) continue;
+            Vec<V> r;
+            load_row(row + d0, r);
+#pragma unroll
+            for (int k = 0; k < V; ++k) g[cc][k] += r.v[k];
         }
     }
 }
@@ -393,14 +506,17 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
     }
 }
 
+/* One group of `lanes` threads per run (grid-stride over runs): a short run's ids summed in
+ * index order, a long run's partials in segment order; the optimizer applied once. */
 template <typename W, int V>
-__device__ __forceinline__ void update_warp_body(
+__device__ __forceinline__ void update_body(
         W* __restrict__ weights, int D, float* __restrict__ m1, float* __restrict__ m2,
         const int* __restrict__ sorted, const i64* __restrict__ perm,
         const int* __restrict__ bag_of, const int* __restrict__ run_start,
         const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
         const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
-        u64 seed, int lanes, int long_run, const u64* err) {
+        u64 seed, int lanes, int long_run, int seg, const float* __restrict__ partials,
+        const u64* err) {
     if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
     const i64 num_runs = *num_runs_at;
     const int groups_per_warp = 32 / lanes;
@@ -413,19 +529,20 @@ __device__ __forceinline__ void update_warp_body(
      * shuffles in apply_row see the whole warp. */
     for (i64 base = warp * groups_per_warp; base < num_runs; base += warps * groups_per_warp) {
         const i64 run = base + group;
-        bool active = run < num_runs;
+        const bool active = run < num_runs;
         i64 s = 0, e = 0;
         if (active) {
             s = run_start[run];
             e = run_start[run + 1];
-            active = e - s <= long_run;
         }
         float g[MAX_CHUNKS][V];
 #pragma unroll
         for (int c = 0; c < MAX_CHUNKS; ++c)
 #pragma unroll
             for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
-        if (active)
+        if (active && e - s > long_run)
+            sum_partials<V>(g, s, e, seg, lane * V, nchunks, lanes, D, partials);
+        else if (active)
             accumulate<V>(g, s, e, 1, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
                           go, psw, mean);
         apply_row<W, V>(g, active, active ? (i64)sorted[s] : 0, lane * V, nchunks, lanes, D,
@@ -433,83 +550,23 @@ __device__ __forceinline__ void update_warp_body(
     }
 }
 
-/* A block per long run.  Worker k (a group of `lanes` threads) sums ids s+k, s+k+workers, ...;
- * the partial sums meet in shared memory [workers][D] and warp 0 adds them in worker order
- * and applies the optimizer. */
-template <typename W, int V>
-__device__ __forceinline__ void update_block_body(
-        W* __restrict__ weights, int D, float* __restrict__ m1, float* __restrict__ m2,
-        const int* __restrict__ sorted, const i64* __restrict__ perm,
-        const int* __restrict__ bag_of, const int* __restrict__ run_start,
-        const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
-        const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
-        u64 seed, int lanes, int long_run, const u64* err) {
-    extern __shared__ float partial[];  /* [workers][D] */
-    if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
-    const i64 num_runs = *num_runs_at;
-    const int workers = blockDim.x / lanes;
-    const int worker = threadIdx.x / lanes;
-    const int lane = threadIdx.x % lanes;
-    const int nchunks = (D + lanes * V - 1) / (lanes * V);
-    for (i64 run = blockIdx.x; run < num_runs; run += gridDim.x) {
-        const i64 s = run_start[run], e = run_start[run + 1];
-        if (e - s <= long_run) continue;  /* uniform over the block */
-        float g[MAX_CHUNKS][V];
-#pragma unroll
-        for (int c = 0; c < MAX_CHUNKS; ++c)
-#pragma unroll
-            for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
-        accumulate<V>(g, s + worker, e, workers, lane * V, nchunks, lanes, D, perm, bag_of,
-                      offsets, T, B, go, psw, mean);
-#pragma unroll
-        for (int c = 0; c < MAX_CHUNKS; ++c) {
-            const int d0 = lane * V + c * lanes * V;
-            if (c < nchunks && d0 < D)
-#pragma unroll
-                for (int k = 0; k < V; ++k) partial[(i64)worker * D + d0 + k] = g[c][k];
-        }
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            const bool active = worker == 0;
-#pragma unroll
-            for (int c = 0; c < MAX_CHUNKS; ++c) {
-                const int d0 = lane * V + c * lanes * V;
-                if (active && c < nchunks && d0 < D)
-#pragma unroll
-                    for (int k = 0; k < V; ++k) {
-                        float sum = 0.0f;
-                        for (int w = 0; w < workers; ++w) sum += partial[(i64)w * D + d0 + k];
-                        g[c][k] = sum;
-                    }
-            }
-            apply_row<W, V>(g, active, (i64)sorted[s], lane * V, nchunks, lanes, D, weights, m1,
-                            m2, o, seed);
-        }
-        __syncthreads();  /* partial is reused by the next run */
-    }
-}
-
-#define UPDATE(NAME, BODY, W, V)                                                               \
+#define UPDATE(NAME, W, V)                                                                     \
     extern "C" __global__ void NAME(W* weights, int D, float* m1, float* m2, const int* sorted, \
                                     const i64* perm, const int* bag_of, const int* run_start,  \
                                     const int* num_runs_at, const i64* offsets, int T, i64 B,  \
                                     const float* go, const float* psw, int mean, int opt,      \
                                     float lr, float eps, float beta1, float beta2, float wd,   \
                                     int decoupled, float bc1, float bc2, u64 seed, int lanes,  \
-                                    int long_run, const u64* err) {                            \
+                                    int long_run, int seg, const float* partials,              \
+                                    const u64* err) {                                          \
         const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled};               \
-        BODY<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at, offsets,  \
-                   T, B, go, psw, mean, o, seed, lanes, long_run, err);                        \
+        update_body<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at,    \
+                          offsets, T, B, go, psw, mean, o, seed, lanes, long_run, seg,         \
+                          partials, err);                                                      \
     }
-UPDATE(tbe_update_warp_f32_v4, update_warp_body, float, 4)
-UPDATE(tbe_update_warp_f32_v1, update_warp_body, float, 1)
-UPDATE(tbe_update_warp_f16_v4, update_warp_body, __half, 4)
-UPDATE(tbe_update_warp_f16_v1, update_warp_body, __half, 1)
-UPDATE(tbe_update_block_f32_v4, update_block_body, float, 4)
-UPDATE(tbe_update_block_f32_v1, update_block_body, float, 1)
-UPDATE(tbe_update_block_f16_v4, update_block_body, __half, 4)
-UPDATE(tbe_update_block_f16_v1, update_block_body, __half, 1)
-UPDATE(tbe_update_warp_bf16_v4, update_warp_body, __nv_bfloat16, 4)
-UPDATE(tbe_update_warp_bf16_v1, update_warp_body, __nv_bfloat16, 1)
-UPDATE(tbe_update_block_bf16_v4, update_block_body, __nv_bfloat16, 4)
-UPDATE(tbe_update_block_bf16_v1, update_block_body, __nv_bfloat16, 1)
+UPDATE(tbe_update_f32_v4, float, 4)
+UPDATE(tbe_update_f32_v1, float, 1)
+UPDATE(tbe_update_f16_v4, __half, 4)
+UPDATE(tbe_update_f16_v1, __half, 1)
+UPDATE(tbe_update_bf16_v4, __nv_bfloat16, 4)
+UPDATE(tbe_update_bf16_v1, __nv_bfloat16, 1)

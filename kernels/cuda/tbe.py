@@ -33,7 +33,11 @@ from . import loader
 SOURCE = "tbe.cu"
 ERR_NONE = -1  # all ones, read back as int64
 MAX_CHUNKS = 8  # matches tbe.cu
-LONG_RUN = 512  # ids of one row beyond which a whole block (not a warp) updates it
+# Ids of one row beyond which its sum is split into segments of SEGMENT sorted positions, each
+# summed by its own group of threads (tbe.cu: tbe_long_run_partials); a group sums at most
+# LONG_RUN ids one after another. SEGMENT <= LONG_RUN: a long run cannot fit inside a segment.
+LONG_RUN = 64
+SEGMENT = 64
 THREADS = 256
 _OPT_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}
 _INT32_MAX = 2**31 - 1
@@ -243,16 +247,20 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
             np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.int32(weight_decay_mode == "decoupled"),
             np.float32(bc1), np.float32(bc2),
-            np.uint64(seed), np.int32(lanes), np.int32(LONG_RUN), err)
+            np.uint64(seed), np.int32(lanes), np.int32(LONG_RUN), np.int32(SEGMENT))
     sms = _sm_count(dev)
     groups_per_block = THREADS // lanes
-    warp_grid = min(-(-N // groups_per_block), sms * 16)
-    suffix = _suffix(weights, V)
-    loader.launch(SOURCE, f"tbe_update_warp_{suffix}", dev, warp_grid, THREADS, args)
+    partials = None
     if N > LONG_RUN:  # only then can a run be long
-        shared = (THREADS // lanes) * D * 4
-        loader.launch(SOURCE, f"tbe_update_block_{suffix}", dev, min(sms * 2, -(-N // LONG_RUN)),
-                      THREADS, args, shared_mem=shared)
+        # [segment][slot][D]; only the slots of long runs are written, and only those are read
+        segments = -(-N // SEGMENT)
+        partials = torch.empty(segments * 2 * D, dtype=torch.float32, device=dev)
+        loader.launch(SOURCE, f"tbe_long_run_partials_v{V}", dev, min(-(-segments // groups_per_block), sms * 16),
+                      THREADS, (sorted_rows, run_idx, run_start, perm, bag_of, off, np.int32(T), np.int64(B), go,
+                                psw, np.int32(pooling == "mean"), np.int64(N), np.int32(D), np.int32(lanes),
+                                np.int32(LONG_RUN), np.int32(SEGMENT), partials, err))
+    loader.launch(SOURCE, f"tbe_update_{_suffix(weights, V)}", dev, min(-(-N // groups_per_block), sms * 16),
+                  THREADS, args + (partials, err))
     _bump_version(weights)
     for s in (m1, m2):
         if s is not None:

@@ -31,7 +31,7 @@ def _emulated(request):
 
 def bags(T, B, rows, mean_len, g, hot=0, empty_every=3):
     """Feature-major local ids/offsets with duplicates, empty bags, and ``hot`` extra ids of row
-    0 of table 0 in its first bag (a run long enough for the block-per-row update)."""
+    0 of table 0 in its first bag (a run long enough to be summed in segments)."""
     lengths = torch.randint(0, 2 * mean_len + 1, (T, B), generator=g)
     lengths.view(-1)[::empty_every] = 0
     lengths[0, 0] += hot
@@ -131,7 +131,7 @@ def _update_both(T, D, B, wdtype, opt, pooling, weighted, *, hot=0, seed=0, wd=0
 @pytest.mark.parametrize("D", DIMS)
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_backward_matches_the_reference(D, opt):
-    # sum, mean and weighted sum; a run above LONG_RUN ids (the block-per-row kernel)
+    # sum, mean and weighted sum; a run above LONG_RUN ids (summed in segments)
     for pooling, weighted in (("sum", False), ("mean", False), ("sum", True)):
         w, w_got, w_ref, state, s_ref = _update_both(3, D, 9, torch.float32, opt, pooling, weighted,
                                                      hot=gpu.LONG_RUN + 40)
@@ -194,30 +194,37 @@ def test_backward_dim_limits():
         gpu.tbe_backward_update(torch.zeros(4, 1028), {}, ids, offsets, hsc, torch.ones(1, 1028), T=1, B=1, lr=0.1)
 
 
-def test_several_long_runs_share_a_block_in_any_thread_order():
-    # three rows with > LONG_RUN ids each and an SM count of 1: the block kernel's grid has 2
-    # blocks, so a block updates two runs one after the other (shared memory reused).
+@pytest.mark.parametrize("lengths", [(600, 530, 700), (100, 3, 100), (65, 1, 2, 64, 130)],
+                         ids=["hot", "short-between-long", "edges"])
+def test_long_runs_sum_their_segments_in_any_thread_order(lengths):
+    # Rows 0, 1, 2, ... with `lengths` ids each, shuffled: the sorted ids put a short run
+    # between two long ones inside one segment (the second long run's partial goes to slot 1),
+    # runs of exactly LONG_RUN and LONG_RUN + 1 ids, segments that start a run and end one.
+    assert gpu.SEGMENT == gpu.LONG_RUN == 64  # the lengths above are chosen around 64
     g = torch.Generator().manual_seed(5)
-    T, B, D, R = 1, 4, 32, 40
-    ids = torch.cat([torch.full((600,), 3), torch.full((530,), 7), torch.full((700,), 11),
-                     torch.randint(0, R, (50,), generator=g)])
+    B, D, R = 4, 32, 40
+    ids = torch.cat([torch.full((n,), r) for r, n in enumerate(lengths)] + [torch.randint(0, R, (50,), generator=g)])
     ids = ids[torch.randperm(ids.numel(), generator=g)]
-    offsets = torch.tensor([0, 500, 1000, 1500, ids.numel()])
+    offsets = torch.linspace(0, ids.numel(), B + 1).round().long()
     hsc = torch.tensor([0, R])
     w0 = torch.randn(R, D, generator=g)
     grad = torch.randn(B, D, generator=g)
     for opt in ("sgd", "rowwise_adagrad"):
         state0 = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
         w_ref, s_ref = w0.clone(), {k: v.clone() for k, v in state0.items()}
-        cpu.tbe_backward_update_reference(w_ref, s_ref, ids, offsets, grad, T=T, B=B, optimizer=opt, lr=0.1, eps=0.1)
+        cpu.tbe_backward_update_reference(w_ref, s_ref, ids, offsets, grad, T=1, B=B, optimizer=opt, lr=0.1, eps=0.1)
         results = []
         for seed in (None, 1, 2, 3):
             w, state = w0.clone(), {k: v.clone() for k, v in state0.items()}
+            emulator.launches.clear()
             with emulator.emulated(seed=seed, sm_count=1):
-                gpu.tbe_backward_update(w, state, ids, offsets, hsc, grad, T=T, B=B, optimizer=opt, lr=0.1, eps=0.1)
+                gpu.tbe_backward_update(w, state, ids, offsets, hsc, grad, T=1, B=B, optimizer=opt, lr=0.1, eps=0.1)
+            assert "tbe_long_run_partials_v4" in emulator.launches
             assert rel(w, w_ref) <= 2e-5, (opt, seed)
+            for k in s_ref:
+                assert rel(state[k], s_ref[k]) <= 2e-5, (opt, seed, k)
             results.append(w)
-        # the block kernel sums partials in a fixed order: the same bits whatever the schedule
+        # partials are added in segment order: the same bits whatever the schedule
         assert all(torch.equal(results[0], r) for r in results[1:])
 
 

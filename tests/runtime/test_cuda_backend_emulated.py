@@ -57,7 +57,7 @@ def _train_both(preset, optimizer, steps, batch_size=None, **overrides):
             losses.append(float(loss.detach()))
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     ran = set(emulator.launches)
-    assert {"tbe_forward_f32_v4", "tbe_linearize", "tbe_update_warp_f32_v4"} <= ran, ran
+    assert {"tbe_forward_f32_v4", "tbe_linearize", "tbe_update_f32_v4"} <= ran, ran
     return models, ran
 
 
@@ -69,10 +69,10 @@ def test_tiny_trains_through_the_cuda_ops_like_the_cpu_backend(optimizer, one_th
 
 
 def test_small_trains_through_the_cuda_ops_like_the_cpu_backend(one_thread):
-    # 512 samples of ~20 zipf ids per table: hot rows have runs above LONG_RUN (the block kernel)
+    # 512 samples of ~20 zipf ids per table: hot rows have runs above LONG_RUN (summed in segments)
     (cpu, emu), ran = _train_both("small", "rowwise_adagrad", steps=2, batch_size=512,
                                   num_embeddings=[2000] * 8)
-    assert "tbe_update_block_f32_v4" in ran
+    assert "tbe_long_run_partials_v4" in ran
     for (k, a), b in zip(cpu.state_dict().items(), emu.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
 
