@@ -320,15 +320,20 @@ def profile_recc_step(dev, batch: int, dtype: str = "fp32", preset: str = "small
     model = build_model(cfg)
     batches = _batches(cfg, dev, 3, batch)
     system = Recc(model, dev, batches[0][:3], 0.01, dtype)
+    on_gpu = torch.device(dev).type == "cuda"
     for b in batches:
         system.step(b)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    if on_gpu:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
         for i in range(5):
             system.step(batches[i % len(batches)])
-        torch.cuda.synchronize()
+        if on_gpu:
+            torch.cuda.synchronize()
     avg = prof.key_averages()
-    print(f"recc {dtype} step, {preset} B={batch}, 5 steps: top ops by device time")
-    print(avg.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    if on_gpu:
+        print(f"recc {dtype} step, {preset} B={batch}, 5 steps: top ops by device time")
+        print(avg.table(sort_by="device_time_total", row_limit=18, max_name_column_width=60))
     print("top ops by host time")
     print(avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
