@@ -215,12 +215,12 @@ __device__ __forceinline__ void forward_body(
         forward_body<W, V>(weights, D, ids, offsets, hsc, T, B, R, psw, mean, N, out, err,      \
                            lanes);                                                              \
     }
-FORWARD(tbe_forward_f32_v4, float, 4)
-FORWARD(tbe_forward_f32_v1, float, 1)
-FORWARD(tbe_forward_f16_v4, __half, 4)
-FORWARD(tbe_forward_f16_v1, __half, 1)
-FORWARD(tbe_forward_bf16_v4, __nv_bfloat16, 4)
-FORWARD(tbe_forward_bf16_v1, __nv_bfloat16, 1)
+/* One kernel per weight type and vector width, named PREFIX_{f32,f16,bf16}_v{4,1} (tbe.py picks). */
+#define EACH_WEIGHT_TYPE(M, PREFIX)                                                             \
+    M(PREFIX##_f32_v4, float, 4) M(PREFIX##_f32_v1, float, 1)                                   \
+    M(PREFIX##_f16_v4, __half, 4) M(PREFIX##_f16_v1, __half, 1)                                 \
+    M(PREFIX##_bf16_v4, __nv_bfloat16, 4) M(PREFIX##_bf16_v1, __nv_bfloat16, 1)
+EACH_WEIGHT_TYPE(FORWARD, tbe_forward)
 
 /* ------------------------------------------------------------------ backward: linearize */
 
@@ -564,9 +564,4 @@ __device__ __forceinline__ void update_body(
                           offsets, T, B, go, psw, mean, o, seed, lanes, long_run, seg,         \
                           partials, err);                                                      \
     }
-UPDATE(tbe_update_f32_v4, float, 4)
-UPDATE(tbe_update_f32_v1, float, 1)
-UPDATE(tbe_update_f16_v4, __half, 4)
-UPDATE(tbe_update_f16_v1, __half, 1)
-UPDATE(tbe_update_bf16_v4, __nv_bfloat16, 4)
-UPDATE(tbe_update_bf16_v1, __nv_bfloat16, 1)
+EACH_WEIGHT_TYPE(UPDATE, tbe_update)
