@@ -215,7 +215,7 @@ def check_tbe(report: Report, dev, quick: bool) -> None:
         for wdtype in (torch.float32, torch.float16, torch.bfloat16):
             rows = [int(r) for r in torch.randint(50, 3000, (T,), generator=g)]
             B = 257
-            ids, offsets = random_bags(T, B, rows, 6, g, hot=gpu.LONG_RUN + 300)
+            ids, offsets = random_bags(T, B, rows, 6, g, hot=gpu.long_run_segment(D) + 300)
             psw = torch.rand(ids.numel(), generator=g) + 0.5 if weighted else None
             hsc = hash_size_cumsum(rows)
             R = int(hsc[-1])

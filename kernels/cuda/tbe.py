@@ -33,11 +33,20 @@ from . import loader
 SOURCE = "tbe.cu"
 ERR_NONE = -1  # all ones, read back as int64
 MAX_CHUNKS = 8  # matches tbe.cu
-# Ids of one row beyond which its sum is split into segments of SEGMENT sorted positions, each
-# summed by its own group of threads (tbe.cu: tbe_long_run_partials); a group sums at most
-# LONG_RUN ids one after another. SEGMENT <= LONG_RUN: a long run cannot fit inside a segment.
-LONG_RUN = 64
-SEGMENT = 64
+# A row with more ids than long_run_segment(D) has its sum split into segments of that many
+# sorted positions, each summed by its own group of threads (tbe.cu: tbe_long_run_partials);
+# a group sums at most that many ids one after another.
+MIN_SEGMENT = 64
+
+
+def long_run_segment(D: int) -> int:
+    """Both the long-run threshold and the segment length (a long run must not fit inside a
+    segment, so the segment is at most the threshold): 64 ids, or D for wider rows, so the
+    partial sums ([segments, 2, D] fp32: 8 * N * D / segment bytes) never outgrow the sort's
+    own int64 permutation (8 * N bytes)."""
+    return max(MIN_SEGMENT, D)
+
+
 THREADS = 256
 _OPT_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}
 _INT32_MAX = 2**31 - 1
@@ -241,24 +250,25 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     m1 = state.get("momentum1") if optimizer != "sgd" else None
     m2 = state.get("momentum2") if optimizer == "adam" else None
     bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    segment = long_run_segment(D)
     seed = int(step if seed is None else seed) & 0xFFFFFFFFFFFFFFFF
     args = (weights.detach(), np.int32(D), m1, m2, sorted_rows, perm, bag_of, run_start,
             num_runs_at, off, np.int32(T), np.int64(B), go, psw, np.int32(pooling == "mean"),
             np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.int32(weight_decay_mode == "decoupled"),
             np.float32(bc1), np.float32(bc2),
-            np.uint64(seed), np.int32(lanes), np.int32(LONG_RUN), np.int32(SEGMENT))
+            np.uint64(seed), np.int32(lanes), np.int32(segment), np.int32(segment))
     sms = _sm_count(dev)
     groups_per_block = THREADS // lanes
     partials = None
-    if N > LONG_RUN:  # only then can a run be long
+    if N > segment:  # only then can a run be long
         # [segment][slot][D]; only the slots of long runs are written, and only those are read
-        segments = -(-N // SEGMENT)
+        segments = -(-N // segment)
         partials = torch.empty(segments * 2 * D, dtype=torch.float32, device=dev)
         loader.launch(SOURCE, f"tbe_long_run_partials_v{V}", dev, min(-(-segments // groups_per_block), sms * 16),
                       THREADS, (sorted_rows, run_idx, run_start, perm, bag_of, off, np.int32(T), np.int64(B), go,
                                 psw, np.int32(pooling == "mean"), np.int64(N), np.int32(D), np.int32(lanes),
-                                np.int32(LONG_RUN), np.int32(SEGMENT), partials, err))
+                                np.int32(segment), np.int32(segment), partials, err))
     loader.launch(SOURCE, f"tbe_update_{_suffix(weights, V)}", dev, min(-(-N // groups_per_block), sms * 16),
                   THREADS, args + (partials, err))
     _bump_version(weights)

@@ -131,10 +131,10 @@ def _update_both(T, D, B, wdtype, opt, pooling, weighted, *, hot=0, seed=0, wd=0
 @pytest.mark.parametrize("D", DIMS)
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_backward_matches_the_reference(D, opt):
-    # sum, mean and weighted sum; a run above LONG_RUN ids (summed in segments)
+    # sum, mean and weighted sum; a run long enough to be summed in segments
     for pooling, weighted in (("sum", False), ("mean", False), ("sum", True)):
         w, w_got, w_ref, state, s_ref = _update_both(3, D, 9, torch.float32, opt, pooling, weighted,
-                                                     hot=gpu.LONG_RUN + 40)
+                                                     hot=gpu.long_run_segment(D) + 40)
         assert rel(w_got, w_ref) <= 2e-5, (pooling, weighted)
         for k in s_ref:
             assert rel(state[k], s_ref[k]) <= 2e-5, k
@@ -149,7 +149,7 @@ HALF = {torch.float16: (2 ** -10, 2 ** -24), torch.bfloat16: (2 ** -7, 2 ** -133
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 @pytest.mark.parametrize("D", (3, 64, 260))
 def test_backward_half_weights(D, opt, wdtype):
-    w, w_got, w_ref, state, s_ref = _update_both(2, D, 9, wdtype, opt, "sum", True, hot=gpu.LONG_RUN + 1)
+    w, w_got, w_ref, state, s_ref = _update_both(2, D, 9, wdtype, opt, "sum", True, hot=gpu.long_run_segment(D) + 1)
     assert w_got.dtype == wdtype
     # stochastic rounding moves a value by less than one step of its type
     step, tiny = HALF[wdtype]
@@ -199,8 +199,9 @@ def test_backward_dim_limits():
 def test_long_runs_sum_their_segments_in_any_thread_order(lengths):
     # Rows 0, 1, 2, ... with `lengths` ids each, shuffled: the sorted ids put a short run
     # between two long ones inside one segment (the second long run's partial goes to slot 1),
-    # runs of exactly LONG_RUN and LONG_RUN + 1 ids, segments that start a run and end one.
-    assert gpu.SEGMENT == gpu.LONG_RUN == 64  # the lengths above are chosen around 64
+    # runs of exactly 64 and 65 ids (64: D=32's segment, the longest run summed directly),
+    # segments that start a run and end one.
+    assert gpu.long_run_segment(32) == 64  # the lengths above are chosen around it
     g = torch.Generator().manual_seed(5)
     B, D, R = 4, 32, 40
     ids = torch.cat([torch.full((n,), r) for r, n in enumerate(lengths)] + [torch.randint(0, R, (50,), generator=g)])

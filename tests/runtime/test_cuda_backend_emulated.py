@@ -69,7 +69,7 @@ def test_tiny_trains_through_the_cuda_ops_like_the_cpu_backend(optimizer, one_th
 
 
 def test_small_trains_through_the_cuda_ops_like_the_cpu_backend(one_thread):
-    # 512 samples of ~20 zipf ids per table: hot rows have runs above LONG_RUN (summed in segments)
+    # 512 samples of ~20 zipf ids per table: hot rows have runs long enough to be summed in segments
     (cpu, emu), ran = _train_both("small", "rowwise_adagrad", steps=2, batch_size=512,
                                   num_embeddings=[2000] * 8)
     assert "tbe_long_run_partials_v4" in ran
