@@ -112,6 +112,26 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / max(scale, 1e-30)
 
 
+# One step of each half type at a value (relative; absolute at zero): stochastic rounding puts
+# the stored weight on one of the two neighbours of the fp32 result, so less than a step away.
+HALF_STEP = {torch.float16: (2.0 ** -10, 2.0 ** -24), torch.bfloat16: (2.0 ** -7, 2.0 ** -133)}
+
+
+def weight_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """fp32 weights: ``rel_err``. Half weights: the largest ``|got - want|`` in units of one
+    step of the type at ``want`` (each element against its own value, so a wrong small weight
+    cannot hide under the largest one) plus the fp32 arithmetic's slack (1e-6 of the largest
+    weight: the two devices' fp32 results differ by their rounding); must be <= 1."""
+    if got.dtype not in HALF_STEP:
+        return rel_err(got, want)
+    step, tiny = HALF_STEP[got.dtype]
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    if bool(torch.isnan(got).any()) and not bool(torch.isnan(want).any()):
+        return math.inf
+    bound = want.abs() * step + tiny + 1e-6 * float(want.abs().max())
+    return float(((got - want).abs() / bound).max()) if want.numel() else 0.0
+
+
 def tbe_forward_bytes(n_ids: int, bags: int, dim: int, weight_bytes: int, weighted: bool) -> int:
     """Bytes a TBE forward must move: every id's row, the ids, the offsets, the output."""
     return n_ids * (dim * weight_bytes + 8 + (4 if weighted else 0)) + (bags + 1) * 8 + bags * dim * 4
@@ -180,7 +200,7 @@ def copy_bandwidth(device) -> float:
 
 def random_bags(T: int, B: int, rows: list[int], mean_len: int, g: torch.Generator, hot: int = 0):
     """Feature-major local ids/offsets with duplicates; ``hot`` extra ids of row 0 of table 0
-    in its first bag (a run long enough for the block-per-row update)."""
+    in its first bag (a run long enough to be summed in segments)."""
     lengths = torch.randint(0, 2 * mean_len + 1, (T, B), generator=g)
     lengths[0, 0] += hot
     ids = []
@@ -233,23 +253,51 @@ def check_tbe(report: Report, dev, quick: bool) -> None:
             grad = torch.randn(B, T * D, generator=g)
             for opt in OPTIMIZERS:
                 state_ref = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
-                state_gpu = {k: v.to(dev) for k, v in state_ref.items()}
+                state_gpu = {k: v.to(dev, copy=True) for k, v in state_ref.items()}
                 w_cpu = w_ref.clone()
                 cpu.tbe_backward_update_reference(w_cpu, state_ref, lin, offsets, grad, T=T, B=B, pooling=pooling,
                                                   per_sample_weights=psw, optimizer=opt, lr=0.05,
                                                   weight_decay=0.01, step=3)
-                w_gpu = w.to(dev)
+                w_gpu = w.to(dev, copy=True)
                 poison(dev)
                 gpu.tbe_backward_update(w_gpu, state_gpu, ids.to(dev), offsets.to(dev), hsc.to(dev), grad.to(dev),
                                         T=T, B=B, pooling=pooling,
                                         per_sample_weights=None if psw is None else psw.to(dev),
                                         optimizer=opt, lr=0.05, weight_decay=0.01, step=3)
-                # half weights: stochastic rounding moves a value by less than one step of its
-                # type (fp16 2^-10 relative, bf16 2^-7)
-                tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[wdtype]
-                e = max([rel_err(w_gpu, w_cpu)] + [rel_err(state_gpu[k], state_ref[k]) for k in state_ref])
+                e = max([weight_err(w_gpu, w_cpu)] + [rel_err(state_gpu[k], state_ref[k]) for k in state_ref])
+                tol = 2e-5 if wdtype == torch.float32 else 1.0
                 report.add(Row(f"tbe bwd {opt} T={T} D={D} {pooling}{' psw' if weighted else ''} {str(wdtype)[6:]}",
                                e, tol, e <= tol))
+
+
+def check_long_runs(report: Report, dev) -> None:
+    """Rows with more ids than a segment, in the sorted order: a short run between two long ones
+    inside one segment (the second's partial in slot 1), runs of exactly a segment and one more,
+    runs that start or end a segment. Rows 0, 1, ... get ``lengths`` ids each, shuffled."""
+    from recc.kernels import optimizer_state_shapes
+    from recc.kernels.cpu import tbe as cpu
+    from recc.kernels.cuda import tbe as gpu
+    g = torch.Generator().manual_seed(4)
+    B, D, R = 4, 32, 40
+    seg = gpu.long_run_segment(D)
+    for lengths in ((600, 3, 530, 700), (seg + 1, 1, 2, seg, 2 * seg + 2), (10 * seg + 3, seg - 1, 5 * seg)):
+        ids = torch.cat([torch.full((n,), r) for r, n in enumerate(lengths)] + [torch.randint(0, R, (50,), generator=g)])
+        ids = ids[torch.randperm(ids.numel(), generator=g)]
+        offsets = torch.linspace(0, ids.numel(), B + 1).round().long()
+        hsc = torch.tensor([0, R])
+        w0 = torch.randn(R, D, generator=g)
+        grad = torch.randn(B, D, generator=g)
+        for opt in ("sgd", "rowwise_adagrad", "adam"):
+            state = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
+            w_ref, s_ref = w0.clone(), {k: v.clone() for k, v in state.items()}
+            cpu.tbe_backward_update_reference(w_ref, s_ref, ids, offsets, grad, T=1, B=B, optimizer=opt, lr=0.1,
+                                              eps=0.1, step=2)
+            w_gpu, s_gpu = w0.to(dev), {k: v.to(dev) for k, v in state.items()}
+            poison(dev)
+            gpu.tbe_backward_update(w_gpu, s_gpu, ids.to(dev), offsets.to(dev), hsc.to(dev), grad.to(dev), T=1, B=B,
+                                    optimizer=opt, lr=0.1, eps=0.1, step=2)
+            e = max([rel_err(w_gpu, w_ref)] + [rel_err(s_gpu[k], s_ref[k]) for k in s_ref])
+            report.add(Row(f"tbe bwd long runs {'/'.join(map(str, lengths))} {opt}", e, 2e-5, e <= 2e-5))
 
 
 def check_stochastic_rounding(report: Report, dev) -> None:
@@ -499,6 +547,7 @@ def main(argv=None) -> int:
     report.add(Row("device copy bandwidth", gbps=bw / 1e9, pct_bw=100.0, note=name))
     sections = [
         ("tbe correctness", lambda: check_tbe(report, dev, args.quick)),
+        ("long runs", lambda: check_long_runs(report, dev)),
         ("fp16 stochastic rounding", lambda: check_stochastic_rounding(report, dev)),
         ("bounds checks", lambda: check_bounds(report, dev)),
         ("codecs", lambda: check_codecs(report, dev, args.quick)),

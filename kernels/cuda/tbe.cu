@@ -19,7 +19,8 @@
  * Backward + fused optimizer, "exact" (duplicate ids summed, each row updated once):
  *  1. tbe_linearize_*: per id, row = hsc[t] + id (SENTINEL for a bad id) and its bag.
  *  2. the host sorts (row, position) pairs stably (torch.sort: a radix sort), so a row's ids
- *     stay in index order and its sum order is the CPU kernels' order.
+ *     stay in index order: a short run sums in the CPU kernels' order, a long one segment by
+ *     segment (a fixed order too, but not theirs).
  *  3. tbe_runs: run-length encoding of the sorted rows into run_start[0..num_runs], with
  *     num_runs and run_start read on the device: no host sync.
  *  4. tbe_long_run_partials_*: runs longer than `long_run` ids (hot rows: thousands of ids
@@ -100,12 +101,13 @@ __device__ __forceinline__ __half stochastic_half(float x, u64 key) {
 
 /* fp32 -> bf16 the same way: the dropped low 16 bits are the fraction of the gap between the
  * two neighbouring bf16 values (same sign, adjacent bit patterns), so rounding away from zero
- * with that probability is unbiased. Inf and NaN keep their top half (a NaN stays a NaN: its
- * quiet bit is in the top half); a finite value never rounds to inf. */
+ * with that probability is unbiased. Inf keeps its top half and a NaN stays a NaN (quiet, also
+ * one whose payload was only in the dropped bits); a finite value never rounds to inf. */
 __device__ __forceinline__ __nv_bfloat16 stochastic_bf16(float x, u64 key) {
     const unsigned int bits = __float_as_uint(x);
     const unsigned short lo = (unsigned short)(bits >> 16);
-    if (!isfinite(x) || (lo & 0x7FFF) == 0x7F7F) return __ushort_as_bfloat16(lo);  /* max finite stays */
+    if (isnan(x)) return __ushort_as_bfloat16((unsigned short)(lo | 0x40));
+    if (isinf(x) || (lo & 0x7FFF) == 0x7F7F) return __ushort_as_bfloat16(lo);  /* max finite stays */
     const unsigned int u = (unsigned int)(mix64(key) >> 48);  /* [0, 2^16) */
     return __ushort_as_bfloat16((unsigned short)(lo + (u < (bits & 0xFFFFu) ? 1 : 0)));
 }
