@@ -270,6 +270,14 @@ def check_tbe(report: Report, dev, quick: bool) -> None:
                                e, tol, e <= tol))
 
 
+def long_run_batch(lengths, B: int, R: int, g: torch.Generator):
+    """(ids, offsets) of one table of R rows and B bags: rows 0, 1, ... with ``lengths`` ids
+    each plus 50 random ones, shuffled and cut into B even bags."""
+    ids = torch.cat([torch.full((n,), r) for r, n in enumerate(lengths)] + [torch.randint(0, R, (50,), generator=g)])
+    ids = ids[torch.randperm(ids.numel(), generator=g)]
+    return ids, torch.linspace(0, ids.numel(), B + 1).round().long()
+
+
 def check_long_runs(report: Report, dev) -> None:
     """Rows with more ids than a segment, in the sorted order: a short run between two long ones
     inside one segment (the second's partial in slot 1), runs of exactly a segment and one more,
@@ -281,9 +289,7 @@ def check_long_runs(report: Report, dev) -> None:
     B, D, R = 4, 32, 40
     seg = gpu.long_run_segment(D)
     for lengths in ((600, 3, 530, 700), (seg + 1, 1, 2, seg, 2 * seg + 2), (10 * seg + 3, seg - 1, 5 * seg)):
-        ids = torch.cat([torch.full((n,), r) for r, n in enumerate(lengths)] + [torch.randint(0, R, (50,), generator=g)])
-        ids = ids[torch.randperm(ids.numel(), generator=g)]
-        offsets = torch.linspace(0, ids.numel(), B + 1).round().long()
+        ids, offsets = long_run_batch(lengths, B, R, g)
         hsc = torch.tensor([0, R])
         w0 = torch.randn(R, D, generator=g)
         grad = torch.randn(B, D, generator=g)

@@ -48,6 +48,20 @@ def bags(T, B, rows, mean_len, g, hot=0, empty_every=3):
     return torch.cat(ids), offsets
 
 
+def _gpu_check():
+    """bench/gpu_check.py, which builds the long-run batches the GPU check runs too."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    if "gpu_check" not in sys.modules:
+        path = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
+        spec = importlib.util.spec_from_file_location("gpu_check", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_check"] = mod  # dataclasses resolve annotations through sys.modules
+        spec.loader.exec_module(mod)
+    return sys.modules["gpu_check"]
+
+
 def hsc_of(rows):
     return torch.tensor([0] + list(rows), dtype=torch.int64).cumsum(0)
 
@@ -204,9 +218,7 @@ def test_long_runs_sum_their_segments_in_any_thread_order(lengths):
     assert gpu.long_run_segment(32) == 64  # the lengths above are chosen around it
     g = torch.Generator().manual_seed(5)
     B, D, R = 4, 32, 40
-    ids = torch.cat([torch.full((n,), r) for r, n in enumerate(lengths)] + [torch.randint(0, R, (50,), generator=g)])
-    ids = ids[torch.randperm(ids.numel(), generator=g)]
-    offsets = torch.linspace(0, ids.numel(), B + 1).round().long()
+    ids, offsets = _gpu_check().long_run_batch(lengths, B, R, g)
     hsc = torch.tensor([0, R])
     w0 = torch.randn(R, D, generator=g)
     grad = torch.randn(B, D, generator=g)
