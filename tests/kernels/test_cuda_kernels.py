@@ -114,6 +114,34 @@ def test_gpu_check_table_and_byte_counts():
     assert gc.rel_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == pytest.approx(0.2)
 
 
+def test_gpu_check_half_weights_are_held_to_one_step_each():
+    gc = _gpu_check()
+    want = torch.tensor([1.0, 1e-3, -0.5])
+    near = want.to(torch.bfloat16)                        # within a bf16 step of each value
+    assert gc.weight_err(near, want) <= 1.0
+    off = near.clone()
+    off[1] = 2e-3                                         # far off, but under 1% of the largest weight
+    assert gc.weight_err(off, want) > 1.0
+    assert gc.weight_err(torch.tensor([1.0, float("nan")]).half(), torch.tensor([1.0, 2.0])) == float("inf")
+
+
+def test_gpu_precision_checks_run_on_the_cpu():
+    """gpu_precision's parity and optimizer-semantics checks are device-generic: on the CPU
+    (recc's CPU backend against eager under CPU autocast; CPU against CPU) they run and pass,
+    so a broken check shows before a GPU is found to run it."""
+    gc = _gpu_check()
+    sys.path.insert(0, str(GPU_CHECK.parent))
+    try:
+        import gpu_precision as mp
+    finally:
+        sys.path.remove(str(GPU_CHECK.parent))
+    report = gc.Report()
+    mp.check_half_tables(report, torch.device("cpu"))
+    mp.check_optimizer_semantics(report, torch.device("cpu"))
+    assert len(report.rows) == 16
+    assert not report.failed, gc.format_table(report.failed)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
