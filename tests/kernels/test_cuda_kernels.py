@@ -120,7 +120,7 @@ def test_gpu_check_half_weights_are_held_to_one_step_each():
     near = want.to(torch.bfloat16)                        # within a bf16 step of each value
     assert gc.weight_err(near, want) <= 1.0
     off = near.clone()
-    off[1] = 2e-3                                         # far off, but under 1% of the largest weight
+    off.view(torch.int16)[1] += 3                         # three bf16 steps off: 0.002% of the largest weight
     assert gc.weight_err(off, want) > 1.0
     assert gc.weight_err(torch.tensor([1.0, float("nan")]).half(), torch.tensor([1.0, 2.0])) == float("inf")
 
