@@ -23,9 +23,9 @@
  *     segment (a fixed order too, but not theirs).
  *  3. tbe_runs: run-length encoding of the sorted rows into run_start[0..num_runs], with
  *     num_runs and run_start read on the device: no host sync.
- *  4. tbe_long_run_partials_*: runs longer than `long_run` ids (hot rows: thousands of ids
- *     under a zipf distribution) are cut into segments of `seg` sorted positions, each summed
- *     by its own group of threads into a partial row.
+ *  4. tbe_long_run_partials_*: runs longer than `seg` ids (hot rows: thousands of ids under
+ *     a zipf distribution) are cut into segments of `seg` sorted positions, each summed by its
+ *     own group of threads into a partial row.
  *  5. tbe_update_*: one group of `lanes` threads per run (grid-stride), gradient summed in
  *     registers (D <= lanes*V*MAX_CHUNKS) — a short run's ids in index order, a long run's
  *     partials in segment order (deterministic) — and the optimizer applied once.
@@ -310,26 +310,24 @@ __device__ __forceinline__ const float* id_row(i64 i, const i64* __restrict__ pe
     return go + b * ((i64)T * D) + (i64)t * D;
 }
 
-/* Sum of ids s, s+step, ... < e of a run into g (chunk c covers columns d_first + c*lanes*V ..
- * +V).  Four ids are in flight at a time (their rows are independent loads; a run of hundreds
+/* Sum of ids [s, e) of a run into g (chunk c covers columns d_first + c*lanes*V .. +V).  Four ids are in flight at a time (their rows are independent loads; a run of hundreds
  * of ids one dependent load chain after another is what bounds the update), and they are
  * added in index order, so the sum is the one-at-a-time sum. */
 template <int V>
-__device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, i64 step,
-                                           int d_first, int nchunks, int lanes, int D,
+__device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, int d_first, int nchunks, int lanes, int D,
                                            const i64* __restrict__ perm,
                                            const int* __restrict__ bag_of,
                                            const i64* __restrict__ offsets, int T, i64 B,
                                            const float* __restrict__ go,
                                            const float* __restrict__ psw, int mean) {
     constexpr int U = 4;
-    for (i64 i = s; i < e; i += U * step) {
+    for (i64 i = s; i < e; i += U) {
         const float* gr[U];
         float mul[U], div[U];
         int n = 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const i64 j = i + u * step;
+            const i64 j = i + u;
             if (j < e) {
                 gr[u] = id_row<V>(j, perm, bag_of, offsets, T, B, D, go, psw, mean, mul[u], div[u]);
                 n = u + 1;
@@ -354,10 +352,10 @@ __device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64
     }
 }
 
-/* Long runs (more than `long_run` ids) are summed in two steps, so a hot row's thousands of
- * ids are spread over many groups instead of one: the sorted ids are cut into segments of
- * `seg` positions (seg <= long_run), tbe_long_run_partials sums each segment's share of a long
- * run into partials[segment][slot][D], and the update kernel adds a run's partials in segment
+/* Long runs (more than `seg` ids) are summed in two steps, so a hot row's thousands of ids
+ * are spread over many groups instead of one: the sorted ids are cut into segments of `seg`
+ * positions, tbe_long_run_partials sums each segment's share of a long run into
+ * partials[segment][slot][D], and the update kernel adds a run's partials in segment
  * order (a fixed order: the result does not depend on the schedule).  A segment meets at most
  * two long runs: slot 0 holds the run that covers its first position, slot 1 the long run
  * that starts inside it (a long run is longer than a segment, so at most one starts there and
@@ -368,7 +366,8 @@ __device__ __forceinline__ void long_run_partials_body(
         const int* __restrict__ run_start, const i64* __restrict__ perm,
         const int* __restrict__ bag_of, const i64* __restrict__ offsets, int T, i64 B,
         const float* __restrict__ go, const float* __restrict__ psw, int mean, i64 N, int D,
-        int lanes, int long_run, int seg, float* __restrict__ partials, const u64* err) {
+        int lanes, int seg, float* __restrict__ partials, const u64* err) {
+    /* A bad id (sorted last as SENTINEL_I32) sets err: past this line every position is valid. */
     if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
     const int lane = threadIdx.x % lanes;
     const i64 group = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / lanes;
@@ -377,22 +376,18 @@ __device__ __forceinline__ void long_run_partials_body(
     const i64 segments = (N + seg - 1) / seg;
     for (i64 c = group; c < segments; c += groups) {
         const i64 p0 = c * seg, p1 = min(p0 + (i64)seg, N);
-        if (sorted[p0] == SENTINEL_I32) continue;  /* bad ids sort last: nothing from here on */
-        const int first = run_idx[p0] - 1;
-        int last = first;
-        for (i64 p = p1 - 1; p > p0; --p)  /* the last valid position's run */
-            if (sorted[p] != SENTINEL_I32) { last = run_idx[p] - 1; break; }
+        const int first = run_idx[p0] - 1, last = run_idx[p1 - 1] - 1;
         for (int slot = 0; slot < 2; ++slot) {
             const int run = slot == 0 ? first : last;
             if (slot == 1 && (last == first || run_start[last] <= p0)) break;
             const i64 s = run_start[run], e = run_start[run + 1];
-            if (e - s <= long_run) continue;
+            if (e - s <= seg) continue;
             float g[MAX_CHUNKS][V];
 #pragma unroll
             for (int cc = 0; cc < MAX_CHUNKS; ++cc)
 #pragma unroll
                 for (int k = 0; k < V; ++k) g[cc][k] = 0.0f;
-            accumulate<V>(g, max(s, p0), min(e, p1), 1, lane * V, nchunks, lanes, D, perm, bag_of,
+            accumulate<V>(g, max(s, p0), min(e, p1), lane * V, nchunks, lanes, D, perm, bag_of,
                           offsets, T, B, go, psw, mean);
             float* out = partials + (c * 2 + slot) * (i64)D;
 #pragma unroll
@@ -410,10 +405,10 @@ __device__ __forceinline__ void long_run_partials_body(
     extern "C" __global__ void NAME(const int* sorted, const int* run_idx, const int* run_start, \
                                     const i64* perm, const int* bag_of, const i64* offsets,     \
                                     int T, i64 B, const float* go, const float* psw, int mean,  \
-                                    i64 N, int D, int lanes, int long_run, int seg,             \
-                                    float* partials, const u64* err) {                         \
+                                    i64 N, int D, int lanes, int seg, float* partials,          \
+                                    const u64* err) {                                          \
         long_run_partials_body<V>(sorted, run_idx, run_start, perm, bag_of, offsets, T, B, go, \
-                                  psw, mean, N, D, lanes, long_run, seg, partials, err);        \
+                                  psw, mean, N, D, lanes, seg, partials, err);                  \
     }
 PARTIALS(tbe_long_run_partials_v4, 4)
 PARTIALS(tbe_long_run_partials_v1, 1)
@@ -517,8 +512,7 @@ __device__ __forceinline__ void update_body(
         const int* __restrict__ bag_of, const int* __restrict__ run_start,
         const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
         const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
-        u64 seed, int lanes, int long_run, int seg, const float* __restrict__ partials,
-        const u64* err) {
+        u64 seed, int lanes, int seg, const float* __restrict__ partials, const u64* err) {
     if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
     const i64 num_runs = *num_runs_at;
     const int groups_per_warp = 32 / lanes;
@@ -542,10 +536,10 @@ __device__ __forceinline__ void update_body(
         for (int c = 0; c < MAX_CHUNKS; ++c)
 #pragma unroll
             for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
-        if (active && e - s > long_run)
+        if (active && e - s > seg)
             sum_partials<V>(g, s, e, seg, lane * V, nchunks, lanes, D, partials);
         else if (active)
-            accumulate<V>(g, s, e, 1, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
+            accumulate<V>(g, s, e, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
                           go, psw, mean);
         apply_row<W, V>(g, active, active ? (i64)sorted[s] : 0, lane * V, nchunks, lanes, D,
                         weights, m1, m2, o, seed);
@@ -559,11 +553,9 @@ __device__ __forceinline__ void update_body(
                                     const float* go, const float* psw, int mean, int opt,      \
                                     float lr, float eps, float beta1, float beta2, float wd,   \
                                     int decoupled, float bc1, float bc2, u64 seed, int lanes,  \
-                                    int long_run, int seg, const float* partials,              \
-                                    const u64* err) {                                          \
+                                    int seg, const float* partials, const u64* err) {          \
         const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled};               \
         update_body<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at,    \
-                          offsets, T, B, go, psw, mean, o, seed, lanes, long_run, seg,         \
-                          partials, err);                                                      \
+                          offsets, T, B, go, psw, mean, o, seed, lanes, seg, partials, err);   \
     }
 EACH_WEIGHT_TYPE(UPDATE, tbe_update)

@@ -40,8 +40,8 @@ MIN_SEGMENT = 64
 
 
 def long_run_segment(D: int) -> int:
-    """Both the long-run threshold and the segment length (a long run must not fit inside a
-    segment, so the segment is at most the threshold): 64 ids, or D for wider rows, so the
+    """Both the long-run threshold and the segment length (one value: a long run must not fit
+    inside a segment, so the segment is at most the threshold): 64 ids, or D for wider rows, so the
     partial sums ([segments, 2, D] fp32: 8 * N * D / segment bytes) never outgrow the sort's
     own int64 permutation (8 * N bytes)."""
     return max(MIN_SEGMENT, D)
@@ -257,7 +257,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
             np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.int32(weight_decay_mode == "decoupled"),
             np.float32(bc1), np.float32(bc2),
-            np.uint64(seed), np.int32(lanes), np.int32(segment), np.int32(segment))
+            np.uint64(seed), np.int32(lanes), np.int32(segment))
     sms = _sm_count(dev)
     groups_per_block = THREADS // lanes
     partials = None
@@ -268,7 +268,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
         loader.launch(SOURCE, f"tbe_long_run_partials_v{V}", dev, min(-(-segments // groups_per_block), sms * 16),
                       THREADS, (sorted_rows, run_idx, run_start, perm, bag_of, off, np.int32(T), np.int64(B), go,
                                 psw, np.int32(pooling == "mean"), np.int64(N), np.int32(D), np.int32(lanes),
-                                np.int32(segment), np.int32(segment), partials, err))
+                                np.int32(segment), partials, err))
     loader.launch(SOURCE, f"tbe_update_{_suffix(weights, V)}", dev, min(-(-N // groups_per_block), sms * 16),
                   THREADS, args + (partials, err))
     _bump_version(weights)
