@@ -26,7 +26,6 @@ FAIL), 2 when there is no GPU or CuPy.  Performance targets are reported, never 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import sys
 import time
@@ -34,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -455,45 +453,10 @@ def bench_tbe(report: Report, dev, bw: float, batch: int, preset: str = "small")
         del w
 
 
-def _train_step_fns(model, batches, dev, lr: float):
-    """(recc step, eager step) closures over GPU-resident batches; SGD everywhere."""
-    import recc
-    eager = copy.deepcopy(model).to(dev)
-    from torch import nn
-    tables = [m for m in eager.modules() if isinstance(m, nn.EmbeddingBag)]
-    for t in tables:
-        t.sparse = True
-    table_ids = {id(t.weight) for t in tables}
-    dense_opt = torch.optim.SGD([p for p in eager.parameters() if id(p) not in table_ids], lr=lr)
-    table_opt = torch.optim.SGD([t.weight for t in tables], lr=lr)
-
-    program = recc.compile(model, recc.Cluster.local(1, device="cuda"),
-                           config=recc.CompileConfig(optimizer="sgd", lr=lr))
-    dmodel = program.instantiate(device=str(dev))
-    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=lr)
-    i = [0]
-
-    def recc_step():
-        dense_x, lS_o, lS_i, y = batches[i[0] % len(batches)]
-        i[0] += 1
-        F.binary_cross_entropy(dmodel(dense_x, lS_o, lS_i), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def eager_step():
-        dense_x, lS_o, lS_i, y = batches[i[0] % len(batches)]
-        i[0] += 1
-        F.binary_cross_entropy(eager(dense_x, lS_o, lS_i), y).backward()
-        dense_opt.step()
-        table_opt.step()
-        dense_opt.zero_grad(set_to_none=True)
-        table_opt.zero_grad(set_to_none=True)
-
-    return recc_step, eager_step, dmodel, eager
-
-
 def bench_step(report: Report, dev, preset: str, batch: int, row_cap: int | None, steps: int) -> None:
-    from recc.models import SyntheticData, build_model
+    """recc against eager PyTorch CUDA (``gpu_precision``'s systems, fp32, SGD everywhere)."""
+    import gpu_precision as mp
+    from recc.models import build_model
     from recc.models.presets import resolve_preset
     cfg = dict(resolve_preset(preset))
     label = f"{preset} B={batch}"
@@ -502,24 +465,20 @@ def bench_step(report: Report, dev, preset: str, batch: int, row_cap: int | None
         label += f" rows<={row_cap // 1000}k"
     torch.manual_seed(0)
     model = build_model(cfg)
-    data = SyntheticData(cfg, batch_size=batch)
-    batches = []
-    for s in range(3):
-        dense_x, lS_o, lS_i, y = data.batch(s)
-        batches.append((dense_x.to(dev), [o.to(dev) for o in lS_o], [i.to(dev) for i in lS_i], y.to(dev)))
-    recc_step, eager_step, dmodel, eager = _train_step_fns(model, batches, dev, lr=0.01)
-    # Same start, same batch: the two systems' first losses agree.
+    batches = mp.device_batches(cfg, dev, 3, batch)
+    eager = mp.Eager(model, dev, 0.01, "fp32")
+    mine = mp.Recc(model, dev, None, 0.01)
+    # Same start, same batch: the two systems' first outputs agree.
     with torch.no_grad():
-        dense_x, lS_o, lS_i, y = batches[0]
-        e = rel_err(dmodel(dense_x, lS_o, lS_i), eager(dense_x, lS_o, lS_i))
+        e = rel_err(mine.forward(*batches[0][:3]), eager.forward(*batches[0][:3]))
     report.add(Row(f"step {label}: recc fwd == eager fwd", e, 1e-4, e <= 1e-4))
-    t_recc = time_cuda(recc_step, iters=steps, warmup=3)
-    t_eager = time_cuda(eager_step, iters=steps, warmup=3)
+    t_recc = time_cuda(mp.cycling(mine, batches), iters=steps, warmup=3)
+    t_eager = time_cuda(mp.cycling(eager, batches), iters=steps, warmup=3)
     speedup = t_eager / t_recc
     report.add(Row(f"step {label}: eager PyTorch CUDA", ms=t_eager * 1e3))
     target = " (target >= 2x: " + ("met)" if speedup >= 2 else "NOT met)") if preset == "small" else ""
     report.add(Row(f"step {label}: recc", ms=t_recc * 1e3, note=f"{speedup:.2f}x eager{target}"))
-    del dmodel, eager, batches
+    del mine, eager, batches
     torch.cuda.empty_cache()
 
 

@@ -94,7 +94,8 @@ class Recc:
         cluster_device = torch.device(dev).type
         cfg = recc.CompileConfig(optimizer=config.pop("optimizer", "sgd"), lr=lr, dense_dtype=dtype,
                                  table_dtype=tables, comm_fwd="fp32", comm_bwd="fp32", **config)
-        example = tuple([t.cpu() for t in x] if isinstance(x, list) else x.cpu() for x in example)
+        if example is not None:
+            example = tuple([t.cpu() for t in x] if isinstance(x, list) else x.cpu() for x in example)
         self.program = recc.compile(copy.deepcopy(model), recc.Cluster.local(1, device=cluster_device),
                                     example_inputs=example, config=cfg)
         self.model = self.program.instantiate(device=str(dev))
@@ -117,7 +118,7 @@ class Recc:
         self.opt.zero_grad(set_to_none=True)
 
 
-def _batches(preset, dev, steps: int, batch_size: int | None = None):
+def device_batches(preset, dev, steps: int, batch_size: int | None = None):
     from recc.models import SyntheticData
     data = SyntheticData(preset, batch_size=batch_size) if batch_size else SyntheticData(preset)
     out = []
@@ -129,6 +130,16 @@ def _batches(preset, dev, steps: int, batch_size: int | None = None):
 
 def _is_table(name: str) -> bool:
     return name.startswith("emb_l.")
+
+
+def cycling(system, batches):
+    """A function of no arguments that trains ``system`` one step on the next of ``batches``."""
+    i = [0]
+
+    def one():
+        system.step(batches[i[0] % len(batches)])
+        i[0] += 1
+    return one
 
 
 def _state_err(recc_model, eager_model, tables: bool) -> tuple[float, str]:
@@ -160,7 +171,7 @@ def _parity(report, dev, label: str, dtype: str, tables: str, out_tol: float, pa
         for m in model.modules():
             if isinstance(m, nn.EmbeddingBag):
                 m.weight.mul_(table_scale)
-    batches = _batches("tiny", dev, 3)
+    batches = device_batches("tiny", dev, 3)
     eager = Eager(model, dev, 0.05, dtype)
     mine = Recc(model, dev, batches[0][:3], 0.05, dtype, tables)
     start = {k: v.detach().float().cpu().clone() for k, v in eager.model.state_dict().items() if _is_table(k)}
@@ -199,7 +210,7 @@ def check_dense_fp16(report, dev) -> None:
     from recc.models import build_model
     torch.manual_seed(0)
     model = build_model("tiny")
-    batch = _batches("tiny", dev, 1)[0]
+    batch = device_batches("tiny", dev, 1)[0]
     mine = Recc(model, dev, batch[:3], 0.05, "fp16")
     mine.scaler = recc.GradScaler(mine.model, init_scale=2.0 ** 40)
     before = {k: v.clone() for k, v in mine.model.state_dict().items()}
@@ -236,9 +247,8 @@ def check_optimizer_semantics(report, dev) -> None:
     from recc.models import build_model
     torch.manual_seed(0)
     model = build_model("tiny")
-    cpu_batches = _batches("tiny", "cpu", 3)
-    gpu_batches = [(x.to(dev), [o.to(dev) for o in lo], [i.to(dev) for i in li], y.to(dev))
-                   for x, lo, li, y in cpu_batches]
+    cpu_batches = device_batches("tiny", "cpu", 3)
+    gpu_batches = device_batches("tiny", dev, 3)  # the same batches (SyntheticData is seeded)
     tables = {}
     for opt, mode, adam_eps in SEMANTICS:
         kw = dict(optimizer=opt, eps=1e-3, weight_decay=0.05, weight_decay_mode=mode, adam_eps=adam_eps)
@@ -263,19 +273,19 @@ def check_optimizer_semantics(report, dev) -> None:
 
 
 def gpu_dense_limit(model: nn.Module, batch: int, dtype: str, dev) -> tuple[float, float]:
-    """(seconds, flops) of the model's GEMMs for one step, each timed alone with ``torch.mm``."""
-    from machine_limit import linear_layers
+    """(seconds, flops) of the model's GEMMs for one step (``machine_limit.gemm_shapes``), each
+    timed alone with ``torch.mm`` on the device."""
+    from machine_limit import gemm_shapes
     cache: dict = {}
     seconds = flops = 0.0
-    for i, layer in enumerate(linear_layers(model)):
-        k, n = layer.in_features, layer.out_features
-        for m_, k_, n_ in [(batch, k, n), (n, batch, k)] + ([(batch, n, k)] if i else []):
-            if (m_, k_, n_) not in cache:
-                a = torch.randn(m_, k_, device=dev).to(TORCH_DTYPES[dtype])
-                b = torch.randn(k_, n_, device=dev).to(TORCH_DTYPES[dtype])
-                cache[(m_, k_, n_)] = time_cuda(lambda: torch.mm(a, b), iters=20, warmup=3)
-            seconds += cache[(m_, k_, n_)]
-            flops += 2.0 * m_ * k_ * n_
+    for shape in gemm_shapes(model, batch):
+        if shape not in cache:
+            m_, k_, n_ = shape
+            a = torch.randn(m_, k_, device=dev).to(TORCH_DTYPES[dtype])
+            b = torch.randn(k_, n_, device=dev).to(TORCH_DTYPES[dtype])
+            cache[shape] = time_cuda(lambda: torch.mm(a, b), iters=20, warmup=3)
+        seconds += cache[shape]
+        flops += 2.0 * shape[0] * shape[1] * shape[2]
     return seconds, flops
 
 
@@ -310,7 +320,7 @@ def bench_precision_steps(report, dev, bw: float, batch: int, steps: int, preset
     cfg = dict(resolve_preset(preset))
     torch.manual_seed(0)
     model = build_model(cfg)
-    batches = _batches(cfg, dev, 3, batch)
+    batches = device_batches(cfg, dev, 3, batch)
     dims = [m.embedding_dim for m in model.modules() if isinstance(m, nn.EmbeddingBag)]
     limits = {}
     times = {}
@@ -319,12 +329,7 @@ def bench_precision_steps(report, dev, bw: float, batch: int, steps: int, preset
             limits[dtype] = gpu_dense_limit(model, batch, dtype, dev)
         system = (Eager(model, dev, 0.01, dtype) if kind == "eager"
                   else Recc(model, dev, batches[0][:3], 0.01, dtype, tables))
-        i = [0]
-
-        def one():
-            system.step(batches[i[0] % len(batches)])
-            i[0] += 1
-        t = time_cuda(one, iters=steps, warmup=3)
+        t = time_cuda(cycling(system, batches), iters=steps, warmup=3)
         times[label] = t
         dense_s, flops = limits[dtype]
         limit = dense_s + step_embedding_bytes(batches, dims, BYTES[tables]) / bw
@@ -348,7 +353,7 @@ def profile_recc_step(dev, batch: int, dtype: str = "fp32", preset: str = "small
     cfg = dict(resolve_preset(preset))
     torch.manual_seed(0)
     model = build_model(cfg)
-    batches = _batches(cfg, dev, 3, batch)
+    batches = device_batches(cfg, dev, 3, batch)
     system = Recc(model, dev, batches[0][:3], 0.01, dtype)
     on_gpu = torch.device(dev).type == "cuda"
     for b in batches:

@@ -82,17 +82,24 @@ def linear_layers(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
+def gemm_shapes(model: nn.Module, batch: int) -> list[tuple[int, int, int]]:
+    """``(m, k, n)`` of every GEMM one training step runs for the model's ``nn.Linear`` layers
+    (forward, weight gradient, and input gradient except for the first layer's data input)."""
+    shapes = []
+    for i, layer in enumerate(linear_layers(model)):
+        k, n = layer.in_features, layer.out_features
+        shapes += [(batch, k, n), (n, batch, k)] + ([(batch, n, k)] if i else [])
+    return shapes
+
+
 def dense_limit(model: nn.Module, batch: int, dtype: str) -> tuple[float, float, dict]:
     """``(seconds, flops, seconds per path)`` of the model's GEMMs for one training step."""
     seconds, flops, by_path = 0.0, 0.0, {}
-    for i, layer in enumerate(linear_layers(model)):
-        k, n = layer.in_features, layer.out_features
-        shapes = [(batch, k, n), (n, batch, k)] + ([(batch, n, k)] if i else [])
-        for m_, k_, n_ in shapes:
-            s, path = gemm_seconds(m_, k_, n_, dtype)
-            seconds += s
-            flops += 2.0 * m_ * k_ * n_
-            by_path[path] = by_path.get(path, 0.0) + s
+    for m_, k_, n_ in gemm_shapes(model, batch):
+        s, path = gemm_seconds(m_, k_, n_, dtype)
+        seconds += s
+        flops += 2.0 * m_ * k_ * n_
+        by_path[path] = by_path.get(path, 0.0) + s
     return seconds, flops, by_path
 
 
