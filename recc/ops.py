@@ -600,7 +600,7 @@ def dot_interaction(dense, blocks, li, lj, features, pad: int = 0):
 
 
 def _linear_meta(x, weight, bias, activation="none"):
-    return _meta_like(tuple(x.shape[:-1]) + (weight.shape[0],), x.dtype)
+    return _meta_like(tuple(x.shape[:-1]) + (weight.shape[0],), torch.promote_types(x.dtype, weight.dtype))
 
 
 @define_op("linear", meta=_linear_meta)
@@ -608,10 +608,15 @@ def linear(x, weight, bias, activation: str = "none"):
     """recc.linear(x: f32[B,K], weight: f32[N,K], bias: f32[N] | None, activation='none'|'relu') -> f32[B,N]
 
     ``act(x @ weight.T + bias)``: an ``nn.Linear`` and the activation after it as one op, so a
-    backend can fuse the activation into the GEMM and pick its GEMM library per product.
+    backend can fuse the activation into the GEMM and pick its GEMM library per product. x and
+    weight of two dtypes compute in the wider one (``cast_dense``'s head: bf16 activations meet
+    fp32 weights, and the product widens x itself instead of a cast node writing an fp32 copy).
     """
     if activation not in ("none", "relu"):
         raise ValueError(f"recc.linear: activation {activation!r} not in ('none', 'relu')")
+    if x.dtype != weight.dtype:
+        wide = torch.promote_types(x.dtype, weight.dtype)
+        x, weight, bias = x.to(wide), weight.to(wide), None if bias is None else bias.to(wide)
     y = torch.nn.functional.linear(x, weight, bias)
     return torch.relu(y) if activation == "relu" else y
 

@@ -82,3 +82,110 @@ void recc_round_bf16_keep_f32(float *x, uint16_t *out, int64_t n, int nthreads) 
         x[i] = bf16_to_f32(h);
     }
 }
+
+/* A dense layer with a narrow output — N <= 8 columns: a model's head, one logit per task —
+ * y = act(x w^T + b) with x fp32 or bf16 (widened exactly), w and b fp32, y fp32.
+ *
+ * The BLAS libraries run such a product far below memory speed: MKL's forward of kaggle's head
+ * ([4096, 256] x [256, 1]) took 0.15 ms and its input gradient, an outer product g w (K = 1),
+ * 0.30 ms, for 4 MB each; a bf16 head also paid a cast of its input to fp32 and of that input's
+ * gradient back (0.32 ms each). Here the forward reads each row of x once, and the backward
+ * reads each row of x and of the gradient once, writing dx (in x's dtype: a bf16 dx is rounded
+ * once, as the cast's backward did) and summing dw and db in fp32. Rows are split across threads;
+ * each thread sums its rows into its own partial dw/db in blocks of 64 rows, and the partials are
+ * added in thread order (relu_backward's scheme: the result depends on the thread count only).
+ * With relu, the mask is relu_backward's (y <= 0 -> 0). */
+#define NARROW_LINEAR(SUFFIX, T, TO_F, STORE)                                                          \
+    void recc_narrow_forward_##SUFFIX(const T *x, int64_t ldx, const float *w, const float *bias,     \
+                                      int64_t B, int64_t K, int64_t N, int relu, float *y, int nthreads) { \
+        if (nthreads < 1) nthreads = 1;                                                                \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                            \
+        for (int64_t b = 0; b < B; ++b) {                                                              \
+            const T *xr = x + b * ldx;                                                                 \
+            for (int64_t n = 0; n < N; ++n) {                                                          \
+                const float *wr = w + n * K;                                                           \
+                float s = 0.f;                                                                         \
+                _Pragma("omp simd reduction(+:s)") for (int64_t k = 0; k < K; ++k) s += TO_F(xr[k]) * wr[k]; \
+                if (bias) s += bias[n];                                                                \
+                y[b * N + n] = relu && s < 0.f ? 0.f : s;                                              \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+                                                                                                       \
+    int recc_narrow_backward_##SUFFIX(const float *g, int64_t ldg, const T *x, int64_t ldx, const float *w, \
+                                      const float *y, int64_t B, int64_t K, int64_t N, T *dx, float *dw,  \
+                                      float *db, int nthreads) {                                       \
+        if (N > 8) return -2; /* gb below; linear.py's NARROW_MAX */                                   \
+        if (nthreads < 1) nthreads = 1;                                                                \
+        const int64_t width = N * K + N; /* a thread's dw then db */                                  \
+        float *part = NULL, *rows = NULL;                                                              \
+        if (dw || db) {                                                                                \
+            /* per thread: its partial dw|db, then its current block's */                              \
+            part = (float *)calloc((size_t)nthreads * 2 * (size_t)width, sizeof(float));               \
+            if (!part) return -1;                                                                      \
+        }                                                                                              \
+        if (dx) { /* per thread: a row of dx in fp32 */                                                \
+            rows = (float *)malloc(sizeof(float) * (size_t)nthreads * (size_t)K);                      \
+            if (!rows) {                                                                               \
+                free(part);                                                                            \
+                return -1;                                                                             \
+            }                                                                                          \
+        }                                                                                              \
+        _Pragma("omp parallel num_threads(nthreads)") {                                               \
+            const int t = omp_get_thread_num();                                                        \
+            float *total = part ? part + (size_t)t * 2 * (size_t)width : NULL;                         \
+            float *blk = total ? total + width : NULL;                                                 \
+            float *acc = rows ? rows + (size_t)t * (size_t)K : NULL;                                   \
+            int64_t in_block = 0;                                                                      \
+            float gb[8];                                                                               \
+            /* gb: row b's gradient, masked; dx and dw read it in separate passes (dx needs no x) */ \
+            _Pragma("omp for schedule(static) nowait") for (int64_t b = 0; b < B; ++b) {               \
+                if (!dx) continue;                                                                     \
+                for (int64_t n = 0; n < N; ++n)                                                        \
+                    gb[n] = y && y[b * N + n] <= 0.f ? 0.f : g[b * ldg + n];                           \
+                T *dr = dx + b * K;                                                                    \
+                if (N == 1) { /* a head: no row to sum */                                             \
+                    const float g0 = gb[0];                                                            \
+                    _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) dr[k] = STORE(g0 * w[k]);      \
+                    continue;                                                                          \
+                }                                                                                      \
+                _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) acc[k] = gb[0] * w[k];             \
+                for (int64_t n = 1; n < N; ++n) {                                                      \
+                    const float gn = gb[n], *wr = w + n * K;                                           \
+                    _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) acc[k] += gn * wr[k];          \
+                }                                                                                      \
+                _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) dr[k] = STORE(acc[k]);             \
+            }                                                                                          \
+            _Pragma("omp for schedule(static)") for (int64_t b = 0; b < B; ++b) {                      \
+                if (!blk) continue;                                                                    \
+                const T *xr = x + b * ldx;                                                             \
+                for (int64_t n = 0; n < N; ++n)                                                        \
+                    gb[n] = y && y[b * N + n] <= 0.f ? 0.f : g[b * ldg + n];                           \
+                if (dw)                                                                                \
+                    for (int64_t n = 0; n < N; ++n) {                                                  \
+                        float *pr = blk + n * K;                                                       \
+                        const float gn = gb[n];                                                        \
+                        _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) pr[k] += gn * TO_F(xr[k]); \
+                    }                                                                                  \
+                for (int64_t n = 0; n < N; ++n) blk[N * K + n] += gb[n];                               \
+                if (++in_block == 64) {                                                                \
+                    for (int64_t i = 0; i < width; ++i) total[i] += blk[i], blk[i] = 0.f;              \
+                    in_block = 0;                                                                      \
+                }                                                                                      \
+            }                                                                                          \
+            if (blk)                                                                                   \
+                for (int64_t i = 0; i < width; ++i) total[i] += blk[i];                                \
+        }                                                                                              \
+        if (part) {                                                                                    \
+            for (int t = 1; t < nthreads; ++t)                                                         \
+                for (int64_t i = 0; i < width; ++i) part[i] += part[(size_t)t * 2 * (size_t)width + i]; \
+            if (dw) memcpy(dw, part, sizeof(float) * (size_t)(N * K));                                 \
+            if (db) memcpy(db, part + N * K, sizeof(float) * (size_t)N);                               \
+            free(part);                                                                                \
+        }                                                                                              \
+        free(rows);                                                                                    \
+        return 0;                                                                                      \
+    }
+
+NARROW_LINEAR(f32, float, f32_as_f32, f32_as_f32)
+NARROW_LINEAR(bf16, uint16_t, bf16_to_f32, f32_to_bf16)

@@ -47,9 +47,15 @@ def _declare(lib) -> None:
     lib.recc_relu_backward_bf16_f32.argtypes = [p, i64, p, i64, i64, i64, p, p, ctypes.c_int]
     lib.recc_round_bf16_keep_f32.restype = None
     lib.recc_round_bf16_keep_f32.argtypes = [p, p, i64, ctypes.c_int]
+    for suffix in ("f32", "bf16"):
+        fwd, bwd = getattr(lib, f"recc_narrow_forward_{suffix}"), getattr(lib, f"recc_narrow_backward_{suffix}")
+        fwd.restype = None
+        fwd.argtypes = [p, i64, p, p, i64, i64, i64, ctypes.c_int, p, ctypes.c_int]
+        bwd.restype = ctypes.c_int
+        bwd.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, p, p, p, ctypes.c_int]
 
 
-_KERNELS = native.KernelLibrary(Path(__file__).with_name("linear.c"), _declare, "ReLU backward")
+_KERNELS = native.KernelLibrary(Path(__file__).with_name("linear.c"), _declare, "ReLU backward and narrow layers")
 
 ACTIVATIONS = ("none", "relu")
 MIN_MACS = 1 << 20  # below ~1M multiply-adds the primitive's set-up outweighs the gain
@@ -204,12 +210,59 @@ def _torch_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], a
     return torch.relu(y) if activation == "relu" else y
 
 
+NARROW_MAX = 8   # output columns up to which a layer runs as linear.c's narrow kernel
+
+
+def _narrow_lib(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]):
+    """linear.c, when ``x @ w.T + b`` runs as its narrow-output kernel: at most ``NARROW_MAX``
+    output columns (a model's head), fp32 weights and bias, x fp32 or bf16 rows on the CPU."""
+    if not (x.device.type == w.device.type == "cpu" and x.dim() == 2 and 1 <= w.shape[0] <= NARROW_MAX
+            and w.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
+            and (b is None or b.dtype == torch.float32)):
+        return None
+    return _KERNELS.get()
+
+
+def _narrow_forward(lib, x, w, b, activation):
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w, y = w.contiguous(), torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    b = None if b is None else b.contiguous()
+    fn = lib.recc_narrow_forward_bf16 if x.dtype == torch.bfloat16 else lib.recc_narrow_forward_f32
+    fn(x.data_ptr(), x.stride(0), w.data_ptr(), None if b is None else b.data_ptr(), x.shape[0], x.shape[1],
+       w.shape[0], int(activation == "relu"), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def _narrow_backward(lib, grad, x, w, y, activation, needs):
+    grad = grad if grad.stride(1) == 1 else grad.contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w.contiguous()
+    (bsz, k), n = x.shape, w.shape[0]
+    dx = torch.empty(bsz, k, dtype=x.dtype) if needs[0] else None
+    dw = torch.empty(n, k, dtype=torch.float32) if needs[1] else None
+    db = torch.empty(n, dtype=torch.float32) if needs[2] else None
+    fn = lib.recc_narrow_backward_bf16 if x.dtype == torch.bfloat16 else lib.recc_narrow_backward_f32
+    rc = fn(grad.data_ptr(), grad.stride(0), x.data_ptr(), x.stride(0), w.data_ptr(),
+            y.contiguous().data_ptr() if activation == "relu" else None, bsz, k, n,
+            *(None if t is None else t.data_ptr() for t in (dx, dw, db)), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("linear: the narrow layer's backward could not allocate its per-thread sums")
+    return dx, dw, db
+
+
 def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str = "none"):
-    """``act(x @ w.T + b)`` for x [B, K], w [N, K], b [N] or None."""
+    """``act(x @ w.T + b)`` for x [B, K], w [N, K], b [N] or None. x and w of two dtypes (cast_dense's
+    bf16 head: bf16 activations, fp32 weights) compute in the wider one, x widened exactly."""
     check_activation(activation)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} do not multiply (x must be "
                          f"[B, K] and weight [N, K])")
+    lib = _narrow_lib(x, w, b) if native.mode() != "reference" else None
+    if lib is not None:
+        return _narrow_forward(lib, x, w, b, activation)
+    if x.dtype != w.dtype:
+        wide = torch.promote_types(x.dtype, w.dtype)
+        return linear_forward(x.to(wide), w.to(wide), None if b is None else b.to(wide), activation)
     if _widen_bf16(x, w):
         return _round_keep_wide(_forward(_widened(x), _widened(w), None if b is None else b.float(), activation))
     if not _use_onednn(x, w):
@@ -345,7 +398,14 @@ def _mkl_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Optional[torch.Tensor],
                     activation: str, needs=(True, True, True)):
     """Gradients ``(dx, dw, db)`` of ``linear_forward`` given its output ``y`` (needed for relu);
-    entries whose ``needs`` flag is False come back as None."""
+    entries whose ``needs`` flag is False come back as None, the others in their input's dtype."""
+    lib = _narrow_lib(x, w, None) if native.mode() != "reference" else None
+    if lib is not None and grad.dtype == torch.float32:
+        return _narrow_backward(lib, grad, x, w, y, activation, needs)
+    if x.dtype != w.dtype:
+        wide = torch.promote_types(x.dtype, w.dtype)
+        grads = linear_backward(grad.to(wide), x.to(wide), w.to(wide), y, activation, needs)
+        return tuple(None if t is None else t.to(dtype) for t, dtype in zip(grads, (x.dtype, w.dtype, w.dtype)))
     g, db = grad.contiguous(), None
     wide = grad.dtype == torch.bfloat16 and _widen_bf16(x, w)
     if activation == "relu":

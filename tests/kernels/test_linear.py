@@ -395,3 +395,66 @@ def test_every_tuned_candidate_matches_torch(monkeypatch, pick, dtype):
     for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
         scale = want.float().abs().max().item()
         torch.testing.assert_close(got.float() / scale, want.float() / scale, **tol)
+
+
+NARROW = [(300, 256, 1), (257, 37, 3), (64, 5, 8)]   # (B, K, N): a DLRM head, odd sizes, NARROW_MAX
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("activation", ["none", "relu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, k, n", NARROW)
+def test_narrow_layers_match_a_float64_oracle(b, k, n, xdtype, bias, activation, threads, monkeypatch):
+    """A layer of at most NARROW_MAX outputs (a model's head) runs as linear.c's narrow kernel, its
+    input fp32 or bf16 (cast_dense's bf16 head) next to fp32 weights: y = act(x w^T + b) in fp32 on
+    x widened exactly; dx in x's dtype, dw and db fp32, each the float64 result rounded once (up to
+    fp32 summation), whatever the thread count. x is a column slice (rows with a stride)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    x, w, bvec, grad = _case(b, k + 3, n)
+    x, w = x[:, 2:k + 2].to(xdtype), w[:, :k].contiguous()
+    bvec = bvec if bias else None
+    assert linear_mod._narrow_lib(x, w, bvec) is not None
+    y = linear_forward(x, w, bvec, activation)
+    pre = x.double() @ w.double().t() + (bvec.double() if bias else 0)
+    ref = pre.clamp_min(0) if activation == "relu" else pre
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    dx, dw, db = linear_backward(grad, x, w, y, activation, (True, True, bias))
+    g = grad.double() * (ref > 0) if activation == "relu" else grad.double()
+    assert dx.dtype == xdtype and dw.dtype == torch.float32
+    torch.testing.assert_close(dx.double(), (g @ w.double()).to(xdtype).double(),
+                               rtol=1e-5 if xdtype == torch.float32 else 8e-3, atol=1e-5)
+    torch.testing.assert_close(dw.double(), g.t() @ x.double(), rtol=1e-5, atol=1e-4)
+    if bias:
+        torch.testing.assert_close(db.double(), g.sum(0), rtol=1e-5, atol=1e-4)
+    else:
+        assert db is None
+
+
+def test_narrow_backward_computes_only_the_needed_gradients():
+    x, w, b, grad = _case(100, 20, 2)
+    y = linear_forward(x, w, b)
+    dx, dw, db = linear_backward(grad, x, w, y, "none", (False, True, False))
+    assert dx is None and db is None
+    torch.testing.assert_close(dw, grad.t() @ x, rtol=1e-5, atol=1e-5)
+    dx, dw, db = linear_backward(grad, x, w, y, "none", (True, False, True))
+    assert dw is None
+    torch.testing.assert_close(dx, grad @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, grad.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_a_wide_mixed_layer_computes_in_fp32():
+    """A bf16 input meeting fp32 weights with more than NARROW_MAX outputs: the product of x widened,
+    in fp32, and dx rounded to bf16 — what a cast node and an fp32 layer computed."""
+    x, w, b, grad = _case(64, 24, linear_mod.NARROW_MAX + 8)
+    x = x.bfloat16()
+    assert linear_mod._narrow_lib(x, w, b) is None
+    y = linear_forward(x, w, b, "relu")
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, torch.relu(F.linear(x.float(), w, b)), rtol=1e-5, atol=1e-5)
+    dx, dw, db = linear_backward(grad, x, w, y, "relu", (True, True, True))
+    g = grad * (y > 0)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == torch.float32
+    torch.testing.assert_close(dx, (g @ w).bfloat16())
+    torch.testing.assert_close(dw, g.t() @ x.float(), rtol=1e-5, atol=1e-4)
