@@ -20,6 +20,11 @@ same products in a different blocking order: results agree to fp32 rounding.
 In backward the ReLU's mask and the bias gradient are one pass of a C kernel (``linear.c``)
 instead of ``threshold_backward`` and a column sum (two passes over a [B, N] gradient that does
 not stay in cache).
+
+Layers of at most ``NARROW_MAX`` outputs (a model's head) run as ``linear.c``'s narrow kernel,
+forward and backward, with x fp32 or bf16 next to fp32 weights: cast_dense's bf16 head reads its
+bf16 input as it is instead of through an fp32 copy (kaggle's head in the bf16 step, casts
+included: ~1.4 -> ~0.4 ms; in fp32 the same as MKL's).
 """
 from __future__ import annotations
 
