@@ -43,7 +43,7 @@ from recc.models import SyntheticData, build_model, load_preset  # noqa: E402
 
 # Part -> the profiler names whose self time is that part's (exact names, or prefixes ending "*").
 PARTS = {
-    "GEMMs": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
+    "GEMMs": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise", "recc.narrow_linear*"),
     "embedding forward": ("TBELookup", "recc.tbe_lookup*", "recc.gather*", "GatherRows*"),
     "embedding backward + update": ("TBELookupBackward",),
     "pack_sparse (ids checked, linearized)": ("recc.pack_sparse*",),

@@ -269,3 +269,38 @@ def test_interaction_bf16_blocks_and_fp32_output(monkeypatch, kernels):
     torch.testing.assert_close(gd.double(), leaves[0].grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gf.double(), leaves[2].grad, rtol=1e-5, atol=1e-5)
     _rounded_once(gh, leaves[1].grad)
+
+
+def _tie_heavy(shape, g):
+    """Small integers (exact in bf16): every sum of their products is an integer, exact in fp32,
+    and from 256 on bf16 (8 significant bits) holds only every other one — 257 lies halfway
+    between 256 and 258, so rounding must break the tie (to even: 256)."""
+    return torch.randint(0, 9, shape, generator=g).bfloat16()
+
+
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_kaggle_layout_in_bf16_rounds_ties_to_even(monkeypatch, kernels):
+    """kaggle's layout all in bf16 (a [B, 16] bottom output, one [B, 26 * 16] block the vectors
+    exactly cover, DLRM's strict triangle, pad 1) with a bf16 output gradient: the output and
+    both gradients are the exact results rounded once to nearest even, element for element —
+    on inputs whose sums are exact in fp32 and land on bf16 ties (a kernel rounding ties up, or
+    rounding twice, fails here where random inputs almost never tie)."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+    g = torch.Generator().manual_seed(5)
+    b, d, tables = 96, 16, 26
+    dense, pooled = _tie_heavy((b, d), g), _tie_heavy((b, tables * d), g)
+    features = tuple((0, k * d) for k in range(tables))
+    li, lj = torch.tril_indices(tables + 1, tables + 1, -1)
+    leaves = [dense.double().requires_grad_(True), pooled.double().requires_grad_(True)]
+    want = _eager_interaction(leaves[0], [leaves[1]], features, li, lj, 1)
+    grad = _tie_heavy(want.shape, g)
+    want.backward(grad.double())
+    out = dot_interaction_forward(dense, [pooled], features, li, lj, 1)
+    gd, (gp,) = dot_interaction_backward(dense, [pooled], features, li, lj, 1, grad)
+    for got, exact in ((out, want.detach()), (gd, leaves[0].grad), (gp, leaves[1].grad)):
+        assert got.dtype == torch.bfloat16
+        f32 = exact.float()
+        assert torch.equal(f32.double(), exact)  # exact in fp32, so the only rounding is to bf16
+        ties = (f32.view(torch.int32) & 0xFFFF) == 0x8000   # exactly halfway between two bf16 values
+        assert int(ties.sum()) > 50, "the inputs should put many results on bf16 ties"
+        assert torch.equal(got, exact.to(torch.bfloat16))
