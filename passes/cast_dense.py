@@ -43,11 +43,17 @@ beyond bf16 rounding of the products' inputs and outputs.
 Before:
     bot_l_0_weight : f32[8,13] = get_attr bot_l.0.weight
     bot_l_1        : f32[8,8]  = recc.linear(dense_x, bot_l_0_weight, bot_l_0_bias, activation='relu')
+    ...
+    top_l_2        : f32[8,1]  = recc.linear(top_l_1, top_l_2_weight, top_l_2_bias, activation='none')
+    top_l_3        : f32[8,1]  = top_l.3(top_l_2)      # nn.Sigmoid
 After:
     bot_l_0_weight      : f32[8,13]  = get_attr bot_l.0.weight
     dense_x_bf16        : bf16[8,13] = dense_x.to(torch.bfloat16)
     bot_l_0_weight_bf16 : bf16[8,13] = bot_l_0_weight.to(torch.bfloat16)
     bot_l_1             : bf16[8,8]  = recc.linear(dense_x_bf16, bot_l_0_weight_bf16, bot_l_0_bias_bf16, activation='relu')
+    ...
+    top_l_2             : f32[8,1]   = recc.linear(top_l_1, top_l_2_weight, top_l_2_bias, activation='none')  # bf16 x, f32 weight
+    top_l_3             : f32[8,1]   = top_l.3(top_l_2)
 """
 from __future__ import annotations
 
