@@ -94,7 +94,8 @@ void recc_round_bf16_keep_f32(float *x, uint16_t *out, int64_t n, int nthreads) 
  * once, as the cast's backward did) and summing dw and db in fp32. Rows are split across threads;
  * each thread sums its rows into its own partial dw/db in blocks of 64 rows, and the partials are
  * added in thread order (relu_backward's scheme: the result depends on the thread count only).
- * With relu, the mask is relu_backward's (y <= 0 -> 0). */
+ * With relu, the mask is relu_backward's (y <= 0 -> 0). Each output column is its own pass over
+ * the row, so past a few columns the BLAS libraries win (linear.py's _narrow_wins). */
 #define NARROW_LINEAR(SUFFIX, T, TO_F, STORE)                                                          \
     void recc_narrow_forward_##SUFFIX(const T *x, int64_t ldx, const float *w, const float *bias,     \
                                       int64_t B, int64_t K, int64_t N, int relu, float *y, int nthreads) { \

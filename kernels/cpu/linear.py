@@ -21,8 +21,8 @@ In backward the ReLU's mask and the bias gradient are one pass of a C kernel (``
 instead of ``threshold_backward`` and a column sum (two passes over a [B, N] gradient that does
 not stay in cache).
 
-Layers of at most ``NARROW_MAX`` outputs (a model's head) run as ``linear.c``'s narrow kernel,
-forward and backward, with x fp32 or bf16 next to fp32 weights: cast_dense's bf16 head reads its
+Layers of one output (a model's head; a bf16 input: up to 4) run as ``linear.c``'s narrow
+kernel, forward and backward, with x fp32 or bf16 next to fp32 weights: cast_dense's bf16 head reads its
 bf16 input as it is instead of through an fp32 copy (kaggle's head in the bf16 step, casts
 included: ~1.4 -> ~0.4 ms; in fp32 the same as MKL's).
 """
@@ -216,15 +216,24 @@ def _torch_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], a
     return torch.relu(y) if activation == "relu" else y
 
 
-NARROW_MAX = 8   # output columns up to which a layer runs as linear.c's narrow kernel
+NARROW_MAX = 8   # the most output columns linear.c's narrow kernel takes (its per-row buffer)
+
+
+def _narrow_wins(x: torch.Tensor, n: int) -> bool:
+    """Whether the narrow kernel beats the libraries for ``n`` outputs: always for one (the
+    head: fp32 0.31 vs 0.41 ms at K = 256, equal at K = 1024; bf16 0.23 vs 0.84, the libraries'
+    path casting x to fp32 first), and for a bf16 input up to 4 (0.79 vs 0.96 ms at 4, 1.60 vs
+    0.94 at 8); with fp32 inputs MKL/oneDNN win from 4 outputs on (0.74 vs 0.53 ms, 8: 1.8 vs
+    0.5). Forward + backward, B = 4096, K = 256, 2-vCPU Intel Xeon."""
+    return n == 1 or (x.dtype == torch.bfloat16 and n <= 4)
 
 
 def _narrow_lib(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]):
-    """linear.c, when ``x @ w.T + b`` runs as its narrow-output kernel: at most ``NARROW_MAX``
-    output columns (a model's head), fp32 weights and bias, x fp32 or bf16 rows on the CPU."""
+    """linear.c, when ``x @ w.T + b`` runs as its narrow-output kernel: few output columns (a
+    model's head; ``_narrow_wins``), fp32 weights and bias, x fp32 or bf16 rows on the CPU."""
     if not (x.device.type == w.device.type == "cpu" and x.dim() == 2 and 1 <= w.shape[0] <= NARROW_MAX
             and w.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
-            and (b is None or b.dtype == torch.float32)):
+            and (b is None or b.dtype == torch.float32) and _narrow_wins(x, w.shape[0])):
         return None
     return _KERNELS.get()
 

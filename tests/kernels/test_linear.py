@@ -409,8 +409,10 @@ def test_narrow_layers_match_a_float64_oracle(b, k, n, xdtype, bias, activation,
     """A layer of at most NARROW_MAX outputs (a model's head) runs as linear.c's narrow kernel, its
     input fp32 or bf16 (cast_dense's bf16 head) next to fp32 weights: y = act(x w^T + b) in fp32 on
     x widened exactly; dx in x's dtype, dw and db fp32, each the float64 result rounded once (up to
-    fp32 summation), whatever the thread count. x is a column slice (rows with a stride)."""
+    fp32 summation), whatever the thread count. x is a column slice (rows with a stride). The
+    kernel is forced for every case (the rule of when it runs is tested apart)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(linear_mod, "_narrow_wins", lambda x, n: True)
     x, w, bvec, grad = _case(b, k + 3, n)
     x, w = x[:, 2:k + 2].to(xdtype), w[:, :k].contiguous()
     bvec = bvec if bias else None
@@ -432,8 +434,21 @@ def test_narrow_layers_match_a_float64_oracle(b, k, n, xdtype, bias, activation,
         assert db is None
 
 
+def test_the_narrow_kernel_runs_where_it_beats_the_libraries():
+    """One output always; a bf16 input up to 4 outputs; fp32 from 2 outputs on goes to MKL/oneDNN,
+    and nothing past NARROW_MAX."""
+    w = lambda n: torch.randn(n, 16)  # noqa: E731
+    x32, x16 = torch.randn(8, 16), torch.randn(8, 16).bfloat16()
+    assert linear_mod._narrow_lib(x32, w(1), None) is not None
+    assert linear_mod._narrow_lib(x32, w(2), None) is None
+    assert all(linear_mod._narrow_lib(x16, w(n), None) is not None for n in (1, 2, 4))
+    assert linear_mod._narrow_lib(x16, w(5), None) is None
+    assert linear_mod._narrow_lib(x16, w(linear_mod.NARROW_MAX + 1), None) is None
+
+
 def test_narrow_backward_computes_only_the_needed_gradients():
-    x, w, b, grad = _case(100, 20, 2)
+    x, w, b, grad = _case(100, 20, 1)
+    assert linear_mod._narrow_lib(x, w, b) is not None
     y = linear_forward(x, w, b)
     dx, dw, db = linear_backward(grad, x, w, y, "none", (False, True, False))
     assert dx is None and db is None
