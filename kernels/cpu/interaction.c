@@ -499,6 +499,8 @@ static int exact_cover(int64_t nblk, const int64_t *dwidth, const int64_t *fblk,
     int ok = off && seen;
     for (int64_t k = 0, at = 0; ok && k < nblk; at += dwidth[k++]) off[k] = at;
     for (int64_t f = 0; ok && f < F; ++f)
+        ok = fcol[f] >= 0 && fcol[f] + D <= dwidth[fblk[f]]; /* inside its own block */
+    for (int64_t f = 0; ok && f < F; ++f)
         for (int64_t d = 0; ok && d < D; ++d) {
             unsigned char *c = seen + off[fblk[f]] + fcol[f] + d;
             ok = !*c;
@@ -558,7 +560,8 @@ static void tri16_backward(const struct vsrc *vs, const struct vsrc *ds, int64_t
     const int64_t hd = head >= 0 ? 16 : 0;
     for (int64_t i = 1, t = 0; i < F; t += i++) /* t: tri_start(i) */
         for (int64_t k = 0; k < i; k += 16) {
-            const int64_t left = P - t - k; /* pairs from here to the row's end */
+            const int64_t left = P - t - k; /* pairs from here to the end of all P (cells past
+                                             * the row's end are loaded, never read) */
             const __mmask16 m = (__mmask16)(left >= 16 ? 0xffffu : (1u << left) - 1u);
             const int64_t at = hd + t + k;
             _mm512_storeu_ps(L + i * 32 + k, g_bf16 ? widen16(_mm256_maskz_loadu_epi16(m, (const uint16_t *)gr + at))

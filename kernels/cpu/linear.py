@@ -271,6 +271,8 @@ def _narrow_backward(lib, grad, x, w, y, activation, needs):
         rc = fn(grad.data_ptr(), grad.stride(0), x.data_ptr(), x.stride(0), w.data_ptr(),
                 None if y is None else y.data_ptr(), bsz, k, n,
                 *(None if t is None else t.data_ptr() for t in (dx, dw, db)), torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"linear: the narrow kernel takes at most {NARROW_MAX} outputs, not {n}")
     if rc != 0:
         raise MemoryError("linear: the narrow layer's backward could not allocate its per-thread sums")
     return dx, dw, db
@@ -424,7 +426,8 @@ def _mkl_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Optional[torch.Tensor],
                     activation: str, needs=(True, True, True)):
     """Gradients ``(dx, dw, db)`` of ``linear_forward`` given its output ``y`` (needed for relu);
-    entries whose ``needs`` flag is False come back as None, the others in their input's dtype."""
+    entries whose ``needs`` flag is False come back as None; dx in x's dtype, dw and db in the
+    weight's (autograd casts db to the bias's dtype should it differ)."""
     lib = _narrow_lib(x, w, None) if native.mode() != "reference" else None
     if lib is not None and grad.dtype == torch.float32:
         return _narrow_backward(lib, grad, x, w, y, activation, needs)
