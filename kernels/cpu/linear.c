@@ -15,6 +15,29 @@
 
 #include "bf16.h"
 
+/* The row sums of relu_backward and the narrow layers' backward, the same way in both: each
+ * thread adds its rows into a block sum, which goes into the thread's total every ROW_BLOCK rows
+ * and at the end; the totals are then added in thread order. A thread's slot is 2 * n floats:
+ * its total, then its block. */
+#define ROW_BLOCK 64
+
+static inline void add_block(float *total, float *blk, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) total[i] += blk[i], blk[i] = 0.f;
+}
+
+static inline void row_added(float *total, float *blk, int64_t n, int64_t *in_block) {
+    if (++*in_block == ROW_BLOCK) {
+        add_block(total, blk, n);
+        *in_block = 0;
+    }
+}
+
+/* Thread t's total (part + t * 2 * n) added into thread 0's, in thread order. */
+static void add_thread_totals(float *part, int nthreads, int64_t n) {
+    for (int t = 1; t < nthreads; ++t)
+        for (int64_t i = 0; i < n; ++i) part[i] += part[(size_t)t * 2 * (size_t)n + i];
+}
+
 /* The ReLU mask and bias-gradient sum of one [B, N] gradient of element type T, written as TOUT:
  * TO_F reads a T as fp32, STORE turns a T into a TOUT, OUT_F reads a TOUT as fp32, ZERO is TOUT's
  * zero. For T == TOUT the mask copies the element (bf16 bits stay bits); bf16 into fp32 is exact.
@@ -41,19 +64,14 @@
                     out[n] = TO_F(yr[n]) <= 0.f ? ZERO : STORE(gr[n]);                             \
                 if (blk) {                                                                         \
                     _Pragma("omp simd") for (int64_t n = 0; n < N; ++n) blk[n] += OUT_F(out[n]);   \
-                    if (++in_block == 64) {                                                        \
-                        for (int64_t n = 0; n < N; ++n) total[n] += blk[n], blk[n] = 0.f;          \
-                        in_block = 0;                                                              \
-                    }                                                                              \
+                    row_added(total, blk, N, &in_block);                                           \
                 }                                                                                  \
             }                                                                                      \
-            if (blk)                                                                               \
-                for (int64_t n = 0; n < N; ++n) total[n] += blk[n];                                \
+            if (blk) add_block(total, blk, N);                                                     \
         }                                                                                          \
         if (db) {                                                                                  \
+            add_thread_totals(part, nthreads, N);                                                  \
             memcpy(db, part, sizeof(float) * (size_t)N);                                           \
-            for (int t = 1; t < nthreads; ++t)                                                     \
-                for (int64_t n = 0; n < N; ++n) db[n] += part[(size_t)t * 2 * (size_t)N + n];      \
             free(part);                                                                            \
         }                                                                                          \
         return 0;                                                                                  \
@@ -92,8 +110,8 @@ void recc_round_bf16_keep_f32(float *x, uint16_t *out, int64_t n, int nthreads) 
  * gradient back (0.32 ms each). Here the forward reads each row of x once, and the backward
  * reads each row of x and of the gradient once, writing dx (in x's dtype: a bf16 dx is rounded
  * once, as the cast's backward did) and summing dw and db in fp32. Rows are split across threads;
- * each thread sums its rows into its own partial dw/db in blocks of 64 rows, and the partials are
- * added in thread order (relu_backward's scheme: the result depends on the thread count only).
+ * each thread sums its rows into its own partial dw/db in blocks of ROW_BLOCK rows, and the partials
+ * are added in thread order (relu_backward's scheme: the result depends on the thread count only).
  * With relu, the mask is relu_backward's (y <= 0 -> 0). Each output column is its own pass over
  * the row, so past a few columns the BLAS libraries win (linear.py's _narrow_wins). */
 #define NARROW_LINEAR(SUFFIX, T, TO_F, STORE)                                                          \
@@ -169,17 +187,12 @@ void recc_round_bf16_keep_f32(float *x, uint16_t *out, int64_t n, int nthreads) 
                         _Pragma("omp simd") for (int64_t k = 0; k < K; ++k) pr[k] += gn * TO_F(xr[k]); \
                     }                                                                                  \
                 for (int64_t n = 0; n < N; ++n) blk[N * K + n] += gb[n];                               \
-                if (++in_block == 64) {                                                                \
-                    for (int64_t i = 0; i < width; ++i) total[i] += blk[i], blk[i] = 0.f;              \
-                    in_block = 0;                                                                      \
-                }                                                                                      \
+                row_added(total, blk, width, &in_block);                                               \
             }                                                                                          \
-            if (blk)                                                                                   \
-                for (int64_t i = 0; i < width; ++i) total[i] += blk[i];                                \
+            if (blk) add_block(total, blk, width);                                                     \
         }                                                                                              \
         if (part) {                                                                                    \
-            for (int t = 1; t < nthreads; ++t)                                                         \
-                for (int64_t i = 0; i < width; ++i) part[i] += part[(size_t)t * 2 * (size_t)width + i]; \
+            add_thread_totals(part, nthreads, width);                                                  \
             if (dw) memcpy(dw, part, sizeof(float) * (size_t)(N * K));                                 \
             if (db) memcpy(db, part + N * K, sizeof(float) * (size_t)N);                               \
             free(part);                                                                                \

@@ -235,7 +235,7 @@ def _narrow_lib(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]):
             and w.dtype == torch.float32 and x.dtype in (torch.float32, torch.bfloat16)
             and (b is None or b.dtype == torch.float32) and _narrow_wins(x, w.shape[0])):
         return None
-    return _KERNELS.get()
+    return _KERNELS.get()   # None under RECC_CPU_KERNELS=reference
 
 
 def _profiled(name: str):
@@ -285,7 +285,7 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(w.shape)} do not multiply (x must be "
                          f"[B, K] and weight [N, K])")
-    lib = _narrow_lib(x, w, b) if native.mode() != "reference" else None
+    lib = _narrow_lib(x, w, b)
     if lib is not None:
         return _narrow_forward(lib, x, w, b, activation)
     if x.dtype != w.dtype:
@@ -428,7 +428,7 @@ def linear_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, y: Opt
     """Gradients ``(dx, dw, db)`` of ``linear_forward`` given its output ``y`` (needed for relu);
     entries whose ``needs`` flag is False come back as None; dx in x's dtype, dw and db in the
     weight's (autograd casts db to the bias's dtype should it differ)."""
-    lib = _narrow_lib(x, w, None) if native.mode() != "reference" else None
+    lib = _narrow_lib(x, w, None)
     if lib is not None and grad.dtype == torch.float32:
         return _narrow_backward(lib, grad, x, w, y, activation, needs)
     if x.dtype != w.dtype:
