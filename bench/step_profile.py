@@ -17,7 +17,10 @@ The table answers "what bounds this step": the GEMMs' time in the step against t
 the limit, the embedding kernels against the bytes floor, and everything else, which the limit
 counts as zero. The last lines say how much time the step may spend outside the GEMMs to reach a
 given fraction of the limit with the GEMMs as fast as they ran in it (their own profiled time,
-unscaled: profiling adds time per op, not per FLOP). Profiling slows a step
+unscaled: profiling adds time per op, not per FLOP), and the shortest step recc's passes allow: those
+GEMMs, the embedding floor, and the bytes the other passes must move at least (the ReLU mask in
+backward, the dot interaction both ways: ``pass_bytes``) at copy bandwidth. Where that floor is
+above a target step, the target is out of reach without fusing those passes into the GEMMs. Profiling slows a step
 (by the 'profiled' line's ratio); the parts are its shares, scaled to the unprofiled step. The
 'ops' line is how much of the profiled step the ops' own times cover; the rest (Python between
 ops, the profiler's own bookkeeping) is spread over the parts by that scaling.
@@ -34,6 +37,7 @@ import sys
 import time
 
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import machine_limit  # noqa: E402
@@ -73,6 +77,32 @@ def parts_per_step(profile, steps: int) -> tuple[dict, dict]:
         if part == OTHER:
             other[e.key] = other.get(e.key, 0.0) + s
     return parts, other
+
+
+def relu_layers(model) -> list[nn.Linear]:
+    """The model's ``nn.Linear`` layers whose output goes through an ``nn.ReLU`` (in its MLPs'
+    ``nn.Sequential``s): each costs one ReLU-mask pass in backward."""
+    found = []
+    for seq in model.modules():
+        if isinstance(seq, nn.Sequential):
+            mods = list(seq)
+            found += [m for m, nxt in zip(mods, mods[1:]) if isinstance(m, nn.Linear) and isinstance(nxt, nn.ReLU)]
+    return found
+
+
+def pass_bytes(model, batch: int, precision: str) -> dict:
+    """Bytes the passes of a DLRM step outside the GEMMs and the embeddings move at least, at the
+    dense dtype's element size: the ReLU mask in backward (reads the gradient and the layer's
+    output, writes the masked gradient: library GEMMs take no mask on an operand), and the dot
+    interaction (forward reads the T+1 vectors and writes its output; backward reads the output's
+    gradient and the vectors and writes their gradients)."""
+    elt = torch.finfo(machine_limit.DTYPES[precision]).bits // 8
+    relu = sum(3 * batch * m.out_features * elt for m in relu_layers(model))
+    d = [m for m in model.bot_l.modules() if isinstance(m, nn.Linear)][-1].out_features
+    vectors = (len(model.emb_l) + 1) * d
+    out = [m for m in model.top_l.modules() if isinstance(m, nn.Linear)][0].in_features
+    interaction = batch * elt * (3 * vectors + 2 * out)
+    return {"ReLU mask": relu, "interaction": interaction}
 
 
 def make_system(model, batches, grads, args, precision: str, table_dtype: str):
@@ -192,7 +222,7 @@ def main(argv=None) -> None:
         if args.embedding_only:
             limit = {**limit, "seconds": limit["embedding_s"], "dense_s": 0.0}
         cols.append(dict(name=f"{pr} dense, {td} tables" if not args.embedding_only else f"{td} tables",
-                         limit=limit, step=step, profiled=profiled, parts=parts, other=other))
+                         precision=pr, limit=limit, step=step, profiled=profiled, parts=parts, other=other))
     for pr, lims in limits.items():
         secs = sorted(lim["dense_s"] if not args.embedding_only else lim["embedding_s"] for lim in lims)
         what = "GEMMs" if not args.embedding_only else "embedding bytes"
@@ -247,6 +277,13 @@ def main(argv=None) -> None:
             print(f"    {frac:.0%} of the limit is a {lim['seconds'] / frac * 1e3:.2f} ms step: with the GEMMs as "
                   f"fast as here, {max(budget, 0.0) * 1e3:.2f} ms for everything else"
                   + ("" if budget > 0 else " (none: the GEMMs alone are slower than that)"))
+        passes = pass_bytes(model, B, c["precision"])
+        floor = gemm + lim["embedding_s"] + sum(passes.values()) / bw
+        print(f"    outside the GEMMs the step moves at least "
+              + " + ".join(f"{name} {n / 1e6:.1f} MB" for name, n in passes.items())
+              + f" ({sum(passes.values()) / bw * 1e3:.2f} ms at the copy bandwidth, {bw / 1e9:.1f} GB/s) + the "
+              f"embedding floor {lim['embedding_s'] * 1e3:.2f} ms: with the GEMMs as fast as here, no step of "
+              f"recc's passes is shorter than {floor * 1e3:.2f} ms = {lim['seconds'] / floor:.0%} of the limit")
 
 
 if __name__ == "__main__":

@@ -67,3 +67,17 @@ def test_every_op_s_own_time_is_counted_once(step_profile):
     assert parts["GEMMs"] > 0 and parts["embedding backward + update"] > 0
     assert sum(other.values()) == pytest.approx(parts[step_profile.OTHER], rel=1e-9)
     assert "aten::relu" in other or "aten::clamp_min" in other
+
+
+def test_pass_bytes_counts_each_relu_mask_and_the_interaction_both_ways(step_profile):
+    """kaggle at B=4096: ReLUs after 512, 256, 64, 16 (bottom) and 512, 256 (top; the head's
+    Sigmoid is not one), each pass reading two [B, N] tensors and writing one; the interaction's
+    27 vectors of 16 and its 367 outputs (16 + 351 pairs), read 3 times and written twice."""
+    from recc.models import build_model, load_preset
+
+    model = build_model(load_preset("kaggle"))
+    assert [m.out_features for m in step_profile.relu_layers(model)] == [512, 256, 64, 16, 512, 256]
+    b = 4096
+    for precision, elt in (("fp32", 4), ("bf16", 2)):
+        got = step_profile.pass_bytes(model, b, precision)
+        assert got == {"ReLU mask": 3 * b * 1616 * elt, "interaction": b * elt * (3 * 27 * 16 + 2 * 367)}
