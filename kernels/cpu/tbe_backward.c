@@ -255,7 +255,10 @@ enum {
 #define GO_PREFETCH 4    /* rows ahead: grad_output rows, backward apply loop */
 #endif
 #ifndef ID_PREFETCH
-#define ID_PREFETCH 24   /* ids ahead, forward pooling */
+/* ids ahead, forward pooling. 48 rather than 24: on the 2-vCPU Xeon (small's shape, 8 x 100k x 64,
+ * tables in the L3) the fp16 forward went ~1.15 -> ~1.0 ms and the fp16 embedding-only step ~8%
+ * faster; fp32 rows and kaggle's D = 16 (one line per row) were unchanged. */
+#define ID_PREFETCH 48
 #endif
 #define MAX_REG_D 256    /* row accumulators up to this D live on the stack */
 
