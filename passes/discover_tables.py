@@ -16,7 +16,11 @@ padding id is then an empty bag: zeros, as its zero padding row gives, and no gr
 recc cannot fuse (``max_norm``, ``scale_grad_by_freq``, a gather whose padding row is not zero) are
 left as they are, trained as dense modules, and
 listed once in ``ctx.stats["dense_lookups"]`` with the reason; a model with no table at all
-compiles with one warning. Must not change what the graph computes.
+compiles with one warning. A table of fp16 or bf16 (``nn.EmbeddingBag(..., dtype=torch.bfloat16)``,
+a TorchRec ``DataType.FP16`` table) is pooled in fp32 like any other and its rows cast to its dtype,
+what the module returns; ``TableSpec.user_dtype`` records that dtype (``state_dict`` returns the
+table in it) and ``TableSpec.dtype`` the stored one (``CompileConfig.table_dtype``, by default the
+module's). A float64 table is refused by name. Must not change what the graph computes.
 
 Before:
     emb_l_0 : f32[8,4]   = emb_l.0(l_s_i_1, l_s_o_1)
@@ -28,6 +32,10 @@ After:
     user_ids       : i64[8,1]  = ids.reshape(-1, 1)
     user_rows      : f32[8,4]  = recc.embedding_bag(user_weight, user_ids, None, None, mode='sum', table='user')  # table t1=user[20x4,sum]
     user           : f32[8,1,4] = recc.rows_like(user_rows, ids)
+A bf16 table:
+    half_weight    : bf16[30,4] = get_attr half.weight
+    half_lookup    : f32[8,4]   = recc.embedding_bag(half_weight, l_s_i_3, l_s_o_3, None, mode='sum', table='half')  # table t2=half[30x4,sum,bf16]
+    half           : bf16[8,4]  = half_lookup.to(bf16)
 """
 from __future__ import annotations
 
@@ -47,6 +55,8 @@ from recc.specs import TableSpec
 
 _BAG_SIG = inspect.signature(F.embedding_bag)
 _STORED = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # CompileConfig.table_dtype -> TableSpec.dtype
+_OF_TORCH = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}  # a weight's -> TableSpec's
+_TORCH_OF = {v: k for k, v in _OF_TORCH.items()}
 _EMB_SIG = inspect.signature(F.embedding)
 
 
@@ -153,11 +163,17 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"discover_tables: table {name}: {wpath} is not a parameter")
         if weight.dim() != 2:
             raise ValueError(f"discover_tables: table {name}: weight must be 2-D, got {tuple(weight.shape)}")
+        if weight.dtype not in _OF_TORCH:
+            raise ValueError(f"discover_tables: table {name} ({wpath}) is {str(weight.dtype).removeprefix('torch.')}; "
+                             f"recc stores tables in float32, float16 or bfloat16 — convert it first (e.g. "
+                             f"model.{name}.float())")
+        user_dtype = _OF_TORCH[weight.dtype]
         rows = int(weight.shape[0])
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=rows, dim=int(weight.shape[1]),
                          pooling=mode, weight_key=wpath, weighted=psw is not None,
                          jagged=mode == "none" and _is_jagged(ids, ctx.batch),
-                         dtype=_STORED[ctx.config.table_dtype], init=_module_init(gm, wpath),
+                         dtype=_STORED[ctx.config.table_dtype] if ctx.config.table_dtype else user_dtype,
+                         user_dtype=user_dtype, init=_module_init(gm, wpath),
                          padding_idx=None if padding_idx is None else padding_idx % rows)
         tables[name] = spec
         old_name = node.name
@@ -198,14 +214,19 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             out = new
             if mode == "none":
                 out = graph.call_function(OPS["rows_like"], (new, ids))
+            if user_dtype != "f32":
+                # recc.embedding_bag pools in fp32 whatever the storage; the model reads the rows
+                # in its table's dtype, as the module would have returned them.
+                out = graph.call_method("to", (out, _TORCH_OF[user_dtype]))
         new.meta["recc.table"] = spec
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        if out is new:
-            rename(new, old_name)
-        else:
+        # The last node keeps the user's name; before it, a gather's rows and the looked-up value cast.
+        rename(out, old_name)
+        if mode == "none":
             rename(new, f"{old_name}_rows")
-            rename(out, old_name)
+        if user_dtype != "f32":
+            rename(out.args[0], f"{old_name}_lookup")
     if not tables:
         warnings.warn(f"recc: {type(gm).__name__} has no embedding table recc can fuse; it compiles as a "
                       f"dense model (every parameter data-parallel)", stacklevel=2)

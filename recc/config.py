@@ -38,9 +38,12 @@ class CompileConfig:
 
     ``dense_dtype`` runs the dense part's matrix products in ``bf16`` with fp32 master weights
     (``cast_dense``: autocast's per-op choice, as graph nodes); ``fp16`` is for CUDA.
-    ``table_dtype`` stores the embedding tables in ``fp16``/``bf16`` (half the memory and lookup
-    bytes): pooled and updated in fp32 with fp32 optimizer state, written back with stochastic
-    rounding; ``state_dict()`` still returns fp32 tables.
+    ``table_dtype`` stores the embedding tables in ``fp32``, ``fp16`` or ``bf16`` (half the memory
+    and lookup bytes): pooled and updated in fp32 with fp32 optimizer state, half rows written back
+    with stochastic rounding. The default, None, stores each table in its module's own dtype (an
+    ``nn.EmbeddingBag(..., dtype=torch.bfloat16)``, or a TorchRec table of ``DataType.FP16``,
+    stays half). Whatever the storage, a lookup hands the model its rows in the module's dtype and
+    ``state_dict()`` returns each table in it.
 
     ``table_init`` initialises tables built on the meta device, each rank its own shards, the same
     values whatever the plan or world size for one ``init_seed`` (default: ``torch.initial_seed()``
@@ -68,7 +71,7 @@ class CompileConfig:
     batch_size: Optional[int] = None
     verify: int = 1
     dense_dtype: str = "fp32"
-    table_dtype: str = "fp32"
+    table_dtype: Optional[str] = None
     table_init: Any = "module"
     init_seed: Optional[int] = None
     pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -93,8 +96,9 @@ class CompileConfig:
                              f"{WEIGHT_DECAY_MODES}")
         if self.adam_eps not in ADAM_EPS:
             raise ValueError(f"CompileConfig.adam_eps={self.adam_eps!r}: choose one of {ADAM_EPS}")
-        if self.table_dtype not in TABLE_DTYPES:
-            raise ValueError(f"CompileConfig.table_dtype={self.table_dtype!r}: choose one of {TABLE_DTYPES}")
+        if self.table_dtype is not None and self.table_dtype not in TABLE_DTYPES:
+            raise ValueError(f"CompileConfig.table_dtype={self.table_dtype!r}: choose one of {TABLE_DTYPES}, or "
+                             f"None for each table's own dtype")
         if not (callable(self.table_init) or self.table_init in TABLE_INITS):
             raise ValueError(f"CompileConfig.table_init={self.table_init!r}: choose one of {TABLE_INITS} or pass a "
                              f"callable fn(generator, rows, dim) -> Tensor")

@@ -232,7 +232,7 @@ def bag_offsets(indices: torch.Tensor, offsets: Optional[torch.Tensor]):
 
 def _embedding_bag_meta(weight, indices, offsets, per_sample_weights=None, *, mode, table):
     b = indices.shape[0] if offsets is None else offsets.shape[0]
-    return _meta_like((b, weight.shape[1]), weight.dtype)
+    return _meta_like((b, weight.shape[1]), torch.float32)
 
 
 @define_op("embedding_bag", meta=_embedding_bag_meta)
@@ -242,8 +242,13 @@ def embedding_bag(weight, indices, offsets, per_sample_weights=None, *, mode: st
     One logical table's lookup, as ``discover_tables`` normalises every form it finds
     (``nn.EmbeddingBag`` modules, ``F.embedding_bag`` calls, and ``nn.Embedding`` gathers as
     one-id bags: ``indices`` ``[N, 1]``, then ``recc.rows_like``). ``table`` is the table's module path.
+    Rows are pooled in fp32 whatever the weight's dtype, as the TBE kernels pool half tables
+    (a half table's lookup is followed by a cast to its dtype: ``discover_tables``).
     """
     check_bags(table, indices, offsets, weight.shape[0], per_sample_weights)
+    if weight.dtype != torch.float32:
+        weight = weight.float()
+        per_sample_weights = None if per_sample_weights is None else per_sample_weights.float()
     return F.embedding_bag(indices, weight, offsets, mode=mode, per_sample_weights=per_sample_weights)
 
 

@@ -38,7 +38,8 @@ class TableSpec:
     pooling: str
     weight_key: str
     weighted: bool = False  # called with per_sample_weights
-    dtype: str = "f32"
+    dtype: str = "f32"       # as stored (CompileConfig.table_dtype, else user_dtype)
+    user_dtype: str = "f32"  # the user's module's: its lookups' output and state_dict's dtype
     # A gather whose id count is not a fixed multiple of the batch (TorchRec's EmbeddingCollection
     # over variable-length features): each rank looks up a different number of rows.
     jagged: bool = False
@@ -59,7 +60,8 @@ class TableSpec:
     def describe(self) -> str:
         w = ",weighted" if self.weighted else ""
         j = ",jagged" if self.jagged else ""
-        return f"{self.short}={self.name}[{self.rows}x{self.dim},{self.pooling}{w}{j}]"
+        d = f",{self.user_dtype}" if self.user_dtype != "f32" else ""
+        return f"{self.short}={self.name}[{self.rows}x{self.dim},{self.pooling}{w}{j}{d}]"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from recc.program import quiet_deepcopy
 from recc.runtime import comm_stats
 from recc.runtime.pipeline import split_sparse_stage
 from recc.runtime.table_init import TableInit, initial_block
-from recc.tables import TableGroup
+from recc.tables import WEIGHT_DTYPES, TableGroup
 
 
 def _table_memory(shape, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -249,7 +249,8 @@ class DistributedModel(nn.Module):
 
     def _whole_table(self, g: TableGroup, k: int) -> torch.Tensor:
         """Logical table k of group g, assembled from every rank's shards (a collective when
-        the world has several ranks: every rank must call state_dict together)."""
+        the world has several ranks: every rank must call state_dict together), in the user's
+        module's dtype (gathered in fp32: exact for half rows)."""
         spec = g.tables[k]
         full = torch.empty(spec.rows, spec.dim, dtype=torch.float32)
         world = g.world_size
@@ -258,14 +259,14 @@ class DistributedModel(nn.Module):
             if g.data_parallel and owner != 0:
                 continue  # replicas are identical: rank 0's copy is the table
             if owner == g.rank:
-                block = g.table_weight(local[(k, r0, c0)]).detach().float()  # fp32, as the user's table
+                block = g.table_weight(local[(k, r0, c0)]).detach().float()
             else:
                 block = torch.empty(r1 - r0, c1 - c0)
             if world > 1:
                 import torch.distributed as dist
                 dist.broadcast(block, src=owner)
             full[r0:r1, c0:c1] = block
-        return full
+        return full.to(WEIGHT_DTYPES[spec.user_dtype])
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The user model's state_dict: same keys, order and shapes; tables are whole (gathered

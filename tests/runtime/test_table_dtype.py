@@ -1,5 +1,7 @@
-"""CompileConfig(table_dtype=): half tables in the groups, fp32 for the user (state_dict, loads),
-half the bytes in the plan, training close to fp32 tables, on one rank and sharded on two."""
+"""CompileConfig(table_dtype=): half tables in the groups, the user's dtype for the user
+(state_dict, loads), half the bytes in the plan, training close to fp32 tables, on one rank and
+sharded on two; a model whose own tables are half (``model.to(torch.bfloat16)``, TorchRec's
+``DataType.FP16``) keeps them half and trains like eager."""
 from __future__ import annotations
 
 import copy
@@ -84,3 +86,107 @@ def test_fp16_tables_row_wise_on_two_ranks_train_close_to_fp32(optimizer):
 
 def _run_both(programs, data, steps):
     return {name: _train(p, data, steps) for name, p in programs.items()}
+
+
+def _bf16_batch(batch):
+    x, o, i, y = batch
+    return x.to(torch.bfloat16), o, i, y.to(torch.bfloat16)
+
+
+def test_a_bf16_model_keeps_its_bf16_tables_and_trains_like_eager():
+    """``model.to(torch.bfloat16)``, the default config: the tables are stored bf16 (no fp32
+    copy), the lookups hand the bf16 MLPs bf16 rows (the IR casts them, as the modules return
+    them), state_dict is bf16, and two SGD steps move the same rows as eager, each within two bf16
+    steps of eager's move (recc rounds the updates stochastically, eager to nearest)."""
+    torch.manual_seed(0)
+    model = build_model("tiny").to(torch.bfloat16)
+    data = SyntheticData("tiny")
+    program = recc.compile(copy.deepcopy(model), recc.Cluster.local(1), example_inputs=_bf16_batch(data.batch(0))[:3],
+                           config=recc.CompileConfig(lr=1.0))
+    assert "dim=4 bf16 sum" in program.stages["batch_tables"].text
+    assert "emb_l_0 " in program.stages["discover_tables"].text and ".to(bf16)" in program.stages["discover_tables"].text
+    dmodel = program.instantiate()
+    (group,) = dmodel.table_groups()
+    assert group.weights.dtype == torch.bfloat16
+    before = dmodel.state_dict()
+    assert all(v.dtype == torch.bfloat16 for v in before.values())
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(eager.parameters(), lr=1.0), torch.optim.SGD(dmodel.dense_parameters(), lr=1.0)]
+    for step in range(2):
+        x, o, i, y = _bf16_batch(data.batch(step))
+        for m, opt in zip((eager, dmodel), opts):
+            out = m(x, o, i)
+            assert out.dtype == torch.bfloat16
+            F.binary_cross_entropy(out.float(), y.float()).backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 0:
+            torch.testing.assert_close(dmodel(x, o, i), eager(x, o, i), atol=1 / 128, rtol=1 / 128)
+    after, want = dmodel.state_dict(), eager.state_dict()
+    for k in want:
+        assert after[k].dtype == torch.bfloat16, k
+        if k.startswith("emb_l"):
+            moved, moved_eager = after[k].float() - before[k].float(), want[k].float() - before[k].float()
+            assert torch.equal(moved.abs().sum(1) > 0, moved_eager.abs().sum(1) > 0), k
+            assert moved_eager.abs().max() > 0.02, k     # the steps moved the rows by many bf16 steps
+            rel = ((moved - moved_eager).norm() / moved_eager.norm()).item()
+            assert rel < 0.1, (k, rel)   # measured 0.015-0.037
+
+
+def test_table_dtype_overrides_the_module_s_and_the_user_still_sees_theirs():
+    """bf16 tables stored fp32 on request: the group is fp32, the model still reads bf16 rows and
+    state_dict still returns bf16 (the stored values rounded to nearest)."""
+    torch.manual_seed(0)
+    model = build_model("tiny")
+    for table in model.emb_l:
+        table.to(torch.bfloat16)
+    data = SyntheticData("tiny")
+    program = recc.compile(copy.deepcopy(model), recc.Cluster.local(1), example_inputs=data.batch(0)[:3],
+                           config=recc.CompileConfig(table_dtype="fp32"))
+    dmodel = program.instantiate()
+    (group,) = dmodel.table_groups()
+    assert group.weights.dtype == torch.float32
+    x, o, i, _ = data.batch(0)
+    # eager pools the bf16 rows its own way: a pooled value can land one bf16 step away
+    torch.testing.assert_close(dmodel(x, o, i), model(x, o, i), atol=1e-3, rtol=1e-3)
+    state = dmodel.state_dict()
+    assert state["emb_l.0.weight"].dtype == torch.bfloat16 and state["bot_l.0.weight"].dtype == torch.float32
+    assert torch.equal(state["emb_l.2.weight"], model.emb_l[2].weight)
+
+
+def test_a_float64_model_is_refused_naming_its_first_table():
+    model = build_model("tiny").double()
+    x, o, i, _ = SyntheticData("tiny").batch(0)
+    with pytest.raises(ValueError, match=r"table emb_l\.0 \(emb_l\.0\.weight\) is float64"):
+        recc.compile(model, recc.Cluster.local(1), example_inputs=(x.double(), o, i))
+
+
+def test_torchrec_fp16_tables_stay_fp16():
+    """A TorchRec EmbeddingBagCollection of DataType.FP16 tables, looked up the TorchRec way (a
+    KeyedJaggedTensor in, a KeyedTensor's values out): stored fp16, state_dict fp16, outputs as
+    eager's."""
+    torchrec = pytest.importorskip("torchrec")
+    from torchrec.modules.embedding_configs import DataType
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = torchrec.EmbeddingBagCollection(tables=[
+                torchrec.EmbeddingBagConfig(name=f"t{k}", embedding_dim=8, num_embeddings=50, feature_names=[f"f{k}"],
+                                            data_type=DataType.FP16) for k in range(2)])
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, kjt):
+            return torch.sigmoid(self.head(self.ebc(kjt).values().float()))
+
+    torch.manual_seed(0)
+    model = Model()
+    lengths = torch.randint(0, 4, (2 * 16,))
+    kjt = torchrec.KeyedJaggedTensor(keys=["f0", "f1"], values=torch.randint(0, 50, (int(lengths.sum()),)),
+                                     lengths=lengths)
+    program = recc.compile(copy.deepcopy(model), recc.Cluster.local(1), example_inputs=(kjt,))
+    dmodel = program.instantiate()
+    (group,) = dmodel.table_groups()
+    assert group.weights.dtype == torch.float16
+    assert all(v.dtype == torch.float16 for k, v in dmodel.state_dict().items() if k.startswith("ebc."))
+    torch.testing.assert_close(dmodel(kjt), model(kjt), atol=1e-6, rtol=1e-6)
