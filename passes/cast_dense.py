@@ -57,14 +57,12 @@ After:
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recc.graph_utils import rename
+from recc.graph_utils import MATRIX_FUNCTIONS, MATRIX_METHODS, MATRIX_MODULES, rename
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 from recc.trace import propagate_shapes
@@ -72,11 +70,7 @@ from recc.trace import propagate_shapes
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
-# Matrix products: autocast's "lower precision" ops.
-_LOW_FUNCTIONS = {F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm, operator.matmul,
-                  F.conv1d, F.conv2d}
-_LOW_METHODS = {"mm", "bmm", "matmul", "addmm", "baddbmm"}
-_LOW_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)   # exact classes (a subclass may have its own forward)
+# Matrix products (autocast's "lower precision" ops) are graph_utils.MATRIX_*.
 # Ops kept in fp32 (autocast's fp32 list, plus sigmoid for the model's probabilities).
 _FP32_FUNCTIONS = {torch.sigmoid, F.sigmoid, F.binary_cross_entropy, F.binary_cross_entropy_with_logits,
                    F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, F.batch_norm, F.layer_norm,
@@ -94,9 +88,9 @@ def _wants(gm: fx.GraphModule, node: fx.Node, low: torch.dtype):
         op = op_of(node.target)
         if op is not None:
             return low if op is OPS["linear"] else torch.float32 if op.name in _FP32_RECC_OPS else None
-        return low if node.target in _LOW_FUNCTIONS else torch.float32 if node.target in _FP32_FUNCTIONS else None
+        return low if node.target in MATRIX_FUNCTIONS else torch.float32 if node.target in _FP32_FUNCTIONS else None
     if node.op == "call_method":
-        return low if node.target in _LOW_METHODS else torch.float32 if node.target in _FP32_METHODS else None
+        return low if node.target in MATRIX_METHODS else torch.float32 if node.target in _FP32_METHODS else None
     if node.op == "call_module":
         # (Linear/Conv calls were rewritten as functions before this; the ones left — a circular
         # padded conv, a keyword call — keep their module and so their fp32 parameters.)
@@ -119,7 +113,7 @@ def _as_function(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op != "call_module":
         return False
     mod = gm.get_submodule(node.target)
-    if type(mod) not in _LOW_MODULES or len(node.args) + len(node.kwargs) != 1:
+    if type(mod) not in MATRIX_MODULES or len(node.args) + len(node.kwargs) != 1:
         return False
     return type(mod) is nn.Linear or mod.padding_mode == "zeros"
 

@@ -21,7 +21,8 @@ from recc.heap import trim_heap
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.tables import TableGroup
-from recc.trace import default_example_inputs, example_batch, model_is_meta, propagate_shapes, to_meta, trace, untouched
+from recc.trace import (AUTOCAST_SITE, autocast_of, default_example_inputs, example_batch, model_is_meta,
+                        propagate_shapes, to_meta, trace, untouched)
 
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower"
 
@@ -60,6 +61,39 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
                         disable=disable, print_after=print_after, dump_dir=dump_dir)
 
 
+_AUTOCAST_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _follow_autocast(gm, config: CompileConfig, device_type: str, name: str) -> CompileConfig:
+    """The config the user's own ``torch.autocast`` asks for. A forward that runs every matrix
+    product under one autocast (``with torch.autocast("cpu", torch.bfloat16): ...`` around its
+    body) compiles as ``dense_dtype`` of that dtype: ``cast_dense`` makes autocast's per-op
+    choice as graph nodes (fx records no node for the autocast itself, so without this the
+    products ran in fp32, silently unlike eager). Autocast around only some products, or two
+    autocast dtypes, is an error naming them: recc chooses one dense dtype for the whole model."""
+    inside, outside = autocast_of(gm, device_type)
+    if not inside:
+        return config
+    dtypes = {_AUTOCAST_DTYPES.get(d, "fp32") for d in inside.values()}
+    first = next(iter(inside))
+    site = first.meta.get(AUTOCAST_SITE, "(unknown location)")
+    if outside or len(dtypes) > 1:
+        split = (f"{', '.join(n.name for n in outside[:4])} outside it" if outside else
+                 f"others under {' and '.join(sorted(dtypes))}")
+        raise ValueError(
+            f"recc.compile: {name}.forward runs some of its matrix products under torch.autocast({device_type!r}) "
+            f"and not others: {first.name} inside it ({site}), {split}. recc compiles one dense dtype for the "
+            f"whole model: remove the autocast and compile with CompileConfig(dense_dtype='bf16') (autocast's "
+            f"per-op choice for every product), or put the whole forward under it")
+    (want,) = dtypes
+    if want == config.dense_dtype or want == "fp32":
+        return config
+    if config.dense_dtype != "fp32":
+        raise ValueError(f"recc.compile: {name}.forward runs under torch.autocast({device_type!r}) in {want} "
+                         f"({site}) but CompileConfig(dense_dtype={config.dense_dtype!r}) asks for another dtype")
+    return dataclasses.replace(config, dense_dtype=want)
+
+
 def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print_after, dump_dir) -> Program:
     _ensure_builtin_passes()
     cluster = cluster or Cluster.local(1)
@@ -92,6 +126,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     t0 = time.perf_counter()
     batch = _example_batch(example_inputs, config, cluster)
     gm = trace(model, to_meta(example_inputs) if model_is_meta(model) else example_inputs, batch)
+    config = _follow_autocast(gm, config, cluster.device_type, type(model).__name__)
     propagate_shapes(gm, example_inputs, abstract)
     trace_ms = (time.perf_counter() - t0) * 1e3
     ir.verify(gm, pass_name="trace", level=config.verify)

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
 
 from recc.ops import OPS, op_of
 
@@ -88,3 +90,21 @@ def rename(node: fx.Node, name: str) -> None:
         node.graph._graph_namespace._used_names.discard(name)
     # If a live node (e.g. one of the user's) already has the name, fx picks a unique variant.
     node._rename(name)
+
+
+# Matrix products: autocast's "lower precision" ops, which cast_dense runs in bf16 and whose
+# autocast region capture records (``trace.autocast_of``).
+MATRIX_FUNCTIONS = {F.linear, torch.mm, torch.bmm, torch.matmul, torch.addmm, torch.baddbmm, operator.matmul,
+                    F.conv1d, F.conv2d}
+MATRIX_METHODS = {"mm", "bmm", "matmul", "addmm", "baddbmm"}
+MATRIX_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)   # exact classes (a subclass may have its own forward)
+
+
+def is_matrix_product(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` is a matrix product of the user's graph: one of ``MATRIX_FUNCTIONS`` or
+    ``MATRIX_METHODS``, or a call of exactly an ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d``."""
+    if node.op == "call_function":
+        return node.target in MATRIX_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in MATRIX_METHODS
+    return node.op == "call_module" and type(gm.get_submodule(node.target)) in MATRIX_MODULES

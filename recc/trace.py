@@ -183,6 +183,12 @@ class _CaptureTracer(fx.Tracer):
         p = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if not isinstance(p, _ValueProxy):
             p = _ValueProxy(p.node, self)
+        # The user's forward enters torch.autocast for real while it is traced, but fx records
+        # no node for it: each node notes the autocast it was recorded under (autocast_of).
+        autocast = {dev: torch.get_autocast_dtype(dev) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)}
+        if autocast:
+            p.node.meta[AUTOCAST] = autocast
+            p.node.meta.setdefault(AUTOCAST_SITE, _user_site())
         if kind != "output":
             self.value(p.node)
         return p
@@ -438,6 +444,26 @@ def _recording_factories(tracer: "_CaptureTracer"):
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
+
+
+AUTOCAST = "recc.autocast"            # node.meta: {device type: dtype} of the autocast it was traced under
+AUTOCAST_SITE = "recc.autocast_site"  # node.meta: the user's line that recorded it
+
+
+def autocast_of(gm: fx.GraphModule, device_type: str) -> tuple[dict, list]:
+    """The user's autocast, as capture saw it: ``({product node: autocast dtype}, [product nodes
+    outside any autocast])`` over the graph's matrix products (``graph_utils.is_matrix_product``),
+    for ``device_type``'s autocast."""
+    from recc.graph_utils import is_matrix_product
+    inside, outside = {}, []
+    for node in gm.graph.nodes:
+        if is_matrix_product(gm, node):
+            dtype = node.meta.get(AUTOCAST, {}).get(device_type)
+            if dtype is None:
+                outside.append(node)
+            else:
+                inside[node] = dtype
+    return inside, outside
 
 
 def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] = None) -> fx.GraphModule:

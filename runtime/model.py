@@ -8,7 +8,9 @@ the user's model (logical tables), so checkpoints load into the eager model and 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+import warnings
 from collections import OrderedDict
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -133,6 +135,7 @@ class DistributedModel(nn.Module):
         self._program = program
         self._ddp = None
         self._dense_bytes = 0  # per step, when DDP all-reduces in fp32 without a hook
+        self._autocast_noted = False  # warned once that autocast asks for another dense dtype
         # A pipelined graph runs as two modules (the sparse-dist stage, then the rest) sharing
         # gm's parameters; ``_run`` is what DDP wraps.
         self._split = split_sparse_stage(gm) if program.cluster.world_size > 1 else None
@@ -176,6 +179,28 @@ class DistributedModel(nn.Module):
                 self._stats.add_payload(_DDP_LABEL, "fp32", self._dense_bytes, self._dense_bytes)
         comm_stats.use(self._stats)
 
+    def _as_compiled(self, stacklevel: int):
+        """A context in which the graph runs with the dtypes it was compiled with.
+
+        A training loop written for eager PyTorch may call the model under ``torch.autocast``
+        (TorchRec's users do). The compiled graph has already chosen each op's dtype (fp32, or
+        ``cast_dense``'s bf16 casts), and autocast on top recast some of its ops: recc's fused
+        layers then received a bf16 input next to fp32 weights, and an fp32 program crashed with
+        "expected m1 and m2 to have the same dtype". So autocast is turned off inside the graph.
+        When it asks for a dtype the program was not compiled for, recc says so once."""
+        dev = self._program.cluster.device_type
+        if not torch.is_autocast_enabled(dev):
+            return contextlib.nullcontext()
+        wanted = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype(dev), "fp32")
+        compiled = self._program.config.dense_dtype
+        if wanted != compiled and not self._autocast_noted:
+            self._autocast_noted = True
+            warnings.warn(f"recc: the model is called under torch.autocast({dev!r}, {wanted}), but it was compiled "
+                          f"with dense_dtype={compiled!r}: it runs as compiled (autocast is off inside it). For "
+                          f"{wanted} dense compute, compile with recc.CompileConfig(dense_dtype={wanted!r}).",
+                          stacklevel=stacklevel)
+        return torch.autocast(dev, enabled=False)
+
     def _stage(self, args):
         flat = self._split.flatten(args)
         return flat, self._split.stage(*flat)
@@ -186,9 +211,10 @@ class DistributedModel(nn.Module):
     def forward(self, *args):
         self._program.signature.check(args)
         self._begin_step()
-        if self._split is None:
-            return (self._ddp or self.graph_module)(*args)
-        return self._main(*self._stage(args))
+        with self._as_compiled(stacklevel=5):   # the user's call: model(...), then torch's two call wrappers
+            if self._split is None:
+                return (self._ddp or self.graph_module)(*args)
+            return self._main(*self._stage(args))
 
     def train_pipeline(self, batches: Iterable, inputs: Optional[Callable] = None) -> Iterator:
         """Iterate ``(batch, output)`` over ``batches``, running each batch's sparse dist (id
@@ -212,17 +238,22 @@ class DistributedModel(nn.Module):
         args = inputs(cur)
         self._program.signature.check(args)
         comm_stats.use(self._stats)
-        staged = self._stage(args)
+        with self._as_compiled(stacklevel=3):   # never held across a yield: the caller keeps its autocast
+            staged = self._stage(args)
         for nxt in it:
             self._begin_step()
-            out = self._main(*staged)
+            with self._as_compiled(stacklevel=3):
+                out = self._main(*staged)
             nxt_args = inputs(nxt)
             self._program.signature.check(nxt_args)
-            staged = self._stage(nxt_args)
+            with self._as_compiled(stacklevel=3):
+                staged = self._stage(nxt_args)
             yield cur, out
             cur = nxt
         self._begin_step()
-        yield cur, self._main(*staged)
+        with self._as_compiled(stacklevel=3):
+            out = self._main(*staged)
+        yield cur, out
 
     def comm_report(self, reset: bool = False) -> comm_stats.CommReport:
         """Per embedding collective on this rank: bytes per step before/after its codec, the
