@@ -166,7 +166,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if weight.dtype not in _OF_TORCH:
             raise ValueError(f"discover_tables: table {name} ({wpath}) is {str(weight.dtype).removeprefix('torch.')}; "
                              f"recc stores tables in float32, float16 or bfloat16 — convert it first (e.g. "
-                             f"model.{name}.float())")
+                             f"model.get_submodule({name!r}).float())")
         user_dtype = _OF_TORCH[weight.dtype]
         rows = int(weight.shape[0])
         spec = TableSpec(name=name, short=f"t{len(tables)}", rows=rows, dim=int(weight.shape[1]),
@@ -209,6 +209,10 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     rename(part, f"{old_name}_{what}")
                 bag_ids, offsets = parts[0], parts[1]
                 psw = parts[2] if psw is not None else None
+            if psw is not None and user_dtype != "f32":
+                # A half table's per-sample weights are in its dtype; the lookup pools in fp32.
+                psw = graph.call_method("to", (psw, torch.float32))
+                rename(psw, f"{old_name}_weights_f32")
             new = graph.call_function(OPS["embedding_bag"], (w, bag_ids, offsets, psw),
                                       {"mode": "sum" if mode == "none" else mode, "table": name})
             out = new

@@ -56,7 +56,9 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
             dump_dir: Optional[str] = None) -> Program:
     """Compile a plain PyTorch model for ``cluster``; see DESIGN.md for the contract. Pure: the
     model's parameters, buffers, ``training`` flags and the global RNG state are as they were."""
-    with untouched(model):
+    # A caller's autocast is not the model's: capture must see only the one its forward enters
+    # (_follow_autocast), and the passes' shape propagation the dtypes the graph computes.
+    with untouched(model), torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
         return _compile(model, cluster, config=config, pipeline=pipeline, example_inputs=example_inputs,
                         disable=disable, print_after=print_after, dump_dir=dump_dir)
 
@@ -78,14 +80,19 @@ def _follow_autocast(gm, config: CompileConfig, device_type: str, name: str) -> 
     first = next(iter(inside))
     site = first.meta.get(AUTOCAST_SITE, "(unknown location)")
     if outside or len(dtypes) > 1:
-        split = (f"{', '.join(n.name for n in outside[:4])} outside it" if outside else
-                 f"others under {' and '.join(sorted(dtypes))}")
+        split = (f"{', '.join(n.name for n in outside[:4])} outside it (or where it is switched off)" if outside
+                 else f"others under {' and '.join(sorted(dtypes))}")
         raise ValueError(
             f"recc.compile: {name}.forward runs some of its matrix products under torch.autocast({device_type!r}) "
             f"and not others: {first.name} inside it ({site}), {split}. recc compiles one dense dtype for the "
             f"whole model: remove the autocast and compile with CompileConfig(dense_dtype='bf16') (autocast's "
-            f"per-op choice for every product), or put the whole forward under it")
+            f"per-op choice for every product), or run every product under the one autocast")
     (want,) = dtypes
+    if want == "fp16" and device_type == "cpu":
+        raise ValueError(f"recc.compile: {name}.forward runs under torch.autocast('cpu', float16) ({site}); fp16 "
+                         f"dense compute needs dynamic loss scaling and fp16 GEMMs, which recc runs on CUDA only: "
+                         f"on CPU use torch.autocast('cpu', torch.bfloat16), or remove it and compile with "
+                         f"CompileConfig(dense_dtype='bf16')")
     if want == config.dense_dtype or want == "fp32":
         return config
     if config.dense_dtype != "fp32":

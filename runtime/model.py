@@ -195,9 +195,11 @@ class DistributedModel(nn.Module):
         compiled = self._program.config.dense_dtype
         if wanted != compiled and not self._autocast_noted:
             self._autocast_noted = True
+            fix = (f"For {wanted} dense compute, compile with recc.CompileConfig(dense_dtype={wanted!r})"
+                   if wanted != "fp16" or dev == "cuda" else
+                   "fp16 dense compute is for CUDA; on CPU compile with recc.CompileConfig(dense_dtype='bf16')")
             warnings.warn(f"recc: the model is called under torch.autocast({dev!r}, {wanted}), but it was compiled "
-                          f"with dense_dtype={compiled!r}: it runs as compiled (autocast is off inside it). For "
-                          f"{wanted} dense compute, compile with recc.CompileConfig(dense_dtype={wanted!r}).",
+                          f"with dense_dtype={compiled!r}: it runs as compiled (autocast is off inside it). {fix}.",
                           stacklevel=stacklevel)
         return torch.autocast(dev, enabled=False)
 

@@ -91,3 +91,25 @@ def test_a_call_under_autocast_runs_the_graph_as_compiled(dense_dtype):
     else:
         assert not notes
     assert all(p.grad is not None for p in dmodel.dense_parameters())
+
+
+def test_a_compile_inside_the_caller_s_autocast_compiles_what_the_config_says():
+    """recc.compile called under an autocast block: that autocast is the caller's, not the model's
+    (its forward enters none), so dense_dtype='fp32' stays fp32 and the IR's dtypes are fp32."""
+    x, o, i, _ = _batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        program = recc.compile(build_model("tiny"), recc.Cluster.local(1), example_inputs=(x, o, i))
+    assert program.config.dense_dtype == "fp32"
+    assert "bf16" not in program.stages["lower"].text
+
+
+def test_an_fp16_autocast_forward_on_cpu_is_refused_naming_the_autocast():
+    x, o, i, _ = _batch()
+
+    class Fp16(UnderAutocast):
+        def forward(self, dense_x, lS_o, lS_i):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return self.model(dense_x, lS_o, lS_i).float()
+
+    with pytest.raises(ValueError, match=r"Fp16\.forward runs under torch\.autocast\('cpu', float16\) .*CUDA only"):
+        recc.compile(Fp16(build_model("tiny")), recc.Cluster.local(1), example_inputs=(x, o, i))

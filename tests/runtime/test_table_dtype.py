@@ -190,3 +190,23 @@ def test_torchrec_fp16_tables_stay_fp16():
     assert group.weights.dtype == torch.float16
     assert all(v.dtype == torch.float16 for k, v in dmodel.state_dict().items() if k.startswith("ebc."))
     torch.testing.assert_close(dmodel(kjt), model(kjt), atol=1e-6, rtol=1e-6)
+
+
+def test_a_weighted_bf16_table_pools_its_bf16_weights():
+    """Per-sample weights come in the table's dtype (nn.EmbeddingBag requires it); the fp32
+    lookup reads them widened, and the output is eager's within one bf16 step."""
+    class Weighted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = torch.nn.EmbeddingBag(20, 4, mode="sum", dtype=torch.bfloat16)
+            self.head = torch.nn.Linear(4, 1, dtype=torch.bfloat16)
+
+        def forward(self, ids, weights):
+            return self.head(self.bag(ids, per_sample_weights=weights))
+
+    torch.manual_seed(0)
+    model = Weighted()
+    ids, weights = torch.randint(0, 20, (8, 3)), torch.rand(8, 3, dtype=torch.bfloat16)
+    program = recc.compile(copy.deepcopy(model), recc.Cluster.local(1), example_inputs=(ids, weights))
+    assert "bag_weights_f32" in program.stages["discover_tables"].text
+    torch.testing.assert_close(program.instantiate()(ids, weights), model(ids, weights), atol=1 / 64, rtol=1 / 64)
