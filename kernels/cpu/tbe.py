@@ -26,6 +26,7 @@ import functools
 import glob
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -556,8 +557,8 @@ def last_level_cache_bytes() -> int:
     best = (0, _DEFAULT_LLC_BYTES)
     for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
         try:
-            level = int(open(f"{d}/level").read())
-            text = open(f"{d}/size").read().strip()   # e.g. "32768K"
+            level = int(Path(d, "level").read_text())
+            text = Path(d, "size").read_text().strip()   # e.g. "32768K"
             size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
         except (OSError, ValueError):
             continue
