@@ -488,6 +488,7 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
         raise CaptureError(f"recc could not capture {type(model).__name__}.forward with torch.fx: "
                            f"{type(e).__name__}: {e}\n  at {_user_site_of(e)}") from e
     _prune_dead_reads(graph)
+    _self_named_self(graph)
     _name_placeholders(graph, [p.name for p in params], example_inputs)
     gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     # The Python module that defines each of the user's modules' classes: fx rebuilds
@@ -542,6 +543,16 @@ def untouched(model: nn.Module):
         torch.random.set_rng_state(rng[0])
         np.random.set_state(rng[1])
         random.setstate(rng[2])
+
+
+def _self_named_self(graph: fx.Graph) -> None:
+    """A forward whose first parameter is not called ``self`` (``def forward(s, ids, offsets)``):
+    with container arguments, fx's pytree codegen keeps that name as a parameter of its own and
+    adds ``self`` before it, so the GraphModule's forward wanted one argument more than the user's
+    ("forward() missing 1 required positional argument"). Its first name is the module: ``self``."""
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None and info.orig_args and info.orig_args[0] != "self":
+        graph._codegen.pytree_info = info._replace(orig_args=["self", *info.orig_args[1:]])
 
 
 def _name_placeholders(graph: fx.Graph, names: Sequence[str], example_inputs: Sequence[Any]) -> None:

@@ -779,3 +779,23 @@ def test_unpacking_leaf_module_tuples_compiles(how):
     model = RecurrentAndAttention(how)
     _check_parity(model, lambda b: [torch.randint(0, 20, (b, 5), generator=torch.Generator().manual_seed(b))],
                   batches=(3, 1))
+
+
+def test_a_forward_whose_self_is_not_called_self_takes_its_list_inputs():
+    """``def forward(s, offsets, ids)`` with lists of per-table tensors: fx's pytree codegen kept
+    ``s`` as a parameter of its own, and the compiled model asked for one argument more."""
+    class Short(nn.Module):
+        def __init__(s):
+            super().__init__()
+            s.bags = nn.ModuleList([nn.EmbeddingBag(20, 4) for _ in range(2)])
+            s.head = nn.Linear(8, 1)
+
+        def forward(s, offsets, ids):
+            return s.head(torch.cat([bag(i, o) for bag, i, o in zip(s.bags, ids, offsets)], 1))
+
+    torch.manual_seed(0)
+    model = Short()
+    offsets = [torch.arange(8) * 2 for _ in range(2)]
+    ids = [torch.randint(0, 20, (16,)) for _ in range(2)]
+    program = recc.compile(model, recc.Cluster.local(1), example_inputs=(offsets, ids))
+    torch.testing.assert_close(program.instantiate()(offsets, ids), model(offsets, ids))
