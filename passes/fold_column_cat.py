@@ -8,7 +8,8 @@ first). ``batch_tables`` hands each table its columns of the batched lookup as
 an embeddings-only module) glue them straight back together. Where a ``torch.cat`` along the
 columns (``dim=1`` or ``-1`` of 2-D pieces) reads all of one ``split_cols``'s pieces, each once,
 consecutively and in order, the run is replaced by the split's input; a cat left with that
-input alone is the input. Split pieces other ops also read stay for them; a split nobody reads
+input alone is the input. A run of the pieces' casts to one dtype (half tables' rows, as
+``discover_tables`` hands them over) is replaced by one cast of the input, bit for bit the same. Split pieces other ops also read stay for them; a split nobody reads
 any more is removed with its pieces. Ensures no copy of the pooled rows into their pieces'
 concatenation in forward, and no concatenation of the pieces' gradients in backward (the
 gradient reaches the lookup as one tensor). Must not change what the graph computes: the same
@@ -33,10 +34,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from recc.graph_utils import split_cols_piece
+from recc.graph_utils import rename, split_cols_piece
 from recc.passmanager import PassContext, register_pass
 
 _CATS = (torch.cat, torch.concat)
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 def _pieces(split: fx.Node) -> list[fx.Node]:
@@ -59,17 +61,43 @@ def _cat_parts(cat: fx.Node) -> Optional[tuple[list, int]]:
     return list(tensors), dim
 
 
-def _folded(tensors: list) -> tuple[list, bool]:
-    """``tensors`` with each complete in-order run of one split's pieces replaced by its input."""
+def _cast_of(node) -> Optional[tuple[fx.Node, torch.dtype]]:
+    """``(x, dtype)`` of ``x.to(dtype)``, or None."""
+    if (isinstance(node, fx.Node) and node.op == "call_method" and node.target == "to" and len(node.args) == 2
+            and not node.kwargs and isinstance(node.args[1], torch.dtype)):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _piece(v) -> tuple[Optional[tuple], Optional[torch.dtype]]:
+    """``((split, k), None)`` for a split's piece k, ``((split, k), dtype)`` for its cast (a half
+    table's rows, as ``discover_tables`` hands them to the model), ``(None, None)`` otherwise."""
+    p = split_cols_piece(v)
+    if p is not None:
+        return p, None
+    cast = _cast_of(v)
+    if cast is not None and (p := split_cols_piece(cast[0])) is not None:
+        return p, cast[1]
+    return None, None
+
+
+def _folded(graph: fx.Graph, cat: fx.Node, tensors: list) -> tuple[list, bool]:
+    """``tensors`` with each complete in-order run of one split's pieces replaced by its input
+    (a run of the pieces' casts to one dtype by one cast of the input, added before ``cat``)."""
     out, changed, i = [], False, 0
     while i < len(tensors):
-        p = split_cols_piece(tensors[i])
+        p, dtype = _piece(tensors[i])
         if p is not None and p[1] == 0:
             split = p[0]
             n = len(split.args[1])
             run = tensors[i:i + n]
-            if len(run) == n and all(split_cols_piece(v) == (split, k) for k, v in enumerate(run)):
-                out.append(split.args[0])
+            if len(run) == n and all(_piece(v) == ((split, k), dtype) for k, v in enumerate(run)):
+                whole = split.args[0]
+                if dtype is not None:
+                    with graph.inserting_before(cat):
+                        whole = graph.call_method("to", (whole, dtype))
+                    rename(whole, f"{split.args[0].name}_{_SHORT.get(dtype, str(dtype).removeprefix('torch.'))}")
+                out.append(whole)
                 changed, i = True, i + n
                 continue
         out.append(tensors[i])
@@ -94,11 +122,12 @@ def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if parts is None or not _columns(*parts):
             continue
         tensors, dim = parts
-        new, changed = _folded(tensors)
+        new, changed = _folded(graph, cat, tensors)
         if not changed:
             continue
         folded += 1
-        splits = {p[0] for p in map(split_cols_piece, tensors) if p is not None}
+        splits = {p[0] for p, _ in map(_piece, tensors) if p is not None}
+        casts = [v for v in tensors if _cast_of(v) is not None]
         if len(new) == 1:
             cat.replace_all_uses_with(new[0])
             graph.erase_node(cat)
@@ -109,9 +138,13 @@ def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 cat.kwargs = {**cat.kwargs, "tensors": new}
             # The pieces' lines, which named each table's columns, are gone: say it here.
             by_source = {split.args[0]: split for split in splits}
+            source = lambda v: _cast_of(v)[0] if _cast_of(v) is not None else v  # noqa: E731
             cat.meta["recc.notes"] = tuple(cat.meta.get("recc.notes", ())) + tuple(
-                f"{v.name} = {' | '.join(_table_name(p) for p in _pieces(by_source[v]))}"
-                for v in new if v in by_source)
+                f"{v.name} = {' | '.join(_table_name(p) for p in _pieces(by_source[source(v)]))}"
+                for v in new if source(v) in by_source)
+        for cast in casts:
+            if not cast.users:
+                graph.erase_node(cast)
         for split in splits:
             for piece in [u for u in split.users if not u.users]:
                 graph.erase_node(piece)

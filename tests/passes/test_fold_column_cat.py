@@ -51,6 +51,13 @@ class TwoHeads(PooledFeatures):
         return torch.cat(ly, dim=1) + torch.cat([ly[0]] * len(ly), dim=1)
 
 
+def _bf16_tables(model: nn.Module) -> nn.Module:
+    """The same model with its tables in bf16 (the lookups hand the cat bf16 rows)."""
+    for emb in model.emb_l:
+        emb.to(torch.bfloat16)
+    return model
+
+
 def _batch(seed: int, b: int = 6, rows=(30, 20, 40)):
     g = torch.Generator().manual_seed(seed)
     offsets, ids = [], []
@@ -85,6 +92,15 @@ def test_other_inputs_stay_and_the_note_names_the_tables():
     assert "split_cols" not in _last(program)
 
 
+def test_a_cat_of_a_half_table_s_rows_is_one_cast_of_the_lookup():
+    program = _compile(_bf16_tables(PooledFeatures(dense=1)))
+    assert program.stats["folded_cats"] == 1
+    lines = _last(program).splitlines()
+    assert any(line.startswith("pooled_g0_bf16 ") and "pooled_g0.to(bf16)" in line for line in lines)
+    cat = next(line for line in lines if line.startswith("cat "))
+    assert "torch.cat([dense, pooled_g0_bf16], dim=1)" in cat and "split_cols" not in _last(program)
+
+
 @pytest.mark.parametrize("order", [(2, 1, 0), (0, 1), (0, 2, 1), (1, 2)])
 def test_another_order_or_a_part_is_left_alone(order):
     model = PooledFeatures(order=order)
@@ -108,8 +124,9 @@ def test_a_piece_read_elsewhere_keeps_its_split():
     assert "split_cols" in text  # emb_l_0 is still read by the second cat
 
 
-@pytest.mark.parametrize("make", [PooledFeatures, lambda: PooledFeatures(dense=1), TwoHeads, FieldsAsRows],
-                         ids=["fields", "dense+fields", "piece-twice", "rows"])
+@pytest.mark.parametrize("make", [PooledFeatures, lambda: PooledFeatures(dense=1), TwoHeads, FieldsAsRows,
+                                  lambda: _bf16_tables(PooledFeatures(dense=1))],
+                         ids=["fields", "dense+fields", "piece-twice", "rows", "bf16-tables"])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_trains_bit_for_bit_as_without_the_fold(make, optimizer):
     torch.manual_seed(0)
