@@ -62,13 +62,13 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from recc.config import DENSE_TORCH_DTYPES
 from recc.graph_utils import MATRIX_FUNCTIONS, MATRIX_METHODS, MATRIX_MODULES, rename
+from recc.ir import dtype_short
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 from recc.trace import propagate_shapes
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_SHORT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 # Matrix products (autocast's "lower precision" ops) are graph_utils.MATRIX_*.
 # Ops kept in fp32 (autocast's fp32 list, plus sigmoid for the model's probabilities).
@@ -142,14 +142,14 @@ def _module_as_function(gm: fx.GraphModule, node: fx.Node) -> None:
 @register_pass(after=("fuse_linear_act",), from_config={"dtype": "dense_dtype"})
 def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> fx.GraphModule:
     """Place the casts that run the dense products in ``dtype`` with fp32 master weights."""
-    if dtype not in DTYPES:
-        raise ValueError(f"cast_dense: dtype {dtype!r} is not one of {tuple(DTYPES)}")
+    if dtype not in DENSE_TORCH_DTYPES:
+        raise ValueError(f"cast_dense: dtype {dtype!r} is not one of {tuple(DENSE_TORCH_DTYPES)}")
     if dtype == "fp32":
         return gm
     if dtype == "fp16" and ctx.cluster.device_type != "cuda":
         raise ValueError("cast_dense: dtype='fp16' needs dynamic loss scaling and fp16 GEMMs (CUDA); on CPU use "
                          "dense_dtype='bf16'")
-    low = DTYPES[dtype]
+    low = DENSE_TORCH_DTYPES[dtype]
     graph = gm.graph
     modules = [n for n in graph.nodes if _as_function(gm, n)]
     for node in modules:
@@ -167,7 +167,7 @@ def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> 
         if (value, to) not in casts:
             with graph.inserting_before(consumer):
                 c = graph.call_method("to", (value, to))
-            rename(c, f"{value.name}_{_SHORT[to]}")
+            rename(c, f"{value.name}_{dtype_short(to)}")
             casts[value, to] = c
             mine.add(c)
         return casts[value, to]

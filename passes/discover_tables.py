@@ -52,11 +52,11 @@ from recc.graph_utils import rename, resolve_attr
 from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.specs import TableSpec
+from recc.tables import WEIGHT_DTYPES
 
 _BAG_SIG = inspect.signature(F.embedding_bag)
 _STORED = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}  # CompileConfig.table_dtype -> TableSpec.dtype
-_OF_TORCH = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}  # a weight's -> TableSpec's
-_TORCH_OF = {v: k for k, v in _OF_TORCH.items()}
+_OF_TORCH = {v: k for k, v in WEIGHT_DTYPES.items()}  # a weight's dtype -> TableSpec's name
 _EMB_SIG = inspect.signature(F.embedding)
 
 
@@ -221,7 +221,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if user_dtype != "f32":
                 # recc.embedding_bag pools in fp32 whatever the storage; the model reads the rows
                 # in its table's dtype, as the module would have returned them.
-                out = graph.call_method("to", (out, _TORCH_OF[user_dtype]))
+                out = graph.call_method("to", (out, WEIGHT_DTYPES[user_dtype]))
         new.meta["recc.table"] = spec
         node.replace_all_uses_with(out)
         graph.erase_node(node)

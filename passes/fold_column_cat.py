@@ -35,10 +35,10 @@ import torch
 import torch.fx as fx
 
 from recc.graph_utils import rename, split_cols_piece
+from recc.ir import dtype_short
 from recc.passmanager import PassContext, register_pass
 
 _CATS = (torch.cat, torch.concat)
-_SHORT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
 def _pieces(split: fx.Node) -> list[fx.Node]:
@@ -96,7 +96,7 @@ def _folded(graph: fx.Graph, cat: fx.Node, tensors: list) -> tuple[list, bool]:
                 if dtype is not None:
                     with graph.inserting_before(cat):
                         whole = graph.call_method("to", (whole, dtype))
-                    rename(whole, f"{split.args[0].name}_{_SHORT.get(dtype, str(dtype).removeprefix('torch.'))}")
+                    rename(whole, f"{split.args[0].name}_{dtype_short(dtype)}")
                 out.append(whole)
                 changed, i = True, i + n
                 continue
@@ -138,10 +138,11 @@ def fold_column_cat(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 cat.kwargs = {**cat.kwargs, "tensors": new}
             # The pieces' lines, which named each table's columns, are gone: say it here.
             by_source = {split.args[0]: split for split in splits}
-            source = lambda v: _cast_of(v)[0] if _cast_of(v) is not None else v  # noqa: E731
+            # (a folded run of casts reads the split's input through its one cast)
+            sources = {v: _cast_of(v)[0] if _cast_of(v) is not None else v for v in new}
             cat.meta["recc.notes"] = tuple(cat.meta.get("recc.notes", ())) + tuple(
-                f"{v.name} = {' | '.join(_table_name(p) for p in _pieces(by_source[source(v)]))}"
-                for v in new if source(v) in by_source)
+                f"{v.name} = {' | '.join(_table_name(p) for p in _pieces(by_source[sources[v]]))}"
+                for v in new if sources[v] in by_source)
         for cast in casts:
             if not cast.users:
                 graph.erase_node(cast)

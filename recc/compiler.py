@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from recc import ir
 from recc.cluster import Cluster
-from recc.config import CompileConfig
+from recc.config import DENSE_DTYPE_NAMES, CompileConfig
 from recc.graph_utils import resolve_attr
 from recc.heap import trim_heap
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
@@ -63,9 +63,6 @@ def compile(model: nn.Module, cluster: Optional[Cluster] = None, *, config: Unio
                         disable=disable, print_after=print_after, dump_dir=dump_dir)
 
 
-_AUTOCAST_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def _follow_autocast(gm, config: CompileConfig, device_type: str, name: str) -> CompileConfig:
     """The config the user's own ``torch.autocast`` asks for. A forward that runs every matrix
     product under one autocast (``with torch.autocast("cpu", torch.bfloat16): ...`` around its
@@ -76,7 +73,7 @@ def _follow_autocast(gm, config: CompileConfig, device_type: str, name: str) -> 
     inside, outside = autocast_of(gm, device_type)
     if not inside:
         return config
-    dtypes = {_AUTOCAST_DTYPES.get(d, "fp32") for d in inside.values()}
+    dtypes = {DENSE_DTYPE_NAMES.get(d, "fp32") for d in inside.values()}
     first = next(iter(inside))
     site = first.meta.get(AUTOCAST_SITE, "(unknown location)")
     if outside or len(dtypes) > 1:

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import yaml
 
 from recc.specs import ADAM_EPS, SHARDING_KINDS, WEIGHT_DECAY_MODES, OptimizerSpec
@@ -12,6 +13,8 @@ from recc.specs import ADAM_EPS, SHARDING_KINDS, WEIGHT_DECAY_MODES, OptimizerSp
 SPARSE_OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8")
 DENSE_DTYPES = ("fp32", "bf16", "fp16")
+DENSE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DENSE_DTYPE_NAMES = {v: k for k, v in DENSE_TORCH_DTYPES.items()}  # torch dtype -> dense_dtype
 TABLE_DTYPES = ("fp32", "fp16", "bf16")
 TABLE_INITS = ("module", "normal", "torchrec")  # recc.runtime.table_init
 

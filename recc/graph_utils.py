@@ -100,11 +100,11 @@ MATRIX_METHODS = {"mm", "bmm", "matmul", "addmm", "baddbmm"}
 MATRIX_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d)   # exact classes (a subclass may have its own forward)
 
 
-def is_matrix_product(gm: fx.GraphModule, node: fx.Node) -> bool:
+def is_matrix_product(root: nn.Module, node: fx.Node) -> bool:
     """Whether ``node`` is a matrix product of the user's graph: one of ``MATRIX_FUNCTIONS`` or
     ``MATRIX_METHODS``, or a call of exactly an ``nn.Linear``/``nn.Conv1d``/``nn.Conv2d``."""
     if node.op == "call_function":
         return node.target in MATRIX_FUNCTIONS
     if node.op == "call_method":
         return node.target in MATRIX_METHODS
-    return node.op == "call_module" and type(gm.get_submodule(node.target)) in MATRIX_MODULES
+    return node.op == "call_module" and type(root.get_submodule(node.target)) in MATRIX_MODULES

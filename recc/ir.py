@@ -30,10 +30,15 @@ for _name, _short in (("float8_e4m3fn", "f8e4m3"), ("float8_e5m2", "f8e5m2")):
         _DTYPE_SHORT[getattr(torch, _name)] = _short
 
 
+def dtype_short(dtype: torch.dtype) -> str:
+    """The IR's name of a dtype (``bf16``, ``f32``, ``i64``), as node types and cast names print it."""
+    return _DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
 def type_of(v: Any) -> str:
     """The printed type of a node's value (``meta['val']``)."""
     if isinstance(v, torch.Tensor):
-        dt = _DTYPE_SHORT.get(v.dtype, str(v.dtype).replace("torch.", ""))
+        dt = dtype_short(v.dtype)
         return f"{dt}[{','.join(str(s) for s in v.shape)}]"
     if isinstance(v, SparseBatch):
         return f"kjt[t={v.num_tables},b={v.batch_size}]"

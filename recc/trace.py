@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from recc.graph_utils import is_matrix_product
 from recc.ops import Handle, SparseBatch, op_of
 
 # Reads of a tensor's metadata: their results are sizes, dtypes, devices — not its values.
@@ -188,7 +189,8 @@ class _CaptureTracer(fx.Tracer):
         autocast = {dev: torch.get_autocast_dtype(dev) for dev in ("cpu", "cuda") if torch.is_autocast_enabled(dev)}
         if autocast:
             p.node.meta[AUTOCAST] = autocast
-            p.node.meta.setdefault(AUTOCAST_SITE, _user_site())
+            if is_matrix_product(self.root, p.node):   # the line an error about it names
+                p.node.meta[AUTOCAST_SITE] = _user_site()
         if kind != "output":
             self.value(p.node)
         return p
@@ -454,7 +456,6 @@ def autocast_of(gm: fx.GraphModule, device_type: str) -> tuple[dict, list]:
     """The user's autocast, as capture saw it: ``({product node: autocast dtype}, [product nodes
     outside any autocast])`` over the graph's matrix products (``graph_utils.is_matrix_product``),
     for ``device_type``'s autocast."""
-    from recc.graph_utils import is_matrix_product
     inside, outside = {}, []
     for node in gm.graph.nodes:
         if is_matrix_product(gm, node):

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.fx as fx
 
+from recc.config import DENSE_DTYPE_NAMES
 from recc.kernels import huge_page_empty, optimizer_state_shapes, release_memory
 from recc.graph_utils import resolve_attr
 from recc.heap import keep_step_memory
@@ -191,7 +192,7 @@ class DistributedModel(nn.Module):
         dev = self._program.cluster.device_type
         if not torch.is_autocast_enabled(dev):
             return contextlib.nullcontext()
-        wanted = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(torch.get_autocast_dtype(dev), "fp32")
+        wanted = DENSE_DTYPE_NAMES.get(torch.get_autocast_dtype(dev), "fp32")
         compiled = self._program.config.dense_dtype
         if wanted != compiled and not self._autocast_noted:
             self._autocast_noted = True
