@@ -29,7 +29,7 @@ import yaml
 
 from recc.passmanager import PassContext, register_pass
 from recc.planner import dense_flops_per_sample, plan_tables
-from recc.specs import SHARDING_KINDS
+from recc.specs import SHARDING_KINDS, TierSpec
 
 
 def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Optional[int], dict[str, float]]:
@@ -51,6 +51,22 @@ def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Op
         if per:
             bags[t.name] = ids_val.numel() / per
     return batch, bags
+
+
+def forced_tiers(tables: dict, placement) -> dict:
+    """The tiers ``CompileConfig.placement`` forces: ``cached`` without ``cache_rows`` keeps a
+    tenth of the table's rows."""
+    out = {}
+    for name, t in tables.items():
+        choice = placement if isinstance(placement, str) else placement.get(name, "auto")
+        if isinstance(choice, dict):
+            rows = choice.get("cache_rows") or max(1, t.rows // 10)
+            choice = choice.get("placement", "cached")
+        else:
+            rows = max(1, t.rows // 10)
+        if choice == "cached":
+            out[name] = TierSpec(name, "cached", min(rows, t.rows), reason="forced by CompileConfig.placement")
+    return out
 
 
 @register_pass(after=("discover_tables",), from_config={"strategy": "sharding"})
@@ -81,9 +97,11 @@ def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto"
                            dense_flops_per_sample=dense_flops_per_sample(gm), check_memory=check_memory)
     except ValueError as e:
         raise ValueError(f"shard_tables (cluster {ctx.cluster.name}): {e}") from None
+    plan.tiers = forced_tiers(tables, ctx.config.placement)
     for node in gm.graph.nodes:
         spec = node.meta.get("recc.table")
         if spec is not None:
             node.meta["recc.shard"] = plan.shards[spec.name]
+            node.meta["recc.tier"] = plan.tier(spec.name)
     ctx.plan = plan
     return gm

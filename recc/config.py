@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -17,6 +18,36 @@ DENSE_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": tor
 DENSE_DTYPE_NAMES = {v: k for k, v in DENSE_TORCH_DTYPES.items()}  # torch dtype -> dense_dtype
 TABLE_DTYPES = ("fp32", "fp16", "bf16")
 TABLE_INITS = ("module", "normal", "torchrec")  # recc.runtime.table_init
+PLACEMENT_CHOICES = ("auto", "resident", "cached")
+
+
+def check_placement(placement) -> None:
+    """``CompileConfig.placement``: a choice for every table, or a dict of per-table choices."""
+    if isinstance(placement, str):
+        if placement not in PLACEMENT_CHOICES:
+            raise ValueError(f"CompileConfig.placement={placement!r}: choose one of {PLACEMENT_CHOICES} or a dict "
+                             f"{{table: 'resident' | 'cached' | {{'placement': 'cached', 'cache_rows': N}}}}")
+        return
+    if not isinstance(placement, dict):
+        raise ValueError(f"CompileConfig.placement must be a string or a dict, got {type(placement).__name__}")
+    for table, choice in placement.items():
+        if isinstance(choice, str):
+            if choice not in ("resident", "cached"):
+                raise ValueError(f"CompileConfig.placement[{table!r}]={choice!r}: choose 'resident' or 'cached'")
+            continue
+        if not isinstance(choice, dict):
+            raise ValueError(f"CompileConfig.placement[{table!r}] must be 'resident', 'cached' or a dict, "
+                             f"got {choice!r}")
+        unknown = sorted(set(choice) - {"placement", "cache_rows"})
+        if unknown:
+            raise ValueError(f"CompileConfig.placement[{table!r}]: unknown keys {unknown}; known: "
+                             f"['placement', 'cache_rows']")
+        if choice.get("placement", "cached") not in ("resident", "cached"):
+            raise ValueError(f"CompileConfig.placement[{table!r}].placement={choice['placement']!r}: choose "
+                             f"'resident' or 'cached'")
+        rows = choice.get("cache_rows")
+        if rows is not None and not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1):
+            raise ValueError(f"CompileConfig.placement[{table!r}].cache_rows must be an int >= 1, got {rows!r}")
 
 
 @dataclass
@@ -54,6 +85,13 @@ class CompileConfig:
     ``nn.Embedding``'s ``N(0, 1)`` with a zero ``padding_idx`` row, TorchRec's
     ``U(+-sqrt(1/rows))`` in its collections), ``"normal"``, ``"torchrec"``, or a callable
     ``fn(generator, rows, dim) -> Tensor`` (see ``recc.runtime.table_init``).
+
+    ``placement`` chooses each table's memory tier: ``"auto"`` (the planner caches tables only
+    when the ranks' memory cannot hold them), ``"resident"``, ``"cached"`` (every table), or a
+    dict ``{table: "resident" | "cached" | {"placement": "cached", "cache_rows": N}}`` forcing
+    some tables (the rest auto). A cached table keeps ``cache_rows`` rows (and their optimizer
+    state) in memory in front of a store on local disk under ``cache_dir`` (one private directory
+    per run; required when any table is cached, also settable in the cluster YAML's ``storage``).
     """
 
     optimizer: str = "sgd"
@@ -78,6 +116,8 @@ class CompileConfig:
     table_init: Any = "module"
     init_seed: Optional[int] = None
     pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    placement: Any = "auto"
+    cache_dir: Optional[str] = None
 
     def __post_init__(self):
         if self.optimizer not in SPARSE_OPTIMIZERS:
@@ -113,6 +153,9 @@ class CompileConfig:
             raise ValueError(f"CompileConfig.verify={self.verify!r}: choose 0, 1 or 2")
         if not self.lr > 0:
             raise ValueError(f"CompileConfig.lr must be > 0, got {self.lr}")
+        check_placement(self.placement)
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ValueError(f"CompileConfig.cache_dir must be a directory path, got {self.cache_dir!r}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"CompileConfig.batch_size must be >= 1, got {self.batch_size}")
 

@@ -94,6 +94,51 @@ class ShardSpec:
         return f"{_SHORT_KIND[self.kind]}@" + "+".join(parts)
 
 
+PLACEMENTS = ("resident", "cached")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """Which memory tier one table's shards live in (``shard_tables`` decides; ``cache_tables``
+    and the runtime follow it).
+
+    ``resident``: every row of every shard in the rank's memory. ``cached``: each shard keeps a
+    fixed budget of slots (rows and their optimizer state) in the rank's memory, in front of a
+    backing store in the slower tier (files on local disk under a CPU rank) that holds every row.
+    ``cache_rows`` is the table's budget, split over its shards in proportion to their rows
+    (``shard_cache_rows``); ``hit_rate`` the expected share of looked-up rows found in the cache;
+    ``reason`` why this placement (the plan prints it).
+    """
+
+    table: str
+    placement: str = "resident"
+    cache_rows: int = 0
+    hit_rate: float = 1.0
+    reason: str = ""
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"table {self.table}: placement {self.placement!r} not in {PLACEMENTS}")
+        if self.placement == "cached" and self.cache_rows < 1:
+            raise ValueError(f"table {self.table}: a cached placement needs cache_rows >= 1, got {self.cache_rows}")
+
+    @property
+    def cached(self) -> bool:
+        return self.placement == "cached"
+
+    def shard_cache_rows(self, shard_rows: int, table_rows: int) -> int:
+        """Slots of a shard of ``shard_rows`` of the table's ``table_rows``: its share of
+        ``cache_rows``, rounded up, never more than the shard's rows."""
+        if not self.cached:
+            return shard_rows
+        return max(1, min(shard_rows, -(-self.cache_rows * shard_rows // max(1, table_rows))))
+
+    def describe(self) -> str:
+        if not self.cached:
+            return "resident"
+        return f"cached({self.cache_rows} rows, hit~{self.hit_rate:.0%})"
+
+
 @dataclass(frozen=True)
 class CommSpec:
     """One collective: which op, over which group, with which split sizes and payload dtype.
@@ -269,6 +314,11 @@ class Plan:
     # Why each table got its kind: the runner-up kind and how much slower the plan would be
     # with only this table moved to it (or why that kind cannot take it).
     table_reasons: dict[str, str] = field(default_factory=dict)
+    # Each table's memory tier (``TierSpec``); a table missing here is resident.
+    tiers: dict[str, TierSpec] = field(default_factory=dict)
+
+    def tier(self, table: str) -> TierSpec:
+        return self.tiers.get(table) or TierSpec(table)
 
     @property
     def slowest_rank_ms(self) -> Optional[float]:
