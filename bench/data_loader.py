@@ -18,8 +18,16 @@ generated as a Criteo TSV in a temporary directory, converted once with
 Torch runs with ``--threads`` threads (default 1: loader and step on one core each). The ratio
 is loader samples/s over training samples/s: above 1 the loader keeps up with a core's training.
 
+``--from-arrays`` writes the converted log straight from generated arrays (no TSV, no parsing),
+so a log of a few hundred MB takes seconds; ``--loader-only`` leaves out the training step. The
+last lines compare what trusting the data costs: checking every file's crc32 against the header
+(``ClickLog.verify()``, what opening a ``ClickLogData`` does) next to reading one epoch, and
+opening the log with and without the check. Each loader time is the best of ``--repeat`` runs
+(the machine may be shared).
+
     python bench/data_loader.py
     python bench/data_loader.py --samples 262144 --batch-size 4096 --steps 8
+    python bench/data_loader.py --from-arrays --samples 2097152 --loader-only --repeat 3
 """
 
 from __future__ import annotations
@@ -56,6 +64,32 @@ def write_kaggle_tsv(path: Path, n: int, seed: int) -> None:
             dense = ["" if e else str(c) for c, e in zip(counts[i].tolist(), empty_dense[i].tolist())]
             cats = ["" if e else f"{h:08x}" for h, e in zip(hashes[i].tolist(), empty_cat[i].tolist())]
             f.write("\t".join([str(labels[i]), *dense, *cats]) + "\n")
+
+
+def write_kaggle_arrays(out: Path, n: int, seed: int, rows: list[int]) -> None:
+    """A converted log of ``n`` kaggle-shaped samples written from generated arrays (no TSV)."""
+    from recc.models.click_log import write_click_log
+    from recc.models.criteo import Chunk
+
+    def chunks():
+        rng = np.random.default_rng(seed)
+        for lo in range(0, n, 1 << 16):
+            m = min(1 << 16, n - lo)
+            dense = np.log1p(np.floor(np.exp(rng.normal(1.5, 1.5, (m, 13))))).astype(np.float32)
+            sparse = [(np.minimum(rng.zipf(1.2, (m, 1)), 1 << 24) * 2654435761 % r).astype(np.int64) for r in rows]
+            yield Chunk(dense, sparse, (rng.random(m) < 0.3).astype(np.uint8))
+
+    write_click_log(out, [("generated", chunks())], rows)
+
+
+def best(repeat: int, fn) -> float:
+    """The smallest of ``repeat`` timings of ``fn()`` (seconds): the least disturbed run."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def time_loader(data: ClickLogData, steps: int, rank: int, world_size: int, threaded: bool) -> float:
@@ -101,6 +135,20 @@ def time_recc_step(batches, steps: int) -> float:
     return len(batches[0][3]) / statistics.median(times)
 
 
+def time_trust(out: Path, args) -> tuple[float, float, float, float | None]:
+    """(MiB, seconds to check every checksum, seconds to open a ClickLogData, the same unchecked)."""
+    import inspect
+
+    from recc.models import ClickLog
+    mib = sum(f.stat().st_size for f in out.iterdir()) / 2 ** 20
+    verify = best(args.repeat, lambda: ClickLog(out).verify())
+    open_checked = best(args.repeat, lambda: ClickLogData(out, batch_size=args.batch_size))
+    open_unchecked = None
+    if "verify" in inspect.signature(ClickLogData).parameters:  # (a loader that checks at open)
+        open_unchecked = best(args.repeat, lambda: ClickLogData(out, batch_size=args.batch_size, verify=False))
+    return mib, verify, open_checked, open_unchecked
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=262_144, help="samples of generated kaggle-shaped data")
@@ -110,42 +158,65 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed recc training steps")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--from-arrays", action="store_true", help="write the converted log from arrays (no TSV)")
+    p.add_argument("--loader-only", action="store_true", help="leave out the recc training step")
+    p.add_argument("--repeat", type=int, default=1, help="time each loader run this many times, keep the best")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = load_preset("kaggle")["num_embeddings"]
     with tempfile.TemporaryDirectory(prefix="recc-data-loader-") as tmp:
-        tsv = Path(tmp) / "train.txt"
-        t0 = time.perf_counter()
-        write_kaggle_tsv(tsv, args.samples, args.seed)
-        t1 = time.perf_counter()
-        convert([tsv], Path(tmp) / "converted", num_embeddings=rows)
-        convert_rate = args.samples / (time.perf_counter() - t1)
-        mib = tsv.stat().st_size / 2 ** 20
-        print(f"# generated {args.samples:,} kaggle-shaped samples ({mib:.0f} MiB TSV) in {t1 - t0:.1f} s; "
-              f"converted at {convert_rate:,.0f} samples/s ({mib * convert_rate / args.samples:.0f} MiB/s), one core")
-        rows_out = []
+        out = Path(tmp) / "converted"
+        if args.from_arrays:
+            t0 = time.perf_counter()
+            write_kaggle_arrays(out, args.samples, args.seed, rows)
+            print(f"# wrote {args.samples:,} kaggle-shaped samples from arrays in {time.perf_counter() - t0:.1f} s")
+        else:
+            tsv = Path(tmp) / "train.txt"
+            t0 = time.perf_counter()
+            write_kaggle_tsv(tsv, args.samples, args.seed)
+            t1 = time.perf_counter()
+            convert([tsv], out, num_embeddings=rows)
+            convert_rate = args.samples / (time.perf_counter() - t1)
+            mib = tsv.stat().st_size / 2 ** 20
+            print(f"# generated {args.samples:,} kaggle-shaped samples ({mib:.0f} MiB TSV) in {t1 - t0:.1f} s; "
+                  f"converted at {convert_rate:,.0f} samples/s ({mib * convert_rate / args.samples:.0f} MiB/s), "
+                  "one core")
+        rows_out, epochs = [], {}
         for shuffle in (0, args.shuffle_buffer):
-            data = ClickLogData(Path(tmp) / "converted", batch_size=args.batch_size, shuffle_buffer=shuffle,
-                                seed=args.seed)
+            data = ClickLogData(out, batch_size=args.batch_size, shuffle_buffer=shuffle, seed=args.seed)
             steps = data.steps_per_epoch
             time_loader(data, steps, 0, 1, threaded=False)  # pages in the files once
             for world in (1, args.world_size):
                 for threaded in (False, True):
-                    rate = time_loader(data, steps, 0, world, threaded)
+                    rate = max(time_loader(data, steps, 0, world, threaded) for _ in range(args.repeat))
                     rows_out.append((f"loader, {'background' if threaded else 'calling'} thread", shuffle, world,
                                      args.batch_size // world, rate))
-        data = ClickLogData(Path(tmp) / "converted", batch_size=args.batch_size)
-        batches = [data.batch(i) for i in range(min(args.steps, data.steps_per_epoch))]
-        train = time_recc_step(batches, args.steps)
-    print(f"# torch threads {args.threads}; global batch {args.batch_size}; ratio = loader samples/s "
-          f"/ one core's recc kaggle training samples/s at the global batch")
+                    if world == 1 and threaded:
+                        epochs[shuffle] = steps * args.batch_size / rate
+        trust = time_trust(out, args)
+        train = None
+        if not args.loader_only:
+            data = ClickLogData(out, batch_size=args.batch_size)
+            batches = [data.batch(i) for i in range(min(args.steps, data.steps_per_epoch))]
+            train = time_recc_step(batches, args.steps)
+    print(f"# torch threads {args.threads}; global batch {args.batch_size}"
+          + ("" if train is None else "; ratio = loader samples/s / one core's recc kaggle training samples/s "
+                                      "at the global batch"))
     print("| what | shuffle buffer | world | rank batch | samples/s (one core) | ratio to training |")
     print("|---|---|---|---|---|---|")
-    print(f"| recc train step, kaggle, sgd | | 1 | {args.batch_size} | {train:,.0f} | 1.0 |")
+    if train is not None:
+        print(f"| recc train step, kaggle, sgd | | 1 | {args.batch_size} | {train:,.0f} | 1.0 |")
     for name, shuffle, world, b, rate in rows_out:
-        print(f"| {name} | {shuffle or 'off'} | {world} (rank 0) | {b} | {rate:,.0f} | {rate / train:.1f}x |")
+        ratio = "" if train is None else f"{rate / train:.1f}x"
+        print(f"| {name} | {shuffle or 'off'} | {world} (rank 0) | {b} | {rate:,.0f} | {ratio} |")
+    mib, verify, open_checked, open_unchecked = trust
+    print(f"# trust: crc32 of all {mib:.0f} MiB (ClickLog.verify, page cache warm): {verify:.3f} s "
+          f"({mib / verify:,.0f} MiB/s); one epoch through the background thread, rank 0 of 1: "
+          f"{epochs[0]:.3f} s in order, {epochs[args.shuffle_buffer]:.3f} s shuffled; the check is "
+          f"{verify / epochs[0]:.2f}x an in-order epoch's reading")
+    print(f"# trust: opening ClickLogData: {open_checked:.3f} s" + (
+        "" if open_unchecked is None else f" (verify=False: {open_unchecked:.4f} s)"))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
