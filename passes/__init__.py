@@ -3,6 +3,7 @@ from recc.passes.discover_tables import discover_tables
 from recc.passes.shard_tables import shard_tables
 from recc.passes.batch_tables import batch_tables
 from recc.passes.insert_comm import insert_comm
+from recc.passes.cache_tables import cache_tables
 from recc.passes.quantize_comm import quantize_comm
 from recc.passes.pipeline_comm import pipeline_comm
 from recc.passes.fuse_gathers import fuse_gathers
@@ -14,4 +15,4 @@ from recc.passes.cast_dense import cast_dense
 from recc.passes.cast_embeddings import cast_embeddings
 from recc.passes.lower import lower
 
-__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "cast_dense", "cast_embeddings", "lower"]
+__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "cast_dense", "cast_embeddings", "lower"]

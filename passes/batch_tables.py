@@ -1,7 +1,7 @@
 """batch_tables: replace per-table lookups by one table-batched lookup (TBE) per group.
 
 Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups lookups by (shard
-width, pooling, weighted, optimizer, data-parallel, two-level) — one group per distinct key
+width, pooling, weighted, optimizer, data-parallel, two-level, stored dtype, memory tier) — one group per distinct key
 (two-level: table-row-wise tables on a multi-node cluster, whose output dist differs), tables in
 discovery order except that a table held whole by one rank sorts by that rank (so the output
 dist needs no column permutation); a group holds every shard of its tables on every rank (the graph is SPMD) —
@@ -30,6 +30,7 @@ import torch.fx as fx
 from recc.graph_utils import rename, stable_toposort
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
+from recc.specs import TierSpec
 from recc.tables import TableGroup
 
 
@@ -61,13 +62,20 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
             bags = "jagged"
         # Gathers (pooling "none") run as sum-pooled bags of one id.
         pooling = "sum" if t.pooling == "none" else t.pooling
-        key = (widths.pop(), pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags, t.dtype)
+        tier = n.meta.get("recc.tier")
+        cached = tier is not None and tier.cached
+        if cached and shard.kind == "data_parallel":
+            raise ValueError(f"batch_tables: table {t.name} is placed cached and data_parallel: a replicated table "
+                             f"is whole on every rank, so there is nothing to cache it for; shard it "
+                             f"(table_wise, row_wise, column_wise, table_row_wise) or keep it resident")
+        key = (widths.pop(), pooling, t.weighted, opt, shard.kind == "data_parallel", two_level, bags, t.dtype,
+               cached)
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
         bucket[-1].append(n)
     index, last = 0, None
-    for (width, pooling, weighted, _, dp, two_level, _, _), chunks in groups.items():
+    for (width, pooling, weighted, _, dp, two_level, _, _, _), chunks in groups.items():
         node_size = ctx.cluster.devices_per_node if two_level else 0
         for members in chunks:
             members.sort(key=_owner_order)
@@ -101,8 +109,10 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_
         for rank, r0, r1, c0, c1 in n.meta["recc.shard"].shards:
             placements.append((k, rank, r0, r1, c0, c1))
         sources.append(gm.get_parameter(t.weight_key))
+    tiers = [n.meta.get("recc.tier") or TierSpec(t.name) for n, t in zip(members, specs)]
     gm.add_submodule(name, TableGroup(name, specs, placements, width, pooling, weighted, opt, sources,
-                                      data_parallel=dp, world_size=ctx.cluster.world_size, node_size=node_size))
+                                      data_parallel=dp, world_size=ctx.cluster.world_size, node_size=node_size,
+                                      tiers=tiers))
     ids = [n.args[1] for n in members]
     offsets = [n.args[2] for n in members]
     psw = [n.args[3] for n in members] if weighted else None
@@ -134,6 +144,8 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_
             piece = graph.call_function(operator.getitem, (split, k))
         piece.meta["recc.table"] = t
         piece.meta["recc.shard"] = n.meta["recc.shard"]
+        if "recc.tier" in n.meta:
+            piece.meta["recc.tier"] = n.meta["recc.tier"]
         old = n.name
         n.replace_all_uses_with(piece)
         graph.erase_node(n)

@@ -10,12 +10,13 @@ their collectives). Reorders nodes only, never changes what they compute:
    does not need the embeddings) runs while the pooled rows are on the wire. In backward the
    same order makes autograd send the embeddings' gradients back (``_OutputDistWait``) before
    it runs the bottom MLP's backward and wait for them only afterwards (``_OutputDistStart``);
-3. the nodes that only feed the input dists (``pack_sparse`` and the ids ``all_to_all_start``)
-   are tagged ``stage=sparse_dist``: ``DistributedModel.train_pipeline`` runs them one batch
+3. the nodes that only feed the input dists (``pack_sparse`` and the ids ``all_to_all_start``),
+   and a cached group's ``cache_map`` and ``cache_io_start`` with what they need, are tagged
+   ``stage=sparse_dist``: ``DistributedModel.train_pipeline`` runs them one batch
    ahead, so the next batch's ids travel while this batch trains, as TorchRec's sparse-dist
    pipeline does.
 
-On one rank (no collectives) it changes nothing. ``enabled=False`` (``CompileConfig.pipelining``)
+On one rank (no collectives) it changes nothing but the cache stage's tags. ``enabled=False`` (``CompileConfig.pipelining``)
 turns it off.
 
 Before (insert_comm's order):
@@ -81,7 +82,8 @@ def pipeline_comm(gm: fx.GraphModule, ctx: PassContext, *, enabled: bool = True)
     """Starts early, output-dist waits late; tag the input dist's stage for one-batch-ahead runs."""
     graph = gm.graph
     starts = [n for n in graph.nodes if _op_name(n) == "all_to_all_start"]
-    if not enabled or not starts:
+    cache_starts = [n for n in graph.nodes if _op_name(n) == "cache_io_start"]
+    if not enabled or not (starts or cache_starts):
         return gm
     out_waits = [n for n in graph.nodes if _op_name(n) == "all_to_all_wait"
                  and _comm_op(n.args[0]) == "output_dist"]
@@ -120,7 +122,9 @@ def pipeline_comm(gm: fx.GraphModule, ctx: PassContext, *, enabled: bool = True)
         anchor = n
 
     in_starts = [n for n in starts if _comm_op(n) == "input_dist"]
-    stage = _ancestors(in_starts)
+    # A cached group's map and I/O start join the stage: the next batch's missing rows are read
+    # while this batch trains (its ids' all-to-all wait comes along, ahead of the map).
+    stage = _ancestors(in_starts + cache_starts)
     for n in graph.nodes:
         n.meta.pop(STAGE, None)
         if n in stage and n.op not in ("placeholder", "get_attr"):

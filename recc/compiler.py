@@ -24,7 +24,7 @@ from recc.tables import TableGroup
 from recc.trace import (AUTOCAST_SITE, autocast_of, default_example_inputs, example_batch, model_is_meta,
                         propagate_shapes, to_meta, trace, untouched)
 
-DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower"
+DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,cache_tables,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower"
 
 
 def default_pipeline(config: CompileConfig) -> str:

@@ -165,6 +165,17 @@ class SparseBatch:
 
 
 @dataclass
+class SlotBatch(SparseBatch):
+    """A cached group's batch after ``recc.cache_map``: ``indices`` are slots of the group's cache
+    (rows of its in-memory weights), already linear — the lookup and the fused backward run on
+    them unchanged. ``lease`` keeps the batch's slots pinned until its backward has run;
+    ``assignment`` lists the rows to write back and to read (``recc.cache_io_start``)."""
+
+    lease: Any = None
+    assignment: Any = None
+
+
+@dataclass
 class Handle:
     """An in-flight collective: returned by ``*_start``, consumed by exactly one ``*_wait``."""
 
@@ -442,6 +453,52 @@ def tbe_lookup(group, sparse, *, dtype: str = "fp32"):
     ``F.embedding_bag`` per table and has no fused update.
     """
     return group.reference_lookup(sparse).to(pooled_dtype(dtype))
+
+
+def _cache_map_meta(group, sparse):
+    return sparse
+
+
+@define_op("cache_map", meta=_cache_map_meta)
+def cache_map(group, sparse):
+    """recc.cache_map(group, kjt) -> kjt of cache slots
+
+    A cached group (``TierSpec`` placement ``cached``) keeps a fixed number of slots in memory
+    in front of a store holding every row. This maps each id of ``kjt`` to the slot holding its
+    row: rows already cached are hits; each missing row gets a slot that no batch still in
+    flight (looked up, its backward not yet run) uses, evicting the least recently used row
+    (CLOCK). Nothing is read or written here: ``recc.cache_io_start`` writes the evicted dirty
+    rows back and reads the missing ones. The reference (one process, resident rows) is the
+    identity: the cache is transparent.
+    """
+    return sparse
+
+
+def _cache_io_start_meta(group, slots):
+    return Handle(slots)
+
+
+@define_op("cache_io_start", meta=_cache_io_start_meta)
+def cache_io_start(group, slots):
+    """recc.cache_io_start(group, slots) -> handle
+
+    Touches the slow tier for one batch, in the background: writes the rows ``recc.cache_map``
+    evicted back to the store if they changed since they were read (weights and optimizer
+    state), then reads the batch's missing rows into their slots. One I/O queue per group keeps
+    the order, so a row written back is read again only after the write. Under
+    ``train_pipeline`` it runs a batch ahead, while the previous batch computes.
+    """
+    return Handle(slots)
+
+
+def _cache_io_wait_meta(handle):
+    return handle.value
+
+
+@define_op("cache_io_wait", meta=_cache_io_wait_meta)
+def cache_io_wait(handle):
+    """recc.cache_io_wait(handle) -> kjt of cache slots: the batch once its rows are in memory."""
+    return handle.value
 
 
 def _gather_rows_meta(group, indices, *, tables, rows):

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recc.specs import OptimizerSpec, TableSpec
+from recc.specs import OptimizerSpec, TableSpec, TierSpec
 
 Placement = tuple[int, int, int, int, int, int]  # (table index in group, rank, row0, row1, col0, col1)
 Block = tuple[int, int, int, int, int]  # (table index in group, row0, row1, col0, col1)
@@ -119,7 +119,8 @@ class TableGroup(nn.Module):
 
     def __init__(self, name: str, tables: list[TableSpec], placements: list[Placement], width: int,
                  pooling: str, weighted: bool, optimizer: OptimizerSpec, sources: list[torch.Tensor],
-                 *, data_parallel: bool = False, world_size: int = 1, node_size: int = 0):
+                 *, data_parallel: bool = False, world_size: int = 1, node_size: int = 0,
+                 tiers: Optional[list[TierSpec]] = None):
         super().__init__()
         self.group_name = name
         self.tables = list(tables)
@@ -138,6 +139,10 @@ class TableGroup(nn.Module):
         # A data-parallel group's backward gradient all-gather (set by insert_comm; its codec
         # by quantize_comm); None on one rank.
         self.dp_comm = None
+        # Each table's memory tier (``TierSpec``): a group is all resident or all cached
+        # (``batch_tables`` keys on it); a cached group keeps ``cache_slots(rank)`` rows in memory
+        # in front of a store on disk (``recc.runtime.table_cache``).
+        self.tiers = list(tiers) if tiers else [TierSpec(t.name) for t in tables]
         # Sources are held by reference only (not registered), so the compile-time graph owns no
         # copy of the user's tables; each is a callable returning the tensor (strong until
         # ``release_sources``, weak after). Runtime materialisation replaces them with
@@ -165,6 +170,16 @@ class TableGroup(nn.Module):
                              persistent=False)
         self.register_buffer("D_offsets", torch.arange(len(self.shards) + 1, dtype=torch.int64) * self.dim,
                              persistent=False)
+
+    @property
+    def cached(self) -> bool:
+        return any(t.cached for t in self.tiers)
+
+    def cache_slots(self, rank: int) -> int:
+        """Rows a cached group keeps in memory on ``rank``: each local shard's share of its table's
+        ``cache_rows``."""
+        return sum(self.tiers[k].shard_cache_rows(r1 - r0, self.tables[k].rows)
+                   for k, _, r0, r1, _, _ in self.local_placements(rank))
 
     def local_placements(self, rank: int) -> list[Placement]:
         return [p for p in self.placements if p[1] == rank]
@@ -281,6 +296,11 @@ class TableGroup(nn.Module):
     def table_weight(self, j: int) -> torch.Tensor:
         """Local shard j's rows (materialised weights, or the source block at compile time)."""
         if self.materialized:
+            cache = getattr(self, "cache", None)
+            if cache is not None:
+                # The store's rows (after a flush of the dirty ones): writing into them writes
+                # the store, and the caller must then ``cache.invalidate()``.
+                return cache.logical_parts()[0][self.row_starts[j]:self.row_starts[j + 1]]
             return self.weights[self.hash_size_cumsum[j]:self.hash_size_cumsum[j + 1]]
         return self.source_block(j)
 
@@ -290,6 +310,8 @@ class TableGroup(nn.Module):
         dp = " data_parallel" if self.data_parallel else f" two-level(nodes of {self.node_size})" if self.node_size else ""
         stored = "" if self.weight_dtype == torch.float32 else f" {self.tables[0].dtype}"
         s = f"{self.group_name}=[{names}] dim={self.dim}{stored} {self.pooling}{w} {self.optimizer.describe()}{dp}"
+        if self.cached:
+            s += f" cached({self.cache_slots(self.rank)} of {self.total_rows} rows in memory, store on disk)"
         if self.world_size > 1 and not self.data_parallel:
             per_rank = []
             for r in range(self.world_size):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from recc.ops import SparseBatch, get_op, pad_table_bags, pooled_dtype, register_impl, use_references
+from recc.ops import SlotBatch, SparseBatch, get_op, pad_table_bags, pooled_dtype, register_impl, use_references
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
 from recc.runtime.loss_scale import update_scale
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
@@ -46,7 +46,10 @@ class TBELookup(torch.autograd.Function):
             # A rank may own no shard of a group; it still takes part in the collectives.
             ctx.lin, ctx.offsets, ctx.t, ctx.b = None, sparse.offsets, t, b
             return weights.new_zeros(b, t * group.dim, dtype=out_dtype)  # fp32 or bf16 (half tables pool in fp32)
-        lin = linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
+        # A cached group's ids arrive as slots of its cache (recc.cache_map): already rows of
+        # ``weights``, which holds the slots.
+        lin = sparse.indices if isinstance(sparse, SlotBatch) else \
+            linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
         offsets = sparse.offsets
         ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
         if pooling == "max":
@@ -82,6 +85,8 @@ class TBELookup(torch.autograd.Function):
                 check_max_unchanged(group, ctx.version)
         if ctx.t and b:
             _apply_update(group, lin, offsets, grad, ctx.t, b, ctx.pooling, psw, winners)
+        if isinstance(ctx.sparse, SlotBatch):
+            ctx.sparse.lease.release()   # its rows are updated: the cache may evict them now
         return None, None, None, None
 
 

@@ -55,12 +55,36 @@ def _copy_block(dst: torch.Tensor, src: torch.Tensor, consume: bool) -> None:
         release_memory(src, a * row_bytes, b * row_bytes)
 
 
+def _initial_rows(group: TableGroup, j: int, seed: int, table_init: TableInit, consume: bool):
+    """``fill(a, b)``: rows a..b of local shard j's initial values (the user's table, or
+    ``table_init``'s for a table built on meta), in fp32 or the source's dtype."""
+    spec = group.local_table(j)
+    s0, s1, c0, c1 = group.shards[j]
+
+    def fill(a: int, b: int) -> torch.Tensor:
+        src = group.source_block(j)
+        if src.device.type == "meta":
+            return initial_block(spec, s0 + a, s0 + b, c0, c1, seed, table_init)
+        rows = src.detach()[a:b]
+        if consume and rows.is_contiguous() and rows.numel():
+            out = rows.clone()
+            release_memory(src, a * rows[0].numel() * rows.element_size(), b * rows[0].numel() * rows.element_size())
+            return out
+        return rows
+    return fill
+
+
 def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 0,
-                table_init: TableInit = "module") -> None:
+                table_init: TableInit = "module", cache_dir=None) -> None:
     """Give ``group`` this rank's shards in one concatenated ``weights`` plus zeroed optimizer
     state. Only the rank's own blocks of the source tables are read; nothing else is copied.
-    Tables built on meta get ``table_init``'s values for ``seed`` (``recc.runtime.table_init``)."""
+    Tables built on meta get ``table_init``'s values for ``seed`` (``recc.runtime.table_init``).
+    A cached group gets its cache's slots instead, and a store under ``cache_dir`` filled with
+    the initial rows (``recc.runtime.table_cache``)."""
     group.set_rank(rank)
+    if group.cached:
+        _materialize_cached(group, rank, device, seed, table_init, cache_dir)
+        return
     rows, dim = group.total_rows, group.dim
     # Half tables start as the user's fp32 values rounded to nearest (copy_ converts).
     weights = _table_memory((rows, dim), device, group.weight_dtype)
@@ -84,6 +108,14 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
     for name, shape in optimizer_state_shapes(group.optimizer.name, rows, dim).items():
         group.register_buffer(name, _table_memory(shape, device).zero_())
     group.state_names = list(optimizer_state_shapes(group.optimizer.name, rows, dim))
+    _finish(group, device)
+
+    def optimizer_state():
+        return {n: getattr(group, n) for n in group.state_names}
+    group.optimizer_state = optimizer_state
+
+
+def _finish(group: TableGroup, device: torch.device) -> None:
     group.step = 0
     # Per-rank mean losses: an owner receives W ranks' gradients (or, data-parallel, gathers
     # them), so 1/W makes the update the one eager PyTorch makes for the global mean loss.
@@ -96,9 +128,20 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
     for key in ("hash_size_cumsum", "weights_offsets", "D_offsets"):
         group.register_buffer(key, getattr(group, key).to(device), persistent=False)
 
-    def optimizer_state():
-        return {n: getattr(group, n) for n in group.state_names}
-    group.optimizer_state = optimizer_state
+
+def _materialize_cached(group: TableGroup, rank: int, device: torch.device, seed: int, table_init: TableInit,
+                        cache_dir) -> None:
+    from recc.runtime.table_cache import materialize_cached
+    if cache_dir is None:
+        raise ValueError(f"table group {group.group_name} ({', '.join(group.logical_names)}) is placed cached: its "
+                         f"store needs a directory on local disk: CompileConfig(cache_dir=...) or --cache-dir")
+    fills = [_initial_rows(group, j, seed, table_init, group.source_block_consumable(j))
+             for j in range(group.num_tables)]
+    cache = materialize_cached(group, rank, device, group.cache_slots(rank), cache_dir,
+                               lambda j, a, b: fills[j](a, b))
+    group.state_names = list(cache.state())
+    _finish(group, device)
+    group.optimizer_state = cache.state
 
 
 _DDP_LABEL = "dense all_reduce (DDP)"
@@ -266,6 +309,18 @@ class DistributedModel(nn.Module):
             self._stats.reset()
         return report
 
+    def cache_report(self, reset: bool = False):
+        """Per cached table group on this rank: hits, misses, rows prefetched and written back,
+        bytes read and written per step, the steps that waited on the store and for how long
+        (``recc.runtime.table_cache.CacheReport``; empty when no table is cached)."""
+        from recc.runtime.table_cache import CacheCounters, cache_report
+        report = cache_report(self.table_groups())
+        if reset:
+            for g in self.table_groups():
+                if getattr(g, "cache", None) is not None:
+                    g.cache.counters = CacheCounters()
+        return report
+
     def table_groups(self) -> list[TableGroup]:
         return [m for m in self.graph_module.modules() if isinstance(m, TableGroup)]
 
@@ -343,6 +398,8 @@ class DistributedModel(nn.Module):
                     for j, (kk, _, r0, r1, c0, c1) in enumerate(g.local):
                         if kk == k:
                             g.table_weight(j).copy_(src[r0:r1, c0:c1])
+                    if getattr(g, "cache", None) is not None:
+                        g.cache.invalidate()   # the store was written behind the cache
                 else:
                     dst = _get_tensor(self.graph_module, key, self._program.detached_state)
                     if tuple(src.shape) != tuple(dst.shape):
@@ -386,12 +443,21 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
     seed = _init_seed(program)
     for m in gm.modules():
         if isinstance(m, TableGroup):
-            materialize(m, rank, device, seed, program.config.table_init)
+            materialize(m, rank, device, seed, program.config.table_init, cache_dir=_cache_dir(program))
     for m in program.graph.modules():
         if isinstance(m, TableGroup):
             m.release_sources()  # a rank's copies of its blocks are in its weights now
     _materialize_dense(gm, device, seed)
     return DistributedModel(program, gm.to(device), rank)
+
+
+def _cache_dir(program):
+    """Where cached groups keep their stores: ``CompileConfig.cache_dir``, else the cluster
+    description's storage tier's."""
+    if program.config.cache_dir is not None:
+        return program.config.cache_dir
+    storage = getattr(program.cluster, "storage", None)
+    return getattr(storage, "cache_dir", None)
 
 
 def _init_seed(program) -> int:

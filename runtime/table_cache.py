@@ -1,0 +1,550 @@
+"""Cached table groups: a fixed budget of rows in memory in front of a store on local disk.
+
+A ``TableGroup`` the plan places ``cached`` (``TierSpec``) is materialised here instead of as
+one ``weights[rows, D]``: its ``weights`` and optimizer state hold ``S`` slots, and a
+``RowStore`` file holds every row of the rank's shards (weights and state, one record per row).
+The graph reaches the cache through three ops (``cache_tables`` puts them there):
+
+- ``recc.cache_map``: the batch's rows -> slots (``kernels.cpu.table_cache.assign``: hits, then a
+  CLOCK victim for each miss that no in-flight batch pins); the result is a ``SlotBatch`` whose
+  ids are slots, so ``recc.tbe_lookup`` and its fused backward + optimizer run unchanged on the
+  slots;
+- ``recc.cache_io_start`` / ``recc.cache_io_wait``: the evicted dirty rows are written back and
+  the missing rows read, by one I/O thread per group (explicit ``pread``/``pwrite`` of sorted,
+  coalesced records, several in flight), FIFO, so a row written back is read again only after.
+
+Pins: every ``cache_map`` takes a sequence number; a batch is *live* from its ``cache_map`` until
+its backward has applied its update (or, without autograd, until the lookup has read it). A slot
+whose newest user is live is never evicted, which is what lets ``train_pipeline`` map and fetch
+batch i+1 while batch i's backward is still to run. The cache is transparent: the same rows are
+updated with the same math as when resident (the kernels see slots for rows; fp32 tables give
+bit-identical parameters, half tables differ only in the stochastic rounding's random bits,
+which the kernel keys on the slot).
+
+The store is scratch space, owned by one run: created (and filled from the initial tables) at
+``instantiate()``, locked for the run's life (``flock`` with the owner's pid and host), removed at
+exit. Checkpoints and ``state_dict()`` read through it (``logical_rows`` flushes the dirty rows
+first), so they stay logical and plan-independent.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from recc.kernels.cpu import table_cache as kernels
+from recc.kernels import linearize_indices, optimizer_state_shapes
+from recc.ops import Handle, SlotBatch, SparseBatch, register_impl
+from recc.tables import TableGroup
+
+MAGIC = b"RECCSTORE1\n"
+HEADER_BYTES = 4096
+FORMAT_VERSION = 1
+_FILL_BYTES = 32 << 20   # rows written per request while the store is filled at instantiate
+IO_THREADS = 4           # requests in flight per batch (the disk's queue depth)
+
+
+class StoreError(ValueError):
+    """A cache directory or store file that cannot be used; the message names it."""
+
+
+# ----------------------------------------------------------------------------- the store
+
+def _record_parts(group: TableGroup, slots: int) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, shape for ``slots`` rows, dtype) of each part of a record: the weights row, then
+    each optimizer-state row."""
+    parts = [("weights", (slots, group.dim), group.weight_dtype)]
+    for name, shape in optimizer_state_shapes(group.optimizer.name, slots, group.dim).items():
+        parts.append((name, shape, torch.float32))
+    return parts
+
+
+def _part_bytes(shape, dtype) -> int:
+    per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    return per_row * torch.empty((), dtype=dtype).element_size()
+
+
+def fingerprint(group: TableGroup, rank: int) -> dict:
+    """What a store holds: the group's rank-local shards and their record layout (a store of
+    another model or plan differs here)."""
+    return {"group": group.group_name, "rank": rank, "dim": group.dim, "dtype": str(group.weight_dtype),
+            "optimizer": group.optimizer.name,
+            "shards": [[group.tables[k].name, r0, r1, c0, c1] for k, _, r0, r1, c0, c1 in group.local]}
+
+
+class RowStore:
+    """One rank's store file for one cached group: a 4 KiB header (magic, JSON) then ``rows``
+    records of ``record`` bytes at ``HEADER_BYTES + row * record``."""
+
+    def __init__(self, directory, group: TableGroup, rank: int):
+        self.directory = Path(directory)
+        self.rows = group.total_rows
+        self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in _record_parts(group, 1)]
+        self.record = sum(b for _, b in self.parts)
+        self.meta = {"format": "recc-store", "version": FORMAT_VERSION, "rows": self.rows, "record": self.record,
+                     "parts": self.parts, "fingerprint": fingerprint(group, rank)}
+        self.path = self.directory / f"rank{rank}-{group.group_name}.store"
+        self.lock_path = self.directory / f"rank{rank}.lock"
+        self.fd: Optional[int] = None
+        self._lock_fd: Optional[int] = None
+        self._open()
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER_BYTES + self.rows * self.record
+
+    def _open(self) -> None:
+        d = self.directory
+        if not d.exists():
+            raise StoreError(f"cache directory {d} does not exist (create it, or set CompileConfig.cache_dir / "
+                             f"--cache-dir to a directory on local disk)")
+        if not d.is_dir():
+            raise StoreError(f"cache directory {d} is not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise StoreError(f"cache directory {d} is not writable")
+        self._take_lock()
+        try:
+            if self.path.exists() or self.path.is_symlink():
+                self._check_existing()
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise StoreError(f"store {self.path}: cannot create it ({e.strerror})") from None
+            self.fd = fd
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            except OSError as e:
+                free = _free_bytes(d)
+                raise StoreError(f"store {self.path}: needs {self.nbytes / 2**30:.2f} GiB on {d}, which has "
+                                 f"{free / 2**30:.2f} GiB free ({e.strerror})") from None
+            os.pwrite(fd, self._header(), 0)
+        except BaseException:
+            self.close(remove=self.fd is not None)
+            raise
+
+    def _header(self) -> bytes:
+        body = json.dumps(self.meta, sort_keys=True).encode()
+        head = MAGIC + len(body).to_bytes(4, "little") + body
+        if len(head) > HEADER_BYTES:
+            raise StoreError(f"store {self.path}: header of {len(head)} bytes is past {HEADER_BYTES} "
+                             f"(a group of very many shards; split it with batch_tables{{max_tables_per_group=...}})")
+        return head.ljust(HEADER_BYTES, b"\0")
+
+    def _check_existing(self) -> None:
+        """A file already at our path: ours to reuse only if it is a store of this very group,
+        shards and layout (a run restarted on the same plan); anything else is refused, never
+        overwritten, and it is read as bytes and JSON only."""
+        p = self.path
+        if p.is_symlink() or not p.is_file():
+            raise StoreError(f"store {p} exists and is not a regular file; remove it or choose another cache_dir")
+        with open(p, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        meta = read_header(head, p)
+        if meta.get("fingerprint") != self.meta["fingerprint"] or meta.get("record") != self.record \
+                or meta.get("rows") != self.rows:
+            old = meta.get("fingerprint", {})
+            raise StoreError(f"cache directory {self.directory} holds a store for another model or plan ({p.name}: "
+                             f"group {old.get('group')!r} of {meta.get('rows')} rows x {meta.get('record')} bytes, "
+                             f"shards {old.get('shards')}); remove it or choose another cache_dir")
+
+    def _take_lock(self) -> None:
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise StoreError(f"cache directory {self.directory}: cannot create its lock {self.lock_path.name} "
+                             f"({e.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreError(f"cache directory {self.directory} is in use by another run ({owner}); two runs "
+                             f"cannot share a store: give each its own cache_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def io(self, *, write: bool, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        try:
+            kernels.store_io(self.fd, write=write, header=HEADER_BYTES, parts=parts, rows=rows, slots=slots,
+                             threads=IO_THREADS)
+        except OSError as e:
+            what = "writing" if write else "reading"
+            raise StoreError(f"store {self.path}: {what} {rows.numel()} rows failed ({e.strerror})") from None
+
+    def mapped(self) -> torch.Tensor:
+        """The records as a ``uint8 [rows, record]`` tensor over a shared mapping of the file
+        (checkpoints and ``state_dict`` stream through it; writes reach the file)."""
+        arr = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=HEADER_BYTES, shape=(self.rows, self.record))
+        return torch.from_numpy(arr)
+
+    def close(self, remove: bool = True) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            if remove:
+                with _suppress_oserror():
+                    self.path.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+
+class _suppress_oserror:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        return kind is not None and issubclass(kind, OSError)
+
+
+def _free_bytes(d: Path) -> int:
+    try:
+        st = os.statvfs(d)
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+
+def read_header(head: bytes, path) -> dict:
+    """The JSON of a store header, checked; a ``StoreError`` naming ``path`` otherwise."""
+    if not head.startswith(MAGIC) or len(head) < len(MAGIC) + 4:
+        raise StoreError(f"{path} is not a recc store (bad magic); remove it or choose another cache_dir")
+    n = int.from_bytes(head[len(MAGIC):len(MAGIC) + 4], "little")
+    body = head[len(MAGIC) + 4:len(MAGIC) + 4 + n]
+    if n > HEADER_BYTES - len(MAGIC) - 4 or len(body) != n:
+        raise StoreError(f"{path}: store header is damaged (length {n})")
+    try:
+        meta = json.loads(body)
+    except ValueError:
+        raise StoreError(f"{path}: store header is damaged (not JSON)") from None
+    if not isinstance(meta, dict) or meta.get("format") != "recc-store" or meta.get("version") != FORMAT_VERSION:
+        raise StoreError(f"{path}: not a recc store of version {FORMAT_VERSION}")
+    return meta
+
+
+# ----------------------------------------------------------------------------- the cache
+
+@dataclass
+class CacheCounters:
+    """What ``cache_report`` adds up, since the last reset."""
+
+    lookups: int = 0            # cache_map calls (batches)
+    ids: int = 0                # unique rows looked up
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0         # misses read by an I/O job that ran ahead of its batch's compute
+    written_back: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    waited: int = 0             # batches whose cache_io_wait found the I/O still running
+    wait_s: float = 0.0
+    io_s: float = 0.0           # time the I/O thread spent on the store
+    flushes: int = 0
+
+
+class _Lease:
+    """Keeps one batch live (its slots pinned) until released: by the lookup's backward, or
+    when the autograd graph holding it is dropped without one."""
+
+    __slots__ = ("cache", "seq", "__weakref__")
+
+    def __init__(self, cache: "TableCache", seq: int):
+        self.cache, self.seq = cache, seq
+
+    def release(self) -> None:
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            cache._release(self.seq)
+
+    def __del__(self):
+        self.release()
+
+
+class TableCache:
+    """The slots, index, store and I/O queue of one cached group on one rank."""
+
+    def __init__(self, group: TableGroup, slots: int, directory, rank: int, device: torch.device):
+        if device.type != "cpu":
+            raise StoreError(f"table group {group.group_name}: cached placement runs on CPU ranks (a store on local "
+                             f"disk); on {device.type} keep the tables resident or shard them over more devices")
+        self.group_name = group.group_name
+        self.slots = min(slots, max(1, group.total_rows))
+        self.store = RowStore(directory, group, rank)
+        self.index = kernels.CacheIndex.empty(group.total_rows, self.slots)
+        self.parts = [_slot_memory(shape, dt) for _, shape, dt in _record_parts(group, self.slots)]
+        self.part_names = [n for n, _, _ in _record_parts(group, self.slots)]
+        self.hash_size_cumsum = group.hash_size_cumsum
+        self.seq = 0
+        self.live: dict[int, int] = {}
+        self.counters = CacheCounters()
+        self.rank = rank
+        self._pending: deque[Future] = deque()
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"recc-cache-{group.group_name}")
+        self._finalizer = weakref.finalize(self, _shutdown, self._io, self.store)
+
+    # -- what the group holds
+    @property
+    def weights(self) -> torch.Tensor:
+        return self.parts[0]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.part_names[1:], self.parts[1:]))
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts) + self.index.nbytes()
+
+    # -- pins
+    def _oldest_live(self) -> int:
+        return min(self.live) if self.live else self.seq
+
+    def _release(self, seq: int) -> None:
+        self.live.pop(seq, None)
+
+    # -- one batch
+    def map(self, sparse: SparseBatch) -> SlotBatch:
+        if isinstance(sparse, SlotBatch):
+            raise RuntimeError(f"table group {self.group_name}: recc.cache_map got slots, not ids (mapped twice)")
+        t, b = sparse.num_tables, sparse.batch_size
+        lin = linearize_indices(sparse.indices, sparse.offsets, self.hash_size_cumsum, t, b) if t and b and \
+            sparse.indices.numel() else torch.zeros(0, dtype=torch.int64)
+        rows, inverse = torch.unique(lin, sorted=True, return_inverse=True)
+        self.seq += 1
+        seq = self.seq
+        self.live[seq] = 1
+        lease = _Lease(self, seq)
+        try:
+            a = kernels.assign(self.index, rows, seq=seq, oldest_live=self._oldest_live(),
+                               mark_dirty=torch.is_grad_enabled())
+        except kernels.CacheFull:
+            lease.release()
+            others = len(self.live)
+            busy = "" if not others else (f" beside the rows of {others} other batch(es) still in flight (looked up, "
+                                          f"their backward not yet run)")
+            raise RuntimeError(
+                f"table group {self.group_name} (rank {self.rank}): its cache of {self.slots} rows cannot hold this "
+                f"batch's {rows.numel()} rows{busy}. Give it more cache rows (CompileConfig(placement="
+                f"{{table: {{'cache_rows': N}}}}))" + (", or run backward after each forward" if others else "")) from None
+        except IndexError as e:
+            lease.release()
+            raise IndexError(f"table group {self.group_name}: {e.args[0]}") from None
+        c = self.counters
+        c.lookups += 1
+        c.ids += rows.numel()
+        c.misses += a.fetch_rows.numel()
+        c.hits += rows.numel() - a.fetch_rows.numel()
+        slots = a.slots[inverse] if lin.numel() else lin
+        return SlotBatch(sparse.tables, slots, sparse.offsets, sparse.per_sample_weights, b,
+                         lease=lease, assignment=a)
+
+    def io_start(self, batch: SlotBatch) -> Future:
+        a = batch.assignment
+        wb_rows, order = torch.sort(a.writeback_rows)
+        wb_slots = a.writeback_slots[order]
+        f_rows, order = torch.sort(a.fetch_rows)
+        f_slots = a.fetch_slots[order]
+        submitted = time.perf_counter()
+
+        def job():
+            start = time.perf_counter()
+            self.store.io(write=True, parts=self.parts, rows=wb_rows, slots=wb_slots)
+            self.store.io(write=False, parts=self.parts, rows=f_rows, slots=f_slots)
+            return submitted, start, time.perf_counter()
+
+        fut = self._io.submit(job)
+        fut.rows = (wb_rows.numel(), f_rows.numel())
+        self._pending.append(fut)
+        return fut
+
+    def io_wait(self, fut: Future) -> None:
+        c = self.counters
+        t0 = time.perf_counter()
+        was_running = not fut.done()
+        _, start, end = fut.result()
+        waited = time.perf_counter() - t0
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        nw, nf = fut.rows
+        c.written_back += nw
+        c.bytes_written += nw * self.store.record
+        c.bytes_read += nf * self.store.record
+        c.io_s += end - start
+        if was_running:
+            c.waited += 1
+            c.wait_s += waited
+        else:
+            c.prefetched += nf
+
+    # -- whole-cache operations
+    def drain(self) -> None:
+        """Wait for every queued I/O job (raising the first failure)."""
+        while self._pending:
+            self._pending.popleft().result()
+
+    def flush(self) -> None:
+        """Write every dirty slot back: afterwards the store holds every row's current values."""
+        self.drain()
+        dirty = (self.index.dirty != 0) & (self.index.slot_row >= 0)
+        slots = dirty.nonzero().flatten()
+        if slots.numel():
+            rows, order = torch.sort(self.index.slot_row[slots])
+            self.store.io(write=True, parts=self.parts, rows=rows, slots=slots[order])
+            self.counters.bytes_written += rows.numel() * self.store.record
+            self.index.dirty[slots] = 0
+        self.counters.flushes += 1
+
+    def invalidate(self) -> None:
+        """Forget every cached row (after the store was written behind the cache's back, e.g. by
+        a checkpoint load). Refused while a batch is in flight: its slots would change under it."""
+        self.drain()
+        if self.live:
+            raise RuntimeError(f"table group {self.group_name}: cannot load rows while {len(self.live)} looked-up "
+                               f"batch(es) still wait for their backward")
+        self.index.map.fill_(-1)
+        self.index.slot_row.fill_(-1)
+        self.index.ref.zero_()
+        self.index.dirty.zero_()
+        self.index.pin.fill_(-1)
+
+    def logical_parts(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every row of the rank's shards as views of the store file (weights ``[rows, D]`` in the
+        stored dtype, each state ``[rows]`` or ``[rows, D]``), after a flush. Writing into them
+        writes the store: call ``invalidate()`` afterwards."""
+        self.flush()
+        raw = self.store.mapped()
+        views, at = [], 0
+        for (name, nbytes), p in zip(self.store.parts, self.parts):
+            block = raw[:, at:at + nbytes]
+            at += nbytes
+            v = block.view(p.dtype)
+            views.append(v if p.dim() > 1 else v.reshape(-1))
+        return views[0], dict(zip(self.part_names[1:], views[1:]))
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _shutdown(io: ThreadPoolExecutor, store: RowStore) -> None:
+    io.shutdown(wait=True)
+    store.close(remove=True)
+
+
+def _slot_memory(shape, dtype) -> torch.Tensor:
+    from recc.kernels import huge_page_empty
+    return huge_page_empty(shape, dtype).zero_()
+
+
+# ----------------------------------------------------------------------------- materialising
+
+def materialize_cached(group: TableGroup, rank: int, device: torch.device, cache_rows: int, directory,
+                       fill) -> TableCache:
+    """Give a cached ``group`` its slots and store: the store filled with every local shard's
+    initial rows (``fill(j, a, b) -> fp32 rows a..b of local shard j``) and zero optimizer
+    state, written ``_FILL_BYTES`` at a time so the rank never holds more than that of them."""
+    cache = TableCache(group, cache_rows, directory, rank, device)
+    staging_rows = max(1, _FILL_BYTES // max(1, cache.store.record))
+    shapes = _record_parts(group, staging_rows)
+    staging = [torch.zeros(shape, dtype=dt) for _, shape, dt in shapes]
+    for j in range(group.num_tables):
+        r0, r1 = group.row_starts[j], group.row_starts[j + 1]
+        for a in range(0, r1 - r0, staging_rows):
+            b = min(r1 - r0, a + staging_rows)
+            n = b - a
+            staging[0][:n].copy_(fill(j, a, b))
+            rows = torch.arange(r0 + a, r0 + b, dtype=torch.int64)
+            cache.store.io(write=True, parts=[p[:n] if p.dim() == 1 else p[:n] for p in staging],
+                           rows=rows, slots=torch.arange(n, dtype=torch.int64))
+    group.weights = nn.Parameter(cache.weights, requires_grad=True)
+    group.cache = cache
+    return cache
+
+
+def cache_report(groups) -> "CacheReport":
+    return CacheReport([(g.group_name, g.logical_names, g.cache) for g in groups if getattr(g, "cache", None)])
+
+
+@dataclass
+class CacheReport:
+    """Per cached group on this rank: hits, misses, rows prefetched and written back, bytes read
+    and written per step, batches that waited on the store and for how long."""
+
+    entries: list = field(default_factory=list)
+
+    def rows(self) -> list[dict]:
+        out = []
+        for name, tables, cache in self.entries:
+            c = cache.counters
+            steps = max(1, c.lookups)
+            out.append({"group": name, "tables": list(tables), "slots": cache.slots, "rows": cache.index.rows,
+                        "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
+                        "hit_rate": c.hits / c.ids if c.ids else 1.0,
+                        "prefetched": c.prefetched, "written_back": c.written_back,
+                        "read_bytes_per_step": c.bytes_read / steps, "written_bytes_per_step": c.bytes_written / steps,
+                        "waited_steps": c.waited, "wait_ms": c.wait_s * 1e3,
+                        "io_ms_per_step": c.io_s * 1e3 / steps})
+        return out
+
+    def __str__(self) -> str:
+        lines = ["# embedding cache: per cached group on this rank (per step = per lookup)"]
+        head = ("group", "slots/rows", "hit rate", "hits", "misses", "prefetched", "written back",
+                "read/step", "written/step", "waited", "wait ms")
+        table = [head]
+        for r in self.rows():
+            table.append((r["group"], f"{r['slots']}/{r['rows']}", f"{r['hit_rate']:.1%}", str(r["hits"]),
+                          str(r["misses"]), str(r["prefetched"]), str(r["written_back"]),
+                          _fmt_bytes(r["read_bytes_per_step"]), _fmt_bytes(r["written_bytes_per_step"]),
+                          f"{r['waited_steps']}/{r['lookups']}", f"{r['wait_ms']:.1f}"))
+        widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+        for i, row in enumerate(table):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ----------------------------------------------------------------------------- the ops on CPU
+
+def _cache_of(group: TableGroup) -> TableCache:
+    cache = getattr(group, "cache", None)
+    if cache is None:
+        raise RuntimeError(f"table group {group.group_name} has no cache on this rank: run the model from "
+                           f"program.instantiate()")
+    return cache
+
+
+@register_impl("cache_map", "cpu")
+def cache_map_cpu(group, sparse):
+    return _cache_of(group).map(sparse)
+
+
+@register_impl("cache_io_start", "cpu")
+def cache_io_start_cpu(group, slots):
+    return Handle(slots, _cache_of(group).io_start(slots), group)
+
+
+@register_impl("cache_io_wait", "cpu")
+def cache_io_wait_cpu(handle):
+    _cache_of(handle.comm).io_wait(handle.work)
+    return handle.value
