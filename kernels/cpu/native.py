@@ -7,6 +7,14 @@ a different CPU).  Compilation writes a temporary file and renames it into place
 that build concurrently never load a half-written library.  ``build_and_load(source)`` is
 that generic part (usable for any plain-C source); the rest manages the TBE library.
 
+Loading a library runs its code, so a library is loaded from the cache only when no other user
+can have written it (``cached_build``): the cache directory is created 0700, and it must belong
+to this user with no group or other write permission, every directory above it must belong to
+this user or root and be writable by no one else (or be sticky, like /tmp), and the library
+itself must be a regular file of this user's that no one else may write.  When the cache fails
+that check or cannot be written, the build goes into a fresh private directory (``mkdtemp``)
+for this process, removed at exit: slower (one build per process), never unsafe.
+
 ``RECC_CPU_KERNELS`` picks the implementation: ``reference`` forces the pure-torch kernels,
 ``native`` requires the C kernels (a build failure raises), anything else (default ``auto``)
 uses the C kernels when they build and otherwise warns once and falls back to the reference.
@@ -14,19 +22,23 @@ uses the C kernels when they build and otherwise warns once and falls back to th
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import errno
 import functools
 import hashlib
 import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 
 SOURCE = Path(__file__).with_name("tbe_backward.c")
@@ -49,8 +61,108 @@ def mode() -> str:
 
 
 def cache_dir() -> Path:
+    """Where builds are cached (``$RECC_CACHE_DIR``, default ``~/.cache/recc/kernels``); whether
+    they are loaded from there is ``cached_build``'s decision."""
     env = os.environ.get("RECC_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "recc" / "kernels"
+
+
+def _other_writable(st: os.stat_result) -> bool:
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def distrust_dir(directory: Path) -> str | None:
+    """Why files in ``directory`` could have been written by another user, or None when they
+    cannot: it is this user's and writable by no one else, and so is every directory above it
+    (root may own those; a sticky one such as /tmp is fine: others cannot rename our entries)."""
+    uid = os.getuid()
+    real = Path(directory).resolve()  # a symlink's target is what gets searched
+    try:
+        st = os.lstat(real)
+    except OSError as exc:
+        return f"{real}: {exc.strerror}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{real} is not a directory"
+    if st.st_uid != uid:
+        return f"{real} belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    if _other_writable(st):
+        return f"{real} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    for parent in real.parents:
+        try:
+            st = os.lstat(parent)
+        except OSError as exc:
+            return f"{parent}: {exc.strerror}"
+        if st.st_uid not in (uid, 0):
+            return f"{parent} belongs to uid {st.st_uid}, neither this user nor root"
+        if _other_writable(st) and not st.st_mode & stat.S_ISVTX:
+            return f"{parent} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def distrust_file(path: Path) -> str | None:
+    """Why the file ``path`` (in a trusted directory) could hold another user's code, or None."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if _other_writable(st):
+        return f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+_private: Path | None = None
+_private_lock = threading.Lock()
+
+
+def private_build_dir() -> Path:
+    """This process's own build directory: ``mkdtemp`` makes it new (nothing can be planted in
+    advance), 0700 and this user's; it is removed when the process exits."""
+    global _private
+    with _private_lock:
+        if _private is None or not _private.is_dir():
+            _private = Path(tempfile.mkdtemp(prefix="recc-kernels-"))
+            atexit.register(shutil.rmtree, str(_private), True)
+        return _private
+
+
+def _trusted_cache(directory: Path) -> bool:
+    """Creates ``directory`` (0700) if it is missing; whether builds may be kept and loaded there."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return False  # unwritable or missing parents: the private directory serves
+    return distrust_dir(directory) is None
+
+
+def cached_build(directory: Path, name: str, build: Callable[[Path], None]) -> tuple[Path, bool]:
+    """The file ``name`` of the cache ``directory``, made by ``build(target)`` (which must write
+    ``target`` atomically) unless a trusted one is there already.  Returns (path, built now).
+
+    Only a trusted directory's trusted file is reused; an untrusted file in a trusted directory
+    is rebuilt over (the directory is ours, so the rename cannot be undone by anyone else).  An
+    untrusted or read-only directory is not used at all: the build goes to
+    ``private_build_dir()``, quietly (a shared cache is a setup, not an error)."""
+    directory = Path(directory)
+    if _trusted_cache(directory):
+        target = directory / name
+        if os.path.lexists(target) and distrust_file(target) is None:
+            return target, False
+        try:
+            build(target)
+            return target, True
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            # a read-only cache (e.g. a shared home, a read-only image): build privately instead
+    target = private_build_dir() / name
+    if os.path.lexists(target) and distrust_file(target) is None:  # built earlier by this process
+        return target, False
+    build(target)
+    return target, True
 
 
 def _cpuinfo_lines() -> list[str]:
@@ -101,7 +213,6 @@ def _library_path(gcc: str, source: Path) -> Path:
 
 
 def _compile(gcc: str, source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so.tmp")
     os.close(fd)
     try:
@@ -123,18 +234,9 @@ def build_and_load(source: Path) -> tuple[ctypes.CDLL, dict]:
     if gcc is None:
         raise RuntimeError("gcc not found on PATH")
     source = Path(source)
-    path = _library_path(gcc, source)
+    wanted = _library_path(gcc, source)
     start = time.perf_counter()
-    compiled = False
-    if not path.exists():
-        try:
-            _compile(gcc, source, path)
-        except PermissionError:
-            # Read-only cache directory (e.g. a shared home): build in a private temp dir.
-            path = Path(tempfile.gettempdir()) / f"recc-kernels-{os.getuid()}" / path.name
-            if not path.exists():
-                _compile(gcc, source, path)
-        compiled = True
+    path, compiled = cached_build(wanted.parent, wanted.name, lambda target: _compile(gcc, source, target))
     lib = ctypes.CDLL(str(path))
     return lib, dict(path=str(path), compiled=compiled, seconds=time.perf_counter() - start)
 

@@ -30,7 +30,8 @@ to the server.  See README.md in this folder for the design; in short:
   in index order.
 
 Builds are cached like the CPU kernels' (``$RECC_CACHE_DIR``, keyed by the sources, flags and
-compiler): the first build of a source takes ~10-30 s, later processes reuse it.
+compiler, and trusted only as the CPU kernels' are: ``native.cached_build``): the first build of
+a source takes ~10-30 s, later processes reuse it.
 """
 from __future__ import annotations
 
@@ -225,10 +226,9 @@ def build(source: Path) -> Path:
                      str(DYNAMIC_SHARED_CAPACITY).encode()):
             h.update(part)
             h.update(b"\0")
-        exe = _cache_dir() / f"{source.stem}-{h.hexdigest()[:20]}"
-        if not exe.exists():
+
+        def compile_into(exe: Path) -> None:
             start = time.perf_counter()
-            exe.parent.mkdir(parents=True, exist_ok=True)
             kernels = kernel_names(cxx, source, defines)
             if not kernels:
                 raise EmulatorError(f'{source.name} has no extern "C" __global__ kernels')
@@ -241,6 +241,11 @@ def build(source: Path) -> Path:
                       "-o", str(out), str(RUNTIME), str(shim), "-lm"], f"building the emulator for {source.name}")
                 os.replace(out, exe)  # atomic: a concurrent builder sees no file or a whole one
             build_seconds[source.name] = time.perf_counter() - start
+
+        # The server runs as this user: it comes from the cache only when no one else can have
+        # written it (native.cached_build), else it is built in this process's private directory.
+        from recc.kernels.cpu import native
+        exe, _ = native.cached_build(_cache_dir(), f"{source.stem}-{h.hexdigest()[:20]}", compile_into)
         _executables[key] = exe
         return exe
 
