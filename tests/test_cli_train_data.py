@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -196,12 +198,18 @@ def test_rank_killed_mid_training_fails_the_run_naming_it_then_resume_continues(
 def test_corrupt_data_file_fails_naming_it(data, tmp_path, capfd):
     bad = tmp_path / "log"
     write_log(bad)
-    ids = np.memmap(bad / "sparse_01.i32", dtype="<i4", mode="r+", shape=(SAMPLES, 3))
-    ids[100, 1] = 20  # table 1 has 20 rows; checksums are not read while training
-    ids.flush()
-    del ids
+    ids = np.fromfile(bad / "sparse_01.i32", dtype="<i4")
+    ids[100 * 3 + 1] = 20  # table 1 has 20 rows
+    ids.tofile(bad / "sparse_01.i32")
     # (one rank, in this process: a rank's error travelling through recc.launch is the kill test's)
     one_rank = [a if a != "2" else "1" for a in COMMON]
+    assert main(["train", *one_rank, "--data", str(bad), "--steps", "40"]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"recc train: {bad / 'sparse_01.i32'}: checksum "), err
+    # a header whose checksum agrees with the bad id: each batch's ids are checked before a lookup
+    header = json.loads((bad / "header.json").read_text())
+    header["tables"][1]["crc32"] = zlib.crc32(ids.tobytes())
+    (bad / "header.json").write_text(json.dumps(header))
     assert main(["train", *one_rank, "--data", str(bad), "--steps", "40"]) == 2
     err = capfd.readouterr().err
     last = err.strip().splitlines()[-1]
@@ -234,13 +242,125 @@ def test_user_errors_are_one_line(data, capfd, argv, message):
 
 
 def test_resume_with_other_data_settings_is_refused(uninterrupted, data, capfd):
-    """The saved data position holds for the same data and settings only."""
+    """The saved data position holds for the same data and settings only: refused before
+    training, with the flag that resumes it."""
     one_rank = [a if a != "2" else "1" for a in COMMON]
     assert main(["train", *one_rank, "--data", str(data), "--steps", "8", "--checkpoint-dir", str(uninterrupted / "ckpt"),
                  "--resume", "--shuffle-buffer", "128"]) == 2
     err = capfd.readouterr().err
-    assert err.strip().splitlines()[-1] == ("recc train: the saved data position is for other data or settings: "
-                                            "shuffle_buffer 64 (now 128)"), err
+    latest = uninterrupted / "ckpt" / "step_00000008"
+    assert err.strip().splitlines() == [
+        f"recc train: --resume: {latest} was saved for other data or settings: shuffle_buffer 64 (now 128); resume "
+        f"with --shuffle-buffer 64, or start a new --checkpoint-dir"], err
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_resume_with_another_batch_size_is_refused_before_training(uninterrupted, data, tmp_path, capfd, world):
+    """--resume with another --batch-size used to print "resumed from ..." and then fail inside
+    the ranks with "continue with --resume" (world 2). It is refused before any rank starts, in
+    one line naming the batch size that resumes it; that command resumes."""
+    import shutil
+    shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
+    argv = ["train", *[a if a != "2" else world for a in COMMON], "--data", str(data), "--steps", "9",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]
+    i = argv.index("--batch-size")
+    argv[i + 1] = "32"
+    capfd.readouterr()
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "resumed" not in err and "continue with" not in err, err
+    assert "batch_size 16 (now 32); resume with --batch-size 16" in err, err
+    if world == "2":
+        return  # (the suggestion is run once, on one rank)
+    argv[i + 1] = err.split("resume with --batch-size ")[1].split(",")[0]
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    assert out.startswith("recc train: resumed from step 8, trained steps 8..9 (1 steps"), out
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step_00000009"
+
+
+def test_resume_past_steps_is_refused_before_training(uninterrupted, data, capfd):
+    one_rank = [a if a != "2" else "1" for a in COMMON]
+    assert main(["train", *one_rank, "--data", str(data), "--steps", "6", "--checkpoint-dir", str(uninterrupted / "ckpt"),
+                 "--resume"]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines() == [f"recc train: --steps 6: {uninterrupted / 'ckpt' / 'step_00000008'} is already "
+                                        f"at step 8; give --steps 8 or more to continue it"], err
+
+
+def test_a_last_step_off_the_eval_grid_is_scored_checkpointed_and_summarised(data, tmp_path, capfd):
+    """The README's long run (--log, --eval-every, --checkpoint-dir) whose last step is not a
+    multiple of --eval-every: the final evaluation wrote to the log after it was closed ("I/O
+    operation on closed file"), and the final checkpoint and the summary were lost."""
+    one_rank = [a if a != "2" else "1" for a in COMMON]
+    assert main(["train", *one_rank, "--data", str(data), "--steps", "5", "--eval-every", "2", "--log-every", "2",
+                 "--log", str(tmp_path / "run.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", "2"]) == 0
+    out, err = capfd.readouterr()
+    log = rows(tmp_path / "run.jsonl")
+    assert [(r["step"], "eval_auc" in r) for r in log] == [(2, False), (2, True), (4, False), (4, True), (5, False),
+                                                           (5, True)], log
+    assert log[-1]["eval_samples"] == VAL
+    assert [s for s, _ in list_checkpoints(tmp_path / "ckpt")] == [2, 4, 5]
+    assert f"recc train: step 5: checkpoint {tmp_path / 'ckpt' / 'step_00000005'}" in err, err
+    assert out.startswith("recc train: trained steps 0..5 (5 steps, 80 samples"), out
+    assert re.search(r"^held-out \(step 5\): AUC \d\.\d{4}, log loss \d+\.\d{4} over 49 samples$", out, re.M), out
+    assert f"checkpoints: 3 written, newest {tmp_path / 'ckpt' / 'step_00000005'}\n" in out
+    assert f"log: {tmp_path / 'run.jsonl'}\n" in out
+
+
+def test_the_hint_for_a_log_of_another_preset_works(data, tmp_path, capfd):
+    """A log converted for one preset, trained as another: the hint used to suggest converting
+    again for that preset (`recc data convert --model small`, which then fails: small has 8
+    tables, Criteo logs 26). It names the preset the log fits; that command trains."""
+    argv = ["train", *[a if a != "2" else "1" for a in COMMON], "--data", str(data), "--steps", "1"]
+    argv[argv.index("--model") + 1] = "small"
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.rstrip().endswith(": train it with --model tiny"), err
+    argv[argv.index("--model") + 1] = err.rstrip().split("--model ")[-1]
+    assert main(argv) == 0
+    assert capfd.readouterr().out.startswith("recc train: trained steps 0..1 (1 steps")
+
+
+def test_the_hint_for_a_criteo_log_of_other_rows_converts_it_again(tmp_path, capfd):
+    """A Criteo log converted with other rows than the preset's (--rows) and no preset of its
+    rows: the hint is the `recc data convert` command of its own sources for the preset, which
+    converts; a log converted for kaggle, trained as small, is pointed at --model kaggle."""
+    import shlex
+    from recc.models import load_preset
+    from tests.models.criteo_support import make_lines, write_tsv
+    src = write_tsv(tmp_path / "train.txt", make_lines(64, seed=3))
+    rows = ",".join(str(1000 + k) for k in range(26))
+    assert main(["data", "convert", "--rows", rows, str(src), str(tmp_path / "odd")]) == 0
+    capfd.readouterr()
+    assert main(["train", "--model", "kaggle", "--world-size", "1", "--data", str(tmp_path / "odd")]) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "convert its sources for 'kaggle' with `" in err, err
+    command = err.split("`")[1]
+    assert command.startswith("recc data convert ")
+    assert main(shlex.split(command)[1:]) == 0
+    out = Path(err.rstrip().split(" and train on ")[-1])
+    assert ClickLogData(out, batch_size=16).num_embeddings == load_preset("kaggle")["num_embeddings"]
+    capfd.readouterr()
+    assert main(["train", "--model", "small", "--world-size", "1", "--data", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.rstrip().endswith(": train it with --model kaggle"), err
+
+
+def test_a_rank_refused_for_its_data_is_not_told_to_resume(data, tmp_path, capfd):
+    """A corrupt sample found inside a rank of a 2-rank run that has a checkpoint: exit 2, and no
+    "continue with --resume" (resuming meets the same sample again)."""
+    bad = write_log(tmp_path / "log")
+    ids = np.memmap(bad / "sparse_01.i32", dtype="<i4", mode="r+", shape=(SAMPLES, 3))
+    ids[100, 1] = 20
+    ids.flush()
+    del ids
+    assert main(["train", *COMMON, "--data", str(bad), "--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", "2"]) == 2
+    err = capfd.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "id outside the table's 20 rows: corrupt" in last and "--resume" not in last, err
 
 
 def test_export_of_another_model_is_refused_naming_the_table(uninterrupted, tmp_path, capfd):
