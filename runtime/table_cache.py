@@ -99,7 +99,7 @@ class RowStore:
         self.path = self.directory / f"rank{rank}-{group.group_name}.store"
         self.lock_path = self.directory / f"rank{rank}.lock"
         self.fd: Optional[int] = None
-        self._lock_fd: Optional[int] = None
+        self._lock_key: Optional[tuple] = None
         self._open()
 
     @property
@@ -161,21 +161,55 @@ class RowStore:
                              f"shards {old.get('shards')}); remove it or choose another cache_dir")
 
     def _take_lock(self) -> None:
+        """Hold the directory's per-rank ``flock`` for this store. A run's cached groups on one
+        rank share one lock (each group has its own store file): one flock per (directory,
+        rank) per process, counted by the stores open under it. Another process is refused,
+        naming the owner written in the lock file; so is a second store of the same path in
+        this process (a second run of the same plan)."""
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            st = os.stat(self.directory)
         except OSError as e:
-            raise StoreError(f"cache directory {self.directory}: cannot create its lock {self.lock_path.name} "
-                             f"({e.strerror})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StoreError(f"cache directory {self.directory} is in use by another run ({owner}); two runs "
-                             f"cannot share a store: give each its own cache_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        self._lock_fd = fd
+            raise StoreError(f"cache directory {self.directory}: {e.strerror}") from None
+        key = (st.st_dev, st.st_ino, self.lock_path.name)
+        with _DIR_LOCKS_MUTEX:
+            held = _DIR_LOCKS.get(key)
+            if held is not None:
+                if self.path.name in held.stores:
+                    raise StoreError(f"cache directory {self.directory} is in use by another run in this process "
+                                     f"(its store {self.path.name} is open); two runs cannot share a store: give "
+                                     f"each its own cache_dir")
+                held.stores.add(self.path.name)
+                self._lock_key = key
+                return
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                raise StoreError(f"cache directory {self.directory}: cannot create its lock {self.lock_path.name} "
+                                 f"({e.strerror})") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise StoreError(f"cache directory {self.directory} is in use by another run ({owner}); two runs "
+                                 f"cannot share a store: give each its own cache_dir") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+            _DIR_LOCKS[key] = _DirLock(fd, {self.path.name})
+            self._lock_key = key
+
+    def _release_lock(self) -> None:
+        key, self._lock_key = self._lock_key, None
+        if key is None:
+            return
+        with _DIR_LOCKS_MUTEX:
+            held = _DIR_LOCKS.get(key)
+            if held is None:
+                return
+            held.stores.discard(self.path.name)
+            if not held.stores:
+                del _DIR_LOCKS[key]
+                os.close(held.fd)  # releases the flock
 
     def io(self, *, write: bool, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
         try:
@@ -198,9 +232,20 @@ class RowStore:
             if remove:
                 with _suppress_oserror():
                     self.path.unlink()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self._release_lock()
+
+
+@dataclass
+class _DirLock:
+    """This process's flock on one cache directory's per-rank lock file, and the stores
+    (file names) open under it."""
+
+    fd: int
+    stores: set
+
+
+_DIR_LOCKS: dict[tuple, _DirLock] = {}
+_DIR_LOCKS_MUTEX = threading.Lock()
 
 
 class _suppress_oserror:
