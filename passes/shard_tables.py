@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+import numpy as np
+import torch
 import torch.fx as fx
 import yaml
 
 from recc.passmanager import PassContext, register_pass
 from recc.planner import dense_flops_per_sample, plan_tables
-from recc.specs import SHARDING_KINDS, TierSpec
+from recc.specs import SHARDING_KINDS
+from recc.trace import fx_flatten_inputs
 
 
 def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Optional[int], dict[str, float]]:
@@ -53,26 +56,50 @@ def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Op
     return batch, bags
 
 
-def forced_tiers(tables: dict, placement) -> dict:
-    """The tiers ``CompileConfig.placement`` forces: ``cached`` without ``cache_rows`` keeps a
-    tenth of the table's rows."""
-    out = {}
-    for name, t in tables.items():
-        choice = placement if isinstance(placement, str) else placement.get(name, "auto")
-        if isinstance(choice, dict):
-            rows = choice.get("cache_rows") or max(1, t.rows // 10)
-            choice = choice.get("placement", "cached")
-        else:
-            rows = max(1, t.rows // 10)
-        if choice == "cached":
-            out[name] = TierSpec(name, "cached", min(rows, t.rows), reason="forced by CompileConfig.placement")
-    return out
+def _example_ids(gm: fx.GraphModule, ctx: PassContext) -> dict[str, np.ndarray]:
+    """Each table's ids in the example inputs (one rank's slice), where a lookup's ids come from
+    the inputs through torch ops alone: the sample the planner fits a cached table's id
+    distribution to. Tables whose ids it cannot see (computed from parameters, meta inputs) are
+    left out; the planner assumes a distribution for them."""
+    try:
+        flat = fx_flatten_inputs(gm, list(ctx.example_inputs))
+    except Exception:  # an input convention the flattening does not know: no sample, not an error
+        return {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    env = {n: v for n, v in zip(placeholders, flat)}
+
+    def value(n):
+        if not isinstance(n, fx.Node):
+            return n
+        if n in env:
+            return env[n]
+        if n.op not in ("call_function", "call_method"):
+            raise LookupError(n.name)
+        args = fx.node.map_aggregate(n.args, value)
+        kwargs = fx.node.map_aggregate(n.kwargs, value)
+        env[n] = n.target(*args, **kwargs) if n.op == "call_function" else getattr(args[0], n.target)(*args[1:], **kwargs)
+        return env[n]
+
+    out: dict[str, list] = {}
+    for node in gm.graph.nodes:
+        t = node.meta.get("recc.table")
+        if t is None or len(node.args) < 2:
+            continue
+        try:
+            ids = value(node.args[1])
+        except Exception:  # ids this small interpreter cannot reach: that table gets no sample
+            continue
+        if isinstance(ids, torch.Tensor) and ids.device.type != "meta" and not ids.is_floating_point():
+            out.setdefault(t.name, []).append(ids.detach().reshape(-1).to("cpu", torch.int64).numpy())
+    return {name: np.concatenate(parts) for name, parts in out.items()}
 
 
 @register_pass(after=("discover_tables",), from_config={"strategy": "sharding"})
 def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto",
-                 constraints: Union[dict, str, None] = None, check_memory: bool = True) -> fx.GraphModule:
-    """Place every table with the planner (cost model over the cluster) and annotate ShardSpecs."""
+                 constraints: Union[dict, str, None] = None, check_memory: bool = True,
+                 access_profile: Optional[dict] = None) -> fx.GraphModule:
+    """Place every table with the planner (cost model over the cluster) and annotate ShardSpecs
+    and memory tiers."""
     if strategy != "auto" and strategy not in SHARDING_KINDS:
         raise ValueError(f"shard_tables: strategy {strategy!r} is not 'auto' or one of {SHARDING_KINDS}")
     if isinstance(constraints, str):
@@ -94,10 +121,11 @@ def shard_tables(gm: fx.GraphModule, ctx: PassContext, *, strategy: str = "auto"
     try:
         plan = plan_tables(dict(tables), ctx.cluster, strategy=strategy, batch_size=batch, bag_sizes=bags,
                            optimizer=ctx.config.optimizer, constraints=constraints,
-                           dense_flops_per_sample=dense_flops_per_sample(gm), check_memory=check_memory)
+                           dense_flops_per_sample=dense_flops_per_sample(gm), check_memory=check_memory,
+                           placement=ctx.config.placement, access_profile=access_profile,
+                           id_samples=_example_ids(gm, ctx))
     except ValueError as e:
         raise ValueError(f"shard_tables (cluster {ctx.cluster.name}): {e}") from None
-    plan.tiers = forced_tiers(tables, ctx.config.placement)
     for node in gm.graph.nodes:
         spec = node.meta.get("recc.table")
         if spec is not None:

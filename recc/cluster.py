@@ -56,6 +56,73 @@ class LinkSpec:
                              f"{self.latency_us}, {self.message_us}")
 
 
+STORAGE_KINDS = ("disk", "host_memory")
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """The slower tier under each rank, where a cached table's backing store keeps every row
+    (``recc.planner.tiers``): files on local disk under a CPU rank, pinned host DRAM under a GPU.
+    Every number is per rank (ranks that share one disk or one host each get their share).
+
+    A row of ``s`` bytes moves in ``ceil(s / access_bytes)`` accesses of ``access_bytes``: a
+    random read costs ``max(accesses / read_iops, accesses * access_bytes / read_gbps)`` (IOPS
+    ``None``: bandwidth-bound only, as host memory is), a write-back likewise with the write
+    figures."""
+
+    kind: str = "disk"               # "disk" or "host_memory"
+    capacity_gb: float = 64.0        # GiB per rank that stores may use
+    read_gbps: float = 1.0           # GB/s per rank, large reads
+    write_gbps: float = 0.25         # GB/s per rank, large writes that reach the device
+    read_iops: float | None = 10000.0   # random reads/s of access_bytes, at the runtime's queue depth
+    write_iops: float | None = 10000.0  # random writes/s of access_bytes that reach the device
+    access_bytes: int = 4096         # what one access moves (a page of a disk, a PCIe read of host memory)
+    cache_dir: str | None = None     # where stores go unless CompileConfig.cache_dir says otherwise
+
+    def __post_init__(self):
+        if self.kind not in STORAGE_KINDS:
+            raise ValueError(f"storage: kind {self.kind!r} is not one of {list(STORAGE_KINDS)}")
+        for name in ("capacity_gb", "read_gbps", "write_gbps", "read_iops", "write_iops", "access_bytes"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"storage: {name} must be > 0, got {v}")
+
+    def row_read_s(self, row_bytes: float) -> float:
+        """Seconds one random read of a row of ``row_bytes`` costs."""
+        return self._access_s(row_bytes, self.read_iops, self.read_gbps)
+
+    def row_write_s(self, row_bytes: float) -> float:
+        """Seconds one random write-back of a row of ``row_bytes`` costs."""
+        return self._access_s(row_bytes, self.write_iops, self.write_gbps)
+
+    def _access_s(self, row_bytes: float, iops, gbps: float) -> float:
+        n = -(-row_bytes // self.access_bytes)
+        t = n * self.access_bytes / (gbps * 1e9)
+        return max(t, n / iops) if iops else t
+
+
+# This machine's disk as `python bench/disk_tier.py --dir /var/tmp/recc-disk` measured it on
+# 2026-12-05 (root ext4 volume, /dev/vda, 256 GB; page cache dropped before each read): the median
+# of three runs on a VM whose disk other jobs were using (they spread 2-5x: sequential read
+# 0.41-2.17 GB/s, write 0.11-0.38 GB/s with fdatasync; 4 KiB random pread with 4 threads in
+# flight, the store's IO_THREADS, 15.8k-37.9k/s (11.1k at queue depth 1); 4 KiB random pwrite
+# with 4 threads then fdatasync 13.6k-105k/s). capacity_gb is what stores may use of the disk
+# (79 GB were free that day; the store checks the real free space when it opens). Numbers for
+# the whole disk, which Cluster.local shares among its ranks.
+LOCAL_DISK = {"capacity_gb": 200.0, "read_gbps": 1.1, "write_gbps": 0.15, "read_iops": 28000.0,
+              "write_iops": 32000.0}
+# A GPU rank's pinned host memory, assumed for Cluster.local(device="cuda"): 64 GiB per GPU, a
+# PCIe 4.0 x16 link (~25 GB/s of its 32 peak each way), rows gathered in 64-byte reads.
+LOCAL_HOST_MEMORY = StorageSpec(kind="host_memory", capacity_gb=64.0, read_gbps=25.0, write_gbps=25.0,
+                                read_iops=None, write_iops=None, access_bytes=64)
+
+
+def local_disk(ranks: int) -> StorageSpec:
+    """Each of ``ranks`` processes' share of this machine's disk (``LOCAL_DISK``): capacity,
+    bandwidth and IOPS split evenly, as the ranks of a local world read and write one device."""
+    return StorageSpec(kind="disk", **{k: v / ranks for k, v in LOCAL_DISK.items()})
+
+
 # gloo over loopback TCP, as bench/collective_latency.py measures it on a 2-core VM: a 2-rank
 # all-to-all of 16 bytes takes ~170 us, an all-reduce ~350-450 us, and each MB per peer 0.2-0.5 ms more.
 LOOPBACK = LinkSpec(bw_gbps=3.0, latency_us=150.0, message_us=20.0)
@@ -65,10 +132,14 @@ _SHIPPED_DIR = Path(_shipped_clusters.__file__).parent
 
 # Fields of a cluster description and what each must be.
 _TOP_FIELDS = {"name": "str", "nodes": "int", "devices_per_node": "int", "single_host": "bool",
-               "device": "section", "intra_node": "section", "inter_node": "section"}
+               "device": "section", "intra_node": "section", "inter_node": "section", "storage": "section"}
 _SECTION_FIELDS = {"device": {"kind": "str", "memory_gb": "number", "mem_bw_gbps": "number", "tflops": "number"},
                    "intra_node": {"bw_gbps": "number", "latency_us": "number", "message_us": "number"},
-                   "inter_node": {"bw_gbps": "number", "latency_us": "number", "message_us": "number"}}
+                   "inter_node": {"bw_gbps": "number", "latency_us": "number", "message_us": "number"},
+                   # a trailing ? : the field may be null (read_iops: null = bandwidth-bound only)
+                   "storage": {"kind": "str", "capacity_gb": "number", "read_gbps": "number", "write_gbps": "number",
+                               "read_iops": "number?", "write_iops": "number?", "access_bytes": "int",
+                               "cache_dir": "str?"}}
 
 
 def _check_keys(d: dict, known: dict, source: str, prefix: str) -> None:
@@ -80,6 +151,10 @@ def _check_keys(d: dict, known: dict, source: str, prefix: str) -> None:
 
 def _field(d: dict, key: str, kind: str, source: str, prefix: str):
     v = d[key]
+    if kind.endswith("?"):
+        if v is None:
+            return None
+        kind = kind[:-1]
     ok = {"str": isinstance(v, str),
           "int": isinstance(v, int) and not isinstance(v, bool),
           "bool": isinstance(v, bool),
@@ -102,6 +177,9 @@ class Cluster:
     # Every rank runs on this host, whatever ``nodes`` says: node boundaries then only shape the
     # plan and the collectives (an emulated multi-node world), and ``recc.launch`` may spawn it.
     single_host: bool = False
+    # The slower tier under each rank (local disk, pinned host memory) that the planner may put
+    # cached tables' stores in; None: no such tier, every table must be resident.
+    storage: StorageSpec | None = None
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -148,7 +226,7 @@ class Cluster:
         per = world_size // nodes
         return cls(name=f"local-{world_size}" if nodes == 1 else f"local-{nodes}x{per}", nodes=nodes,
                    devices_per_node=per, device=dev, intra_node=LOOPBACK,
-                   single_host=True)
+                   single_host=True, storage=local_disk(world_size) if device == "cpu" else LOCAL_HOST_MEMORY)
 
     @classmethod
     def from_dict(cls, d: dict, *, name: str | None = None, source: str = "cluster description") -> "Cluster":
@@ -160,7 +238,10 @@ class Cluster:
         _check_keys(d, _TOP_FIELDS, source, "")
         fields = {k: _field(d, k, kind, source, "") for k, kind in _TOP_FIELDS.items() if k in d and kind != "section"}
         sections = {}
-        for key, spec_cls in (("device", DeviceSpec), ("intra_node", LinkSpec), ("inter_node", LinkSpec)):
+        for key, spec_cls in (("device", DeviceSpec), ("intra_node", LinkSpec), ("inter_node", LinkSpec),
+                              ("storage", StorageSpec)):
+            if key == "storage" and d.get(key) is None:
+                continue  # no slower tier described: every table stays resident
             sub = d.get(key, {})
             if not isinstance(sub, dict):
                 raise ValueError(f"{source}: {key}: expected a mapping of {sorted(_SECTION_FIELDS[key])}, "
@@ -170,7 +251,7 @@ class Cluster:
             try:
                 sections[key] = spec_cls(**kw)
             except ValueError as e:
-                raise ValueError(f"{source}: {e}" if key == "device" else f"{source}: {key}: {e}") from None
+                raise ValueError(f"{source}: {e}" if key in ("device", "storage") else f"{source}: {key}: {e}") from None
         try:
             return cls(name=fields.get("name", name or "cluster"), nodes=fields.get("nodes", 1),
                        devices_per_node=fields.get("devices_per_node", 1), single_host=fields.get("single_host", False),
@@ -218,4 +299,5 @@ class Cluster:
         on_gpu = torch.cuda.is_available() and os.environ.get("RECC_DEVICE", "") != "cpu"
         base = cls.local(local, device="cuda" if on_gpu else "cpu")
         return cls(name=f"env-{world // local}x{local}", nodes=world // local, devices_per_node=local,
-                   device=base.device, intra_node=base.intra_node, inter_node=base.inter_node, single_host=False)
+                   device=base.device, intra_node=base.intra_node, inter_node=base.inter_node, single_host=False,
+                   storage=base.storage)

@@ -266,10 +266,12 @@ class RankEstimate:
     memory_bytes: float   # weights + optimizer state + lookup/communication buffers
     lookup_ms: float      # forward + backward + optimizer of its shards (memory-bandwidth bound)
     comm_ms: float        # its input/output dists, DP gradient reduction, collective latencies
+    io_ms: float = 0.0    # its cached shards' storage-tier I/O and id -> slot mapping
+    store_bytes: float = 0.0  # its cached shards' stores in the storage tier (every row and its state)
 
     @property
     def total_ms(self) -> float:
-        return self.lookup_ms + self.comm_ms
+        return self.lookup_ms + self.comm_ms + self.io_ms
 
 
 @dataclass(frozen=True)
@@ -281,19 +283,22 @@ class StepEstimate:
     lookup_ms: float
     comm_ms: float
     dense_ms: float = 0.0
+    io_ms: float = 0.0    # cached shards' storage-tier I/O (all of it: no overlap with the step assumed)
 
     @property
     def sparse_ms(self) -> float:
-        """The planner's objective: the slowest rank's embedding time (lookup + communication)."""
-        return self.lookup_ms + self.comm_ms
+        """The planner's objective: the slowest rank's embedding time (lookup + communication,
+        + its cached shards' I/O)."""
+        return self.lookup_ms + self.comm_ms + self.io_ms
 
     @property
     def total_ms(self) -> float:
-        return self.lookup_ms + self.comm_ms + self.dense_ms
+        return self.lookup_ms + self.comm_ms + self.dense_ms + self.io_ms
 
     def describe(self) -> str:
+        io = f" + tier I/O {fmt_ms(self.io_ms)} ms" if self.io_ms else ""
         return (f"step estimate (slowest rank {self.slowest_rank}): lookup {fmt_ms(self.lookup_ms)} ms + "
-                f"communication {fmt_ms(self.comm_ms)} ms + dense {fmt_ms(self.dense_ms)} ms = "
+                f"communication {fmt_ms(self.comm_ms)} ms + dense {fmt_ms(self.dense_ms)} ms{io} = "
                 f"{fmt_ms(self.total_ms)} ms")
 
 
@@ -327,12 +332,18 @@ class Plan:
 
     def __str__(self) -> str:
         why = bool(self.table_reasons)
-        rows = [("table", "rows x dim", "kind", "ranks", "shards", "est ms") + (("why (next best kind)",) if why else ())]
+        # Tier columns only when some table is cached: an all-resident plan prints as it always has.
+        tiered = any(t.cached for t in self.tiers.values())
+        rows = [("table", "rows x dim", "kind", "ranks", "shards", "est ms") + (("why (next best kind)",) if why else ())
+                + (("tier", "cache rows", "hit", "tier why") if tiered else ())]
         for name, spec in self.shards.items():
             t = self.tables[name]
             cost = self.table_cost_ms.get(name)
+            tier = self.tier(name)
             rows.append((name, f"{t.rows}x{t.dim}", spec.kind, compress_ranks(spec.ranks), shard_shapes(spec),
-                         "-" if cost is None else fmt_ms(cost)) + ((self.table_reasons.get(name, ""),) if why else ()))
+                         "-" if cost is None else fmt_ms(cost)) + ((self.table_reasons.get(name, ""),) if why else ())
+                        + ((tier.placement, str(tier.cache_rows) if tier.cached else "-",
+                            f"{tier.hit_rate:.1%}" if tier.cached else "-", tier.reason) if tiered else ()))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"# sharding plan: {len(self.shards)} tables over {self.world_size} rank(s), strategy={self.strategy}"]
         for i, r in enumerate(rows):
@@ -349,8 +360,10 @@ class Plan:
                 mem = f"memory {e.memory_bytes / gib:.2f}" + (f" / {cap / gib:.2f} GiB" if cap else " GiB")
                 if cap and e.memory_bytes > cap:
                     mem += " OVER"
-                text = (f"table weights {e.weight_bytes / 2**20:.2f} MiB, {mem}, "
-                        f"est {fmt_ms(e.total_ms)} ms (lookup {fmt_ms(e.lookup_ms)}, comm {fmt_ms(e.comm_ms)})")
+                disk = f", store {e.store_bytes / gib:.2f} GiB" if e.store_bytes else ""
+                io = f", tier I/O {fmt_ms(e.io_ms)}" if e.io_ms else ""
+                text = (f"table weights {e.weight_bytes / 2**20:.2f} MiB, {mem}{disk}, "
+                        f"est {fmt_ms(e.total_ms)} ms (lookup {fmt_ms(e.lookup_ms)}, comm {fmt_ms(e.comm_ms)}{io})")
                 if e.rank == slowest:
                     text += "  <- slowest"
                 if runs and runs[-1][1] == text and runs[-1][0][-1] == e.rank - 1 and e.rank != slowest:

@@ -6,7 +6,8 @@ It is deterministic (no randomness, ties broken by kind order and then by rank),
 that runs it computes the same plan.
 
 The package: ``layouts`` (where each kind puts blocks), ``cost_model`` (what a placement costs),
-``constraints`` (what the user allows), ``search`` (greedy placement and refinement), ``report``
+``constraints`` (what the user allows), ``search`` (greedy placement and refinement), ``tiers``
+(which tables are cached in front of the storage tier, and how big each cache is), ``report``
 (estimates, reasons and errors); ``plan_tables`` below ties them together.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from recc.planner.constraints import CONSTRAINT_KEYS, DP_MAX_BYTES, normalize_co
 from recc.planner.cost_model import OPTIMIZERS, CostModel, state_row_bytes
 from recc.planner.layouts import column_split, column_splits, placement_of, row_blocks, spec_for
 from recc.planner.report import build_plan, estimate_shards, no_fit_message, table_reasons
-from recc.planner.search import NoFit, Search
+from recc.planner.search import NoFit, OverMemory, Search
+from recc.planner.tiers import CannotCache, check_access_profile, forced_choices, place_tiers
 from recc.specs import SHARDING_KINDS, Plan, ShardSpec, TableSpec, fmt_ms
 
 __all__ = ["plan_tables", "dense_flops_per_sample", "tables_from_preset", "normalize_constraints", "CostModel",
@@ -30,7 +32,8 @@ __all__ = ["plan_tables", "dense_flops_per_sample", "tables_from_preset", "norma
 def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str = "auto", batch_size: int,
                 bag_sizes: Optional[dict[str, float]] = None, optimizer: str = "sgd",
                 constraints: Optional[dict] = None, dense_flops_per_sample: Optional[float] = None,
-                check_memory: bool = True) -> Plan:
+                check_memory: bool = True, placement="auto", access_profile: Optional[dict] = None,
+                id_samples: Optional[dict] = None) -> Plan:
     """Place every table of ``tables`` on ``cluster``; see the module docstring for the model.
 
     ``strategy``: ``auto`` or one kind forced on every table. ``bag_sizes``: average ids per bag
@@ -38,6 +41,11 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
     "node": {table: n}, "together": [[t1, t2, ...]], "plan": {table: ShardSpec | kind}}``.
     ``dense_flops_per_sample``: forward FLOPs of the dense part per sample, for the step estimate.
     ``check_memory=False`` plans as if memory were unlimited (the plan still shows what is over).
+    ``placement``: ``CompileConfig.placement`` (each table's memory tier, ``tiers``);
+    ``access_profile``: ``{table: zipf_alpha | [per-row frequencies]}``; ``id_samples``: ``{table:
+    ids}`` from an example batch (both only shape cached tables' expected hit rates).
+    When the tables do not fit resident and the cluster has a storage tier, the shards are placed
+    for time alone and ``tiers.place_tiers`` caches tables until every rank fits.
     Raises ValueError when the tables cannot fit, naming the table, the rank, by how much, and
     what would make it fit.
     """
@@ -47,6 +55,37 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
     bag_sizes = bag_sizes or {}
     profiles = {n: model.profile(t, bag_sizes.get(n, 1.0)) for n, t in tables.items()}
     cons = normalize_constraints(constraints, tables, cluster)
+    forced = forced_choices(placement, tables)
+    access_profile = check_access_profile(access_profile, tables)
+    resident_error = None
+    try:
+        shards, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy,
+                                               check_memory)
+    except OverMemory as e:
+        # Cache tables instead, when there is a tier to cache them in and a table the user has
+        # not pinned resident: the shards are then placed for time, memory left to the tiers.
+        if (not check_memory or cluster.storage is None
+                or all(choice == "resident" for choice, _ in forced.values())):
+            raise
+        resident_error = e
+        shards, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, False)
+        notes.append("the tables do not fit resident: shards placed for time, then tables cached until every rank fits")
+    base_mem = estimate_shards(tables, shards, model, bag_sizes)[2]
+    try:
+        tiers = place_tiers(tables, shards, model, bag_sizes, base_mem, placement=placement,
+                            access_profile=access_profile, id_samples=id_samples, check_memory=check_memory)
+    except CannotCache:
+        if resident_error is None:
+            raise
+        raise resident_error from None
+    plan = build_plan(tables, shards, cluster, model, bag_sizes, strategy=strategy,
+                      dense_flops_per_sample=dense_flops_per_sample, notes=notes, tiers=tiers)
+    plan.table_reasons = reasons
+    return plan
+
+
+def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, check_memory):
+    """The shard search: ``(shards, notes, table reasons)``; ``OverMemory`` when nothing fits."""
 
     def search(kind: str, start: Optional[dict[str, ShardSpec]] = None) -> dict[str, ShardSpec]:
         units = units_of(tables, profiles, cons, kind, model, cluster)
@@ -56,8 +95,8 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
         try:
             srch.run(start)
         except NoFit as e:
-            raise ValueError(no_fit_message(e.args[0], e.args[1], model, tables, profiles, units, cons,
-                                             check_memory)) from None
+            raise OverMemory(no_fit_message(e.args[0], e.args[1], model, tables, profiles, units, cons,
+                                            check_memory)) from None
         specs = {}
         for u in units:
             for n in u.names:
@@ -99,10 +138,7 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
                          "would be with only that table moved to it (its placement in that kind's uniform plan)")
     else:
         shards = search(strategy)
-    plan = build_plan(tables, shards, cluster, model, bag_sizes, strategy=strategy,
-                      dense_flops_per_sample=dense_flops_per_sample, notes=notes)
-    plan.table_reasons = reasons
-    return plan
+    return shards, notes, reasons
 
 
 

@@ -54,6 +54,10 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
   receives and its output and gradient; a DP replica's per-row sums, or its gathered ids and
   gradients). The cap is the device
   memory less ``RESERVED_FRACTION`` for the dense model, activations and the runtime.
+- Cached shards (``tiers``, only when the tables do not fit or the user forces it): a cache of
+  ``S`` slots holds ``S`` rows, their state, slot map and index entries (``cache_bytes``) plus an
+  I/O buffer of two batches' rows; per step it maps its ids to slots (``cache_map_s``) and reads
+  each missing row and writes back the row it evicts at the storage tier's rate (``tier_row_s``).
 
 A rank's estimated time is the sum of its shards' lookup time and its communication; the
 objective is the slowest rank's time plus the plan's collective latencies. Links are taken to
@@ -81,6 +85,7 @@ ACCESS_BYTES = {"cpu": 64, "cuda": 32}   # a memory access moves this much: a ca
 PHASES = {TW: 4, CW: 4, RW: 4}          # world-wide collective phases per step
 DP_GATHER_PHASES = 6                     # lengths, ids, gradients: each a size all-gather, then the data
 GIB = 2 ** 30
+CACHE_INDEX_BYTES = 24     # per cache slot: its row (int64) and a row -> slot hash map entry at ~2/3 load
 
 
 
@@ -205,6 +210,28 @@ class CostModel:
     def resident_bytes(self, p: Profile, rows: int, cols: int, optimizer: Optional[str] = None) -> float:
         """What a shard of ``rows`` x ``cols`` holds on its rank: weights, state, the slot map."""
         return self.table_bytes(p, rows, cols, optimizer) + rows * self.slot_bytes
+
+    # -- cached shards (``tiers``): a cache of slots in memory in front of a store in the storage tier
+    def cache_bytes(self, p: Profile, slots: int, cols: int) -> float:
+        """What ``slots`` cache slots of ``cols`` columns hold: each a row and its optimizer state,
+        the backward's slot map (the lookup runs on slots), and the cache's index entry."""
+        return self.resident_bytes(p, slots, cols) + slots * CACHE_INDEX_BYTES
+
+    def cache_io_buffer_bytes(self, p: Profile, batch_rows: float, cols: int) -> float:
+        """The staging a cached shard's I/O needs: one batch's fetched rows and as many evicted
+        ones being written back, each a row and its state (bounded by the batch, not the table)."""
+        return 2 * batch_rows * self.table_bytes(p, 1, cols)
+
+    def tier_row_s(self, row_bytes: float) -> float:
+        """Seconds the storage tier takes to fetch one missing row of ``row_bytes`` (weights and
+        state) and write back the dirty row it evicts."""
+        st = self.cluster.storage
+        return st.row_read_s(row_bytes) + st.row_write_s(row_bytes)
+
+    def cache_map_s(self, n_ids: float) -> float:
+        """Mapping ``n_ids`` ids to slots: a hash probe per id (an access granule read) and its
+        slot written."""
+        return n_ids * (self.granule + ID_BYTES) / self.mem_bw
 
     def inv(self, q: int, r: int) -> float:
         if q == r:

@@ -11,6 +11,7 @@ from recc.planner.constraints import Unit
 from recc.planner.cost_model import GIB, ELEM_BYTES, OPTIMIZERS, RESERVED_FRACTION, CostModel, state_row_bytes
 from recc.planner.layouts import CW, DP, RW, TW, placement_of
 from recc.planner.search import KIND_INDEX, ranks_of
+from recc.planner.tiers import TierPlan, tier_notes
 from recc.specs import SHARDING_KINDS, Plan, RankEstimate, ShardSpec, StepEstimate, TableSpec, compress_ranks, fmt_ms
 
 
@@ -86,28 +87,42 @@ def estimate_shards(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], 
 
 def build_plan(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], cluster: Cluster, model: CostModel,
                bag_sizes: Optional[dict[str, float]] = None, *, strategy: str = "auto",
-               dense_flops_per_sample: Optional[float] = None, notes: Optional[list[str]] = None) -> Plan:
-    """A ``Plan`` for ``shards`` with the cost model's per-table and per-rank estimates."""
+               dense_flops_per_sample: Optional[float] = None, notes: Optional[list[str]] = None,
+               tiers: Optional[TierPlan] = None) -> Plan:
+    """A ``Plan`` for ``shards`` with the cost model's per-table and per-rank estimates; ``tiers``
+    (``place_tiers``) adds its cached tables' memory, I/O and stores."""
     comp, comm, mem, _, cost = estimate_shards(tables, shards, model, bag_sizes)
-    weights = [0.0] * model.W
+    W = model.W
+    io = [0.0] * W
+    store = [0.0] * W
+    if tiers is not None and tiers.tiers:
+        mem = list(map(operator.add, mem, tiers.mem_delta))
+        io, store = list(tiers.io_s), list(tiers.store_bytes)
+        cost = {n: c + tiers.table_io_s.get(n, 0.0) for n, c in cost.items()}
+    weights = [0.0] * W
     for name, spec in shards.items():
         e = ELEM_BYTES.get(tables[name].dtype, 4)
         for r, r0, r1, c0, c1 in spec.shards:
             weights[r] += (r1 - r0) * (c1 - c0) * e
-    ranks = [RankEstimate(r, weights[r], mem[r], comp[r] * 1e3, comm[r] * 1e3) for r in range(model.W)]
-    slowest = max(range(model.W), key=lambda r: (comp[r] + comm[r], -r))
+    ranks = [RankEstimate(r, weights[r], mem[r], comp[r] * 1e3, comm[r] * 1e3, io[r] * 1e3, store[r]) for r in range(W)]
+    slowest = max(range(W), key=lambda r: (comp[r] + comm[r] + io[r], -r))
     dense_ms = 0.0
     if dense_flops_per_sample:
         dense_ms = 3 * dense_flops_per_sample * model.b / (cluster.device.tflops * 1e12) * 1e3
-    est = StepEstimate(slowest, comp[slowest] * 1e3, comm[slowest] * 1e3, dense_ms)
+    est = StepEstimate(slowest, comp[slowest] * 1e3, comm[slowest] * 1e3, dense_ms, io[slowest] * 1e3)
     notes = list(notes or [])
     notes.insert(0, f"cluster {cluster.name}: {model.W} rank(s), global batch {int(model.B)}, optimizer "
                     f"{model.optimizer}; memory cap {model.cap / GIB:.2f} GiB per rank "
                     f"({cluster.device.memory_gb:g} GiB less {RESERVED_FRACTION:.0%} reserved); est ms = "
-                    f"lookup + communication a table adds to its busiest rank")
+                    f"lookup + communication a table adds to its busiest rank"
+                    + (" (+ tier I/O when cached)" if tiers is not None and any(t.cached for t in tiers.tiers.values())
+                       else ""))
+    if tiers is not None:
+        notes.extend(tier_notes(tiers, model, slowest, len(tables)))
     return Plan(world_size=model.W, tables=dict(tables), shards=dict(shards), strategy=strategy,
                 table_cost_ms={n: c * 1e3 for n, c in cost.items()}, rank_estimates=ranks,
-                memory_cap_bytes=model.cap, estimate=est, notes=notes)
+                memory_cap_bytes=model.cap, estimate=est, notes=notes,
+                tiers=dict(tiers.tiers) if tiers is not None else {})
 
 
 def no_fit_message(u: Unit, overflow, model: CostModel, tables, profiles, units, cons, check_memory) -> str:
@@ -144,4 +159,6 @@ def no_fit_message(u: Unit, overflow, model: CostModel, tables, profiles, units,
     if any(n in cons["rank"] or n in cons["node"] or n in cons["plan"] for n in u.names) or len(u.names) > 1:
         fixes.append("loosening its rank/node/together/plan constraints")
     fixes.append("devices with more memory")
+    if model.cluster.storage is None:
+        fixes.append("a storage tier to cache tables in (the cluster description's storage section)")
     return msg + " To make it fit: " + "; or ".join(fixes) + "."

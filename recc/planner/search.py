@@ -40,6 +40,10 @@ class NoFit(Exception):
     pass
 
 
+class OverMemory(ValueError):
+    """The tables do not fit the ranks' memory resident (``plan_tables`` may cache some)."""
+
+
 class _State:
     """Per-rank time and memory of a partial plan, with the caches the fast TW evaluation uses."""
 
@@ -257,7 +261,7 @@ class Search:
             over = [(st.mem[r] + dmem[r], r) for r in range(self.m.W) if st.mem[r] + dmem[r] > self.cap]
             if over:
                 need, r = max(over)
-                raise ValueError(f"plan_tables: the manual plan for {u.label} needs {need / GIB:.2f} GiB on rank {r}, "
+                raise OverMemory(f"plan_tables: the manual plan for {u.label} needs {need / GIB:.2f} GiB on rank {r}, "
                                  f"{(need - self.cap) / GIB:.2f} GiB over its {self.cap / GIB:.2f} GiB cap")
             self.place(u, u.fixed, (dt, dmem))
         free = [u for u in self.units if u.fixed is None]
