@@ -182,7 +182,9 @@ class DistributedModel(nn.Module):
         self._autocast_noted = False  # warned once that autocast asks for another dense dtype
         # A pipelined graph runs as two modules (the sparse-dist stage, then the rest) sharing
         # gm's parameters; ``_run`` is what DDP wraps.
-        self._split = split_sparse_stage(gm) if program.cluster.world_size > 1 else None
+        # (On one rank only a cached group's map and fetch are tagged: train_pipeline runs them
+        # a batch ahead there too.)
+        self._split = split_sparse_stage(gm)
         self._run = self._split.main if self._split is not None else gm
         self._stats = comm_stats.CommStats()
         config = program.config
@@ -272,7 +274,7 @@ class DistributedModel(nn.Module):
         backward before advancing the iterator; outputs equal ``self(*inputs(batch))``'s."""
         n = len(self._program.signature.names)
         inputs = inputs or (lambda batch: tuple(batch[:n]))
-        if self._split is None:  # nothing to run ahead (one rank, or no input dist)
+        if self._split is None:  # nothing to run ahead (no input dist, no cached group)
             for batch in batches:
                 yield batch, self(*inputs(batch))
             return
