@@ -131,9 +131,13 @@ def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
                      r"pipeline_comm\{enabled=true\},fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower$", out, re.M)
 
 
-def test_compile_terabyte_on_the_default_local_world_says_it_does_not_fit(capsys, monkeypatch):
+def test_compile_terabyte_on_a_local_world_without_a_storage_tier_says_it_does_not_fit(capsys, monkeypatch, tmp_path):
+    # (With the default local world's disk tier the planner caches tables instead:
+    # tests/recc/test_planner_tiers.py.)
     monkeypatch.delenv("RECC_DEBUG", raising=False)
-    assert main(["compile", "--model", "terabyte", "--meta"]) == 2
+    no_disk = tmp_path / "local-2.yaml"
+    no_disk.write_text("nodes: 1\ndevices_per_node: 2\nsingle_host: true\n")
+    assert main(["compile", "--model", "terabyte", "--meta", "--cluster", str(no_disk)]) == 2
     assert re.match(r"recc compile: shard_tables \(cluster local-2\): plan_tables: table emb_l\.\d+ "
                     r"\(\d+x128, sgd: .*\) does not fit in memory", capsys.readouterr().err)
 

@@ -23,9 +23,11 @@ def test_user_errors_are_one_line_and_exit_2(argv, says, capsys, monkeypatch, tm
     assert "Traceback" not in err
 
 
-def test_terabyte_that_does_not_fit_says_how_many_ranks_would(capsys, monkeypatch):
+def test_terabyte_that_does_not_fit_says_how_many_ranks_would(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("RECC_DEBUG", raising=False)
-    assert main(["compile", "--model", "terabyte", "--meta"]) == 2
+    no_disk = tmp_path / "local-2.yaml"  # no storage tier: every table must be resident
+    no_disk.write_text("nodes: 1\ndevices_per_node: 2\nsingle_host: true\n")
+    assert main(["compile", "--model", "terabyte", "--meta", "--cluster", str(no_disk)]) == 2
     assert "at least 13 ranks of 7.20 GiB" in capsys.readouterr().err
 
 

@@ -55,8 +55,9 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
   gradients). The cap is the device
   memory less ``RESERVED_FRACTION`` for the dense model, activations and the runtime.
 - Cached shards (``tiers``, only when the tables do not fit or the user forces it): a cache of
-  ``S`` slots holds ``S`` rows, their state, slot map and index entries (``cache_bytes``) plus an
-  I/O buffer of two batches' rows; per step it maps its ids to slots (``cache_map_s``) and reads
+  ``S`` slots holds ``S`` rows, their state, slot map and index entries (``cache_bytes``), an
+  int32 row -> slot map over the shard's rows and a bounded I/O staging buffer
+  (``cache_fixed_bytes``); per step it maps its ids to slots (``cache_map_s``) and reads
   each missing row and writes back the row it evicts at the storage tier's rate (``tier_row_s``).
 
 A rank's estimated time is the sum of its shards' lookup time and its communication; the
@@ -85,7 +86,13 @@ ACCESS_BYTES = {"cpu": 64, "cuda": 32}   # a memory access moves this much: a ca
 PHASES = {TW: 4, CW: 4, RW: 4}          # world-wide collective phases per step
 DP_GATHER_PHASES = 6                     # lengths, ids, gradients: each a size all-gather, then the data
 GIB = 2 ** 30
-CACHE_INDEX_BYTES = 24     # per cache slot: its row (int64) and a row -> slot hash map entry at ~2/3 load
+# A cached shard's index as runtime/table_cache.py keeps it (kernels/cpu/table_cache.py
+# CacheIndex): per slot its row and newest pinning batch (int64 each) and CLOCK's reference and
+# dirty bytes; per row of the shard an int32 row -> slot map. Its store I/O reads and writes the
+# slots in place; filling the store at start stages at most _FILL_BYTES (32 MiB) of rows.
+CACHE_SLOT_BYTES = 18
+CACHE_ROW_MAP_BYTES = 4
+CACHE_IO_BUFFER_BYTES = 32 * 2 ** 20
 
 
 
@@ -214,13 +221,13 @@ class CostModel:
     # -- cached shards (``tiers``): a cache of slots in memory in front of a store in the storage tier
     def cache_bytes(self, p: Profile, slots: int, cols: int) -> float:
         """What ``slots`` cache slots of ``cols`` columns hold: each a row and its optimizer state,
-        the backward's slot map (the lookup runs on slots), and the cache's index entry."""
-        return self.resident_bytes(p, slots, cols) + slots * CACHE_INDEX_BYTES
+        the backward's slot map (the lookup runs on slots), and the index's per-slot entries."""
+        return self.resident_bytes(p, slots, cols) + slots * CACHE_SLOT_BYTES
 
-    def cache_io_buffer_bytes(self, p: Profile, batch_rows: float, cols: int) -> float:
-        """The staging a cached shard's I/O needs: one batch's fetched rows and as many evicted
-        ones being written back, each a row and its state (bounded by the batch, not the table)."""
-        return 2 * batch_rows * self.table_bytes(p, 1, cols)
+    def cache_fixed_bytes(self, p: Profile, shard_rows: int, cols: int) -> float:
+        """What a cached shard holds whatever its slots: the index's row -> slot map (one int32
+        per row of the shard) and the staging of its store I/O (bounded, not the table)."""
+        return shard_rows * CACHE_ROW_MAP_BYTES + min(CACHE_IO_BUFFER_BYTES, self.table_bytes(p, shard_rows, cols))
 
     def tier_row_s(self, row_bytes: float) -> float:
         """Seconds the storage tier takes to fetch one missing row of ``row_bytes`` (weights and

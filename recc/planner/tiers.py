@@ -32,8 +32,8 @@ is looked up by a step with probability ``1 - exp(-p_i m)``):
   and maps its ids to slots (a hash probe, one access per id, in memory). The rank's I/O time
   adds to its step estimate: nothing assumed hidden by prefetch.
 - Memory of a cached shard of ``S`` slots: ``S`` rows of weights and state, the CPU backward's
-  slot map per slot, an index of ``CACHE_INDEX_BYTES`` per slot (the row each slot holds and a
-  hash map from row to slot), and an I/O buffer for one batch's fetched and evicted rows.
+  slot map per slot, the index as the runtime keeps it (``CACHE_SLOT_BYTES`` per slot, an int32
+  row -> slot map over the shard's rows) and a bounded I/O staging buffer (``cost_model``).
 
 The id distribution ``p`` per table: a user's access profile (``{table: zipf_alpha | [per-row
 frequencies]}``), else a Zipf exponent fitted to the example batch's ids (the exponent whose
@@ -306,7 +306,7 @@ class _Cand:
         if rows is None:
             return dict(self.resident)
         return {r: sum(self.model.cache_bytes(self.p, self.slots(rows, n), c)
-                       + self.model.cache_io_buffer_bytes(self.p, min(n, self.m), c) for n, c in sh)
+                       + self.model.cache_fixed_bytes(self.p, n, c) for n, c in sh)
                 for r, sh in self.shards.items()}
 
     def per_slot(self, r: int) -> float:

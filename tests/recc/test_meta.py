@@ -88,10 +88,12 @@ def test_terabyte_on_meta_compiles_with_shapes_and_no_allocation():
 
 
 def test_terabyte_does_not_fit_one_8_gib_rank():
-    """With the memory check on (the default), planning terabyte for local-1 fails with the
-    planner's explanation; ``check_memory=False`` plans it anyway and marks the rank as over."""
+    """With the memory check on (the default) and every table resident, planning terabyte for
+    local-1 fails with the planner's explanation; ``check_memory=False`` plans it anyway and marks
+    the rank as over. (With placement "auto" the planner caches tables on local-1's disk tier
+    instead: tests/recc/test_planner_tiers.py.)"""
     with pytest.raises(ValueError) as e:
-        recc.compile(build_model("terabyte", device="meta"))
+        recc.compile(build_model("terabyte", device="meta"), config=recc.CompileConfig(placement="resident"))
     msg = str(e.value)
     assert msg.startswith("shard_tables (cluster local-1): plan_tables: table emb_l.")
     assert "does not fit in memory" in msg
