@@ -86,7 +86,7 @@ def test_tiny_ir_after_lower(tiny):
 def test_default_pipeline_ends_with_lower(tiny):
     program = recc.compile(tiny)
     assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm",
-                                    "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear",
+                                    "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear",
                                     "fuse_linear_act", "lower"]
     assert program.stages["lower"].text == EXPECTED_DEFAULT
     assert program.ir == program.stages["lower"].ir

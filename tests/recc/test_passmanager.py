@@ -155,14 +155,14 @@ def test_pass_signature_is_checked():
 # ----------------------------------------------------------------------------- disable / options
 
 def test_disable(tiny):
-    program = recc.compile(tiny, disable=("lower", "quantize_comm", "pipeline_comm", "fuse_gathers", "fold_column_cat", "align_linear",
+    program = recc.compile(tiny, disable=("lower", "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers", "fold_column_cat", "align_linear",
                                           "fuse_linear_act"))
     assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm",
                                     "fuse_interaction"]
     assert program.pipeline == "discover_tables,shard_tables{strategy=auto},batch_tables,insert_comm,fuse_interaction"
     assert "[cpu]" not in program.stages["fuse_interaction"].text
     assert program.stages["fuse_interaction"].banner.startswith("# recc IR after [5/5] fuse_interaction")
-    program = recc.compile(tiny, disable=("insert_comm", "quantize_comm", "pipeline_comm", "fuse_gathers",
+    program = recc.compile(tiny, disable=("insert_comm", "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers",
                                           "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "lower"))
     assert list(program.stages) == ["trace", "discover_tables", "shard_tables", "batch_tables"]
     assert program.pipeline == "discover_tables,shard_tables{strategy=auto},batch_tables"
