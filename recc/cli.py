@@ -8,27 +8,35 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 
-def _build(args):
-    from recc.models import build_model, load_preset
-    cfg = load_preset(args.model)
-    device = "meta" if getattr(args, "meta", False) else None
+def _build(args, *, meta: bool = False):
+    """The preset's model, its initial values drawn from ``--seed`` (``meta``: nothing allocated)."""
+    from recc.models import build_model
     torch.manual_seed(args.seed)
-    return build_model(args.model, device=device), cfg
+    return build_model(args.model, device="meta" if meta else None)
 
 
 def _config(args):
     import recc
-    config = recc.CompileConfig.from_yaml(args.config) if args.config else recc.CompileConfig()
+    import yaml
+    if args.config:
+        if not Path(args.config).is_file():
+            raise ValueError(f"--config {args.config}: no such file")
+        try:
+            config = recc.CompileConfig.from_yaml(args.config)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {args.config}: not valid YAML: {' '.join(str(e).split())}") from None
+    else:
+        config = recc.CompileConfig()
     if getattr(args, "optimizer", None):
         config.optimizer = args.optimizer
-    if getattr(args, "lr", None):
+    if getattr(args, "lr", None) is not None:  # --lr 0 is the config's to refuse, not to ignore
         config.lr = args.lr
-    config.batch_size = getattr(args, "batch_size", None) or config.batch_size
     for flag in ("comm_fwd", "comm_bwd", "comm_allreduce"):
         if getattr(args, flag, None):
             setattr(config, flag, getattr(args, flag))
@@ -40,15 +48,89 @@ def _config(args):
     return config
 
 
+def _settings(args, *, run: bool = False):
+    """What ``compile``, ``plan`` and ``train`` plan with, computed here alone so that the same
+    flags give all three the same plan: the preset, the CompileConfig (its global batch: the
+    flag, else --config's, else the preset's) and the cluster, the batch checked to split over
+    its ranks. ``run``: ``recc train`` runs the cluster on this host, so a GPU cluster needs
+    this host's GPUs."""
+    import recc
+    from recc.models import load_preset
+    cfg = load_preset(args.model)
+    config = _config(args)
+    config.batch_size = args.batch_size or config.batch_size or cfg["batch_size"]
+    if not args.cluster and args.world_size % args.nodes:
+        raise ValueError(f"--nodes {args.nodes}: the {args.world_size} ranks of --world-size cannot form "
+                         f"{args.nodes} equal nodes")
+    cluster = (recc.Cluster.from_yaml(args.cluster) if args.cluster
+               else recc.Cluster.local(args.world_size, nodes=args.nodes))
+    if run:
+        _check_devices(cluster, args)
+    _check_split(config.batch_size, cluster.world_size)
+    if args.dump_dir and Path(args.dump_dir).exists() and not Path(args.dump_dir).is_dir():
+        raise ValueError(f"--dump-dir {args.dump_dir}: exists and is not a directory")
+    return cfg, config, cluster
+
+
+def _check_devices(cluster, args) -> None:
+    """A GPU cluster runs one rank per GPU: refuse here, in one line, on a host without them (the
+    ranks would otherwise start and fail choosing a device)."""
+    if not cluster.device.is_gpu:
+        return
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    need = cluster.world_size if cluster.single_host else cluster.devices_per_node
+    if have < need:
+        raise ValueError(f"cluster {cluster.name} runs on {cluster.device.kind} GPUs ({need} on each host) and this "
+                         f"host has {f'only {have}' if have else 'none'}: train here on CPU with --world-size N "
+                         f"(no --cluster), or see the plan for that cluster with `recc plan --cluster {args.cluster}`")
+
+
+def _check_split(batch: int, world: int) -> None:
+    """Every rank trains an equal slice of each global batch: a batch that does not split is
+    refused with the nearest ones that do."""
+    if batch % world:
+        lower = batch - batch % world
+        fits = [b for b in (lower, lower + world) if b > 0]
+        raise ValueError(f"global batch {batch} does not split evenly over {world} ranks: give --batch-size "
+                         f"{' or '.join(str(b) for b in fits)} (a multiple of {world})")
+
+
+def _example(args, world: int, batch: int, data=None):
+    """Rank 0's slice of global batch 0 -- of ``data`` (``train --data``'s click log), else of the
+    preset's synthetic data seeded by --seed -- which every command traces and plans with (its
+    bag sizes and id counts are what the planner costs)."""
+    from recc.models import SyntheticData, slice_batch
+    if data is None:
+        data = SyntheticData(args.model, batch_size=batch, seed=args.seed)
+    return slice_batch(data.batch(0), 0, world)[:3]
+
+
+def _check_passes(args, config) -> None:
+    """Unknown names in --pipeline / --print-after: one line before anything is compiled (the
+    pass registry raises KeyError, and --print-after of a pass the pipeline lacks prints nothing)."""
+    from recc.compiler import _ensure_builtin_passes, default_pipeline
+    from recc.passmanager import resolve_pipeline
+    _ensure_builtin_passes()
+    try:
+        names = [info.name for info, _ in resolve_pipeline(args.pipeline or default_pipeline(config), config)]
+    except KeyError as e:
+        raise ValueError(f"--pipeline: {e.args[0]}") from None
+    if args.print_after and args.print_after != "all":
+        unknown = [n.strip() for n in args.print_after.split(",") if n.strip() not in ("trace", *names)]
+        if unknown:
+            raise ValueError(f"--print-after: {', '.join(unknown)}: not a pass of the pipeline; give 'all' or some "
+                             f"of: {', '.join(['trace', *names])}")
+
+
 def cmd_compile(args) -> int:
     import recc
-    model, cfg = _build(args)
-    config = _config(args)
-    config.batch_size = args.batch_size or cfg["batch_size"]  # the plan is costed for it, as `recc plan` does
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
+    _, config, cluster = _settings(args)
+    _check_passes(args, config)
+    example = _example(args, cluster.world_size, config.batch_size)
+    model = _build(args, meta=args.meta)
     t0 = time.perf_counter()
     program = recc.compile(model, cluster, config=config, pipeline=args.pipeline, dump_dir=args.dump_dir,
-                           print_after=args.print_after)
+                           print_after=args.print_after, example_inputs=example)
     dt = time.perf_counter() - t0
     print(program.ir)
     print(program.plan)
@@ -67,7 +149,11 @@ def _user_error(command: str, e: BaseException) -> int:
     import os
     if os.environ.get("RECC_DEBUG") == "1":
         raise e
-    print(f"recc {command}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        text = f"{e.filename}: {e.strerror}"  # not "[Errno 17] File exists: 'x'"
+    else:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    print(f"recc {command}: {text}", file=sys.stderr)
     return 2
 
 
@@ -92,14 +178,16 @@ def cmd_train(args) -> int:
                                                       "timed out", "terminated"))
                          for p in peers.split("; rank ")):
             head = dead  # the survivors' broken connections only echo the dead rank
+        user = any(f"failed: {k}:" in head for k in ("DataError", "CheckpointError", "ValueError", "FileNotFoundError"))
         hint = ""
-        if args.data and args.checkpoint_dir:
+        if args.data and args.checkpoint_dir and not user:
+            # Only a run that died (not one refused for its data or flags: --resume would meet the
+            # same error again) is worth continuing from its newest checkpoint.
             from recc.runtime.checkpoint import latest_checkpoint
             latest = latest_checkpoint(args.checkpoint_dir)
             hint = (f"; the newest complete checkpoint is {latest}: continue with --resume" if latest else
                     "; no checkpoint was completed yet")
         print(f"recc train: {head}{hint}", file=sys.stderr)
-        user = any(f"failed: {k}:" in head for k in ("DataError", "CheckpointError", "ValueError", "FileNotFoundError"))
         return 2 if user else 1
     except (DataError, CheckpointError, ValueError, FileNotFoundError) as e:
         return _user_error("train", e)
@@ -108,21 +196,27 @@ def cmd_train(args) -> int:
 def _train_data(args) -> int:
     """``recc train --data``: the preset trained on a converted click log."""
     import recc
-    from recc.models import slice_batch
     from recc.training import DataJob, train_on_data
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
-    model, cfg = _build(args)
-    config = _config(args)
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
+    if args.keep_checkpoints and not args.checkpoint_dir:
+        raise ValueError("--keep-checkpoints needs --checkpoint-dir")
+    # Where the run writes is checked now: rank 0 would otherwise find out after training.
+    if args.log and (Path(args.log).is_dir() or not Path(args.log).absolute().parent.is_dir()):
+        raise ValueError(f"--log {args.log}: " + ("is a directory" if Path(args.log).is_dir() else
+                                                  f"no directory {Path(args.log).absolute().parent}"))
+    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir}: exists and is not a directory")
+    cfg, config, cluster = _settings(args, run=True)
     world = cluster.world_size
-    batch = args.batch_size or cfg["batch_size"]
-    config.batch_size = batch
+    batch = config.batch_size
     val_days = None
     if args.val_days:
         val_days = [int(d) if d.isdigit() else d for d in args.val_days.split(",")]
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        raise ValueError(f"--val-fraction {args.val_fraction:g}: must be between 0 and 1 (the held-out share)")
     if args.eval_every and args.val_fraction is None and not val_days:
         raise ValueError("--eval-every needs a held-out split: --val-fraction F or --val-days D,...")
     job = DataJob(data=args.data, batch_size=batch, steps=0, lr=args.lr, val_fraction=args.val_fraction,
@@ -131,23 +225,15 @@ def _train_data(args) -> int:
                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
                   keep_checkpoints=args.keep_checkpoints or 0, resume=args.resume, model=args.model)
     train = job.train_data()   # opens and checks the click log here, before any rank starts
-    if train.num_embeddings != list(cfg["num_embeddings"]):
-        raise ValueError(f"{args.data}: its {train.num_tables} tables have {train.num_embeddings} rows; preset "
-                         f"{args.model!r} has {len(cfg['num_embeddings'])} with {list(cfg['num_embeddings'])} "
-                         f"(convert the log with `recc data convert --model {args.model}`)")
-    if train.dense_features != cfg["dense_features"]:
-        raise ValueError(f"{args.data}: {train.dense_features} dense features; preset {args.model!r} takes "
-                         f"{cfg['dense_features']}")
-    if batch % world:
-        raise ValueError(f"batch {batch} does not split evenly over {world} ranks")
+    if train.num_embeddings != list(cfg["num_embeddings"]) or train.dense_features != cfg["dense_features"]:
+        raise ValueError(_other_tables(args, cfg, train))
     if job.val_data() is not None and args.eval_every:
         job.val_data()  # the held-out split exists and holds a batch
     job.steps = args.steps if args.steps is not None else train.steps_per_epoch
     if args.resume:
-        from recc.runtime.checkpoint import latest_checkpoint
-        if latest_checkpoint(args.checkpoint_dir) is None:
-            print(f"recc train: no complete checkpoint in {args.checkpoint_dir}: starting at step 0", file=sys.stderr)
-    example = slice_batch(train.batch(0), 0, world)[:3]
+        _check_resume(args, train, job.steps)
+    example = _example(args, world, batch, train)
+    model = _build(args)
     program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir, example_inputs=example)
     epoch = train.steps_per_epoch
     print(f"recc train: {args.model} on {args.data} ({train.num_samples:,} training samples, {epoch} steps per "
@@ -172,6 +258,82 @@ def _train_data(args) -> int:
     if r["comm"]:
         print(f"rank 0 {r['comm']}")
     return 0
+
+
+def _other_tables(args, cfg: dict, train) -> str:
+    """Why the preset cannot train on this click log, and a command that works: the preset the
+    log was converted for, else converting its sources again for this preset, else that no
+    conversion fits it (a Criteo log has 26 tables: a preset of another count trains on
+    synthetic data only)."""
+    import shlex
+    from recc.models import list_presets, load_preset
+    differ = []
+    if train.num_embeddings != list(cfg["num_embeddings"]):
+        differ.append(f"its {train.num_tables} tables have {train.num_embeddings} rows; preset {args.model!r} has "
+                      f"{len(cfg['num_embeddings'])} with {list(cfg['num_embeddings'])}")
+    if train.dense_features != cfg["dense_features"]:
+        differ.append(f"{train.dense_features} dense features; preset {args.model!r} takes {cfg['dense_features']}")
+    what = f"{args.data}: {'; '.join(differ)}"
+    fits = [p for p in list_presets() if p != args.model and load_preset(p)["num_embeddings"] == train.num_embeddings
+            and load_preset(p)["dense_features"] == train.dense_features]
+    if fits:
+        return f"{what}: train it with " + " or ".join(f"--model {p}" for p in fits)
+    from recc.models.criteo import NUM_SPARSE
+    if len(cfg["num_embeddings"]) != NUM_SPARSE or cfg["dense_features"] != train.dense_features:
+        return (f"{what}: no conversion of a Criteo log (26 tables, 13 dense features) fits {args.model!r}; "
+                f"train it without --data (synthetic data)")
+    header = train.log.header
+    fmt = header.get("preprocessing", {}).get("format", "criteo-tsv")
+    sources = [s["path"] for s in header.get("sources", [])]
+    out = str(Path(args.data).absolute()) + f"-{args.model}"
+    if sources and all(Path(s).is_file() for s in sources) and not Path(out).exists():
+        cmd = shlex.join(["recc", "data", "convert", "--format", fmt, "--model", args.model, *sources, out])
+        return f"{what}: convert its sources for {args.model!r} with `{cmd}` and train on {out}"
+    return (f"{what}: convert the original logs for it with `recc data convert --format {fmt} --model {args.model} "
+            f"IN... OUT` and train on OUT")
+
+
+# The data settings a saved position holds (ClickLogData.fingerprint) and the flag that sets each.
+_DATA_FLAGS = {"batch_size": "--batch-size", "seed": "--seed", "shuffle_buffer": "--shuffle-buffer",
+               "val_fraction": "--val-fraction", "val_days": "--val-days"}
+
+
+def _check_resume(args, train, steps: int) -> None:
+    """--resume, checked before any rank starts (a refusal inside the ranks would come after
+    "resumed from" and end with "continue with --resume"): the newest checkpoint must be of this
+    preset, for this data with the settings it was trained with, and at most at --steps. A run
+    with other settings is refused with the flags that resume it."""
+    from recc.runtime.checkpoint import CheckpointError, latest_checkpoint, read_manifest
+    latest = latest_checkpoint(args.checkpoint_dir)
+    if latest is None:
+        print(f"recc train: no complete checkpoint in {args.checkpoint_dir}: starting at step 0", file=sys.stderr)
+        return
+    extra = read_manifest(latest).get("extra", {})
+    if extra.get("model") not in (None, args.model):
+        raise ValueError(f"--resume: {latest} is a checkpoint of --model {extra['model']}, not {args.model}: "
+                         f"resume with --model {extra['model']}, or start a new --checkpoint-dir")
+    position = extra.get("data")
+    if position is None:
+        raise CheckpointError(f"{latest}: no data position in it (not saved by recc train --data)")
+    mine, theirs = train.fingerprint(), position.get("data", {})
+    differ = sorted(k for k in mine if theirs.get(k) != mine[k])
+    if differ:
+        what = ", ".join(f"{k} {theirs.get(k)!r} (now {mine[k]!r})" for k in differ)
+        if all(k in _DATA_FLAGS for k in differ):
+            def flag(k):
+                v = theirs.get(k)
+                if v is None:
+                    return f"without {_DATA_FLAGS[k]}"
+                return f"{_DATA_FLAGS[k]} {','.join(map(str, v)) if isinstance(v, list) else v}"
+            fix = "resume with " + " ".join(flag(k) for k in differ)
+        else:
+            fix = "resume on the data it was trained on"
+        raise ValueError(f"--resume: {latest} was saved for other data or settings: {what}; {fix}, or start a "
+                         f"new --checkpoint-dir")
+    start = int(position["step"])
+    if start > steps:
+        raise ValueError(f"--steps {steps}: {latest} is already at step {start}; give --steps {start} or more "
+                         f"to continue it")
 
 
 def cmd_export(args) -> int:
@@ -199,17 +361,11 @@ def _train_synthetic(args) -> int:
     from recc.models import Metrics, SyntheticData
     if args.steps is None:
         args.steps = 300
-    model, cfg = _build(args)
-    config = _config(args)
-    batch = args.batch_size or cfg["batch_size"]
-    config.batch_size = batch
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
+    _, config, cluster = _settings(args, run=True)
+    batch, world = config.batch_size, cluster.world_size
     data = SyntheticData(args.model, batch_size=batch, seed=args.seed)
-    world = cluster.world_size
-    if batch % world:
-        raise SystemExit(f"recc train: batch {batch} does not split evenly over {world} ranks")
-    from recc.models import slice_batch
-    example = slice_batch(data.batch(0), 0, world)[:3]
+    example = _example(args, world, batch, data)
+    model = _build(args)
     program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir, example_inputs=example)
     print(f"recc train: {args.model} ({len(program.stats['tables'])} tables, {program.stats.get('groups', 0)} "
           f"table groups), global batch {batch}, {args.steps} steps, sparse optimizer {config.optimizer} "
@@ -240,23 +396,25 @@ def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict
     window = Metrics()
     seen, t_train = 0, 0.0
     t0 = time.perf_counter()
-    # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
-    for step, ((dense_x, lS_o, lS_i, y), out) in enumerate(
-            dmodel.train_pipeline(data.batches(steps, rank=rank, world_size=world))):
-        loss = F.binary_cross_entropy(out, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t_train = time.perf_counter() - t0
-        seen += y.shape[0]
-        window.update(out.detach(), y)
-        if progress and ((step + 1) % max(1, steps // 20) == 0 or step + 1 == steps):
-            m = window.compute()
-            window = Metrics()
-            progress.update(step + 1, f"loss {m['log_loss']:.4f} auc {m['auc']:.4f} "
-                                      f"{seen * world / t_train:,.0f} samples/s")
-    if progress:
-        progress.close()
+    try:
+        # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
+        for step, ((dense_x, lS_o, lS_i, y), out) in enumerate(
+                dmodel.train_pipeline(data.batches(steps, rank=rank, world_size=world))):
+            loss = F.binary_cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            t_train = time.perf_counter() - t0
+            seen += y.shape[0]
+            window.update(out.detach(), y)
+            if progress and ((step + 1) % max(1, steps // 20) == 0 or step + 1 == steps):
+                m = window.compute()
+                window = Metrics()
+                progress.update(step + 1, f"loss {m['log_loss']:.4f} auc {m['auc']:.4f} "
+                                          f"{seen * world / t_train:,.0f} samples/s")
+    finally:
+        if progress:
+            progress.close()  # an error's line starts on a line of its own
     preds, labels = [], []
     with torch.no_grad():
         for dense_x, lS_o, lS_i, y in data.batches(eval_batches, rank=rank, world_size=world, start=1_000_000):
@@ -269,18 +427,10 @@ def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict
 
 def cmd_plan(args) -> int:
     import recc
-    from recc.models import build_model
-    cluster = recc.Cluster.from_yaml(args.cluster) if args.cluster else recc.Cluster.local(args.world_size, nodes=args.nodes)
-    from recc.models import SyntheticData, load_preset, slice_batch
-    model = build_model(args.model, device="meta")
-    config = _config(args)
+    _, config, cluster = _settings(args)
     t0 = time.perf_counter()
-    # Plan for the preset's global batch and bag sizes: rank 0's slice of one synthetic batch.
-    config.batch_size = args.batch_size or load_preset(args.model)["batch_size"]
-    world = cluster.world_size
-    data = SyntheticData(args.model, batch_size=config.batch_size - config.batch_size % world)
-    example = slice_batch(data.batch(0), 0, world)[:3]
-    program = recc.compile(model, cluster, config=config, pipeline="discover_tables,shard_tables",
+    example = _example(args, cluster.world_size, config.batch_size)
+    program = recc.compile(_build(args, meta=True), cluster, config=config, pipeline="discover_tables,shard_tables",
                            example_inputs=example)
     print(program.plan)
     print(f"# planned {len(program.stats['tables'])} tables of {args.model} for {cluster.name} "
@@ -315,12 +465,15 @@ def cmd_data_convert(args) -> int:
                 progress = _Progress(max(1, -(-total // mib)))
             progress.update(min(progress.total, done // mib), f"MiB {phase}, {done / mib / max(time.perf_counter() - t0, 1e-9):.0f} MiB/s")
 
-        header, report = convert(args.inputs, args.out, format=args.format, num_embeddings=rows,
-                                 min_count=args.min_count, skip_bad_lines=args.skip_bad_lines,
-                                 on_progress=on_progress)
-        if progress is not None:
-            progress.update(progress.total, "done")
-            progress.close()
+        try:
+            header, report = convert(args.inputs, args.out, format=args.format, num_embeddings=rows,
+                                     min_count=args.min_count, skip_bad_lines=args.skip_bad_lines,
+                                     on_progress=on_progress)
+            if progress is not None:
+                progress.update(progress.total, "done")
+        finally:
+            if progress is not None:
+                progress.close()  # an error's line starts on a line of its own
     except (DataError, OSError, ValueError) as e:
         if os.environ.get("RECC_DEBUG") == "1":
             raise
@@ -346,8 +499,28 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A flag error is one line, as every other user error is (argparse prints the usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _count(least: int):
+    """An argparse type: an integer of at least ``least`` (a step count, a batch, a rank count)."""
+    def count(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {n}")
+        return n
+    return count
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="recc", description=__doc__)
+    p = _Parser(prog="recc", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def common(sp, model_default):
@@ -356,10 +529,10 @@ def main(argv=None) -> int:
         sp.add_argument("--optimizer", choices=["sgd", "rowwise_adagrad", "adagrad", "adam"],
                         help="the tables' fused optimizer (default: the config's, sgd)")
         sp.add_argument("--lr", type=float, help="learning rate (default: the config's; train: 0.1)")
-        sp.add_argument("--batch-size", type=int, help="global batch (default: the preset's)")
-        sp.add_argument("--world-size", type=int, default=2,
+        sp.add_argument("--batch-size", type=_count(1), help="global batch (default: the preset's)")
+        sp.add_argument("--world-size", type=_count(1), default=2,
                         help="ranks of the local world, without --cluster (every command: the same world)")
-        sp.add_argument("--nodes", type=int, default=1,
+        sp.add_argument("--nodes", type=_count(1), default=1,
                         help="without --cluster: emulate this many nodes of the local world (e.g. 4 ranks as 2x2)")
         sp.add_argument("--seed", type=int, default=0, help="torch's seed for the model's initial values")
         sp.add_argument("--dump-dir", help="write every stage's IR, diff, DOT and a summary here")
@@ -384,23 +557,23 @@ def main(argv=None) -> int:
     c.set_defaults(fn=cmd_compile)
 
     pl = sub.add_parser("plan", formatter_class=_Help, help="plan a preset model's sharding for a cluster (nothing is allocated)")
-    common(pl, "terabyte")
+    common(pl, "small")  # the same default as compile and train: bare `recc plan` fits the default world
     pl.set_defaults(fn=cmd_plan)
 
     t = sub.add_parser("train", formatter_class=_Help, help="train a preset model on synthetic data")
     common(t, "small")
-    t.add_argument("--steps", type=int, help="training steps (default: 300 synthetic; one epoch of --data)")
-    t.add_argument("--eval-batches", type=int, default=10, help="synthetic data: held-out batches scored at the end")
+    t.add_argument("--steps", type=_count(1), help="training steps (default: 300 synthetic; one epoch of --data)")
+    t.add_argument("--eval-batches", type=_count(1), default=10, help="synthetic data: held-out batches scored at the end")
     t.add_argument("--data", help="a click log from `recc data convert` to train on (instead of synthetic data)")
     t.add_argument("--val-fraction", type=float, help="--data: hold out the last this fraction of the samples")
     t.add_argument("--val-days", help="--data: hold out these converted sources (indices or file names, comma-separated)")
-    t.add_argument("--shuffle-buffer", type=int, default=0, help="--data: shuffle within windows of this many samples")
-    t.add_argument("--eval-every", type=int, help="--data: score the held-out split every K steps (exact AUC, log loss)")
+    t.add_argument("--shuffle-buffer", type=_count(0), default=0, help="--data: shuffle within windows of this many samples")
+    t.add_argument("--eval-every", type=_count(1), help="--data: score the held-out split every K steps (exact AUC, log loss)")
     t.add_argument("--log", help="--data: write one JSON row per logging step (and per evaluation) to this file")
-    t.add_argument("--log-every", type=int, help="--data: steps per logging step (default: steps/20)")
+    t.add_argument("--log-every", type=_count(1), help="--data: steps per logging step (default: steps/20)")
     t.add_argument("--checkpoint-dir", help="--data: save sharded checkpoints here (and the last step's at the end)")
-    t.add_argument("--checkpoint-every", type=int, help="--data: save a checkpoint every N steps")
-    t.add_argument("--keep-checkpoints", type=int, help="--data: keep only the newest K checkpoints (default: all)")
+    t.add_argument("--checkpoint-every", type=_count(1), help="--data: save a checkpoint every N steps")
+    t.add_argument("--keep-checkpoints", type=_count(1), help="--data: keep only the newest K checkpoints (default: all)")
     t.add_argument("--resume", action="store_true",
                    help="--data: continue from the newest complete checkpoint in --checkpoint-dir (its step, data "
                         "position, tables, optimizer state)")
@@ -434,7 +607,8 @@ def main(argv=None) -> int:
         args.lr = 0.1
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
         # An unknown preset, a table that does not fit, a missing file, a YAML typo: one line.
         return _user_error(args.cmd, e)
 

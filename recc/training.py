@@ -58,12 +58,41 @@ class DataJob:
 
 class Progress:
     """A one-line progress bar on stderr (no dependency; redraws in place on a terminal, a line
-    every few seconds otherwise)."""
+    every few seconds otherwise).
+
+    On a terminal the bar is a line without its newline, so anything else written to stderr
+    while it is drawn would be glued onto it (or overwrite only its start): ``note`` and every
+    ``warnings.warn`` while the bar is open first clear the line, print, then redraw the bar."""
 
     def __init__(self, total: int, width: int = 30):
         self.total, self.width = max(1, total), width
         self.tty = sys.stderr.isatty()
         self.last = 0.0
+        self.line = ""         # the bar as last drawn
+        self.drawn = False     # the bar is on the terminal's current line (no newline after it)
+        self._showwarning = None
+        if self.tty:
+            import warnings
+            self._showwarning = warnings.showwarning
+            warnings.showwarning = self._warning
+
+    def _clear(self):
+        if self.tty and self.drawn:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)  # carriage return, erase to the line's end
+            self.drawn = False
+
+    def _draw(self):
+        if self.tty:
+            print("\r\033[K" + self.line, end="", file=sys.stderr, flush=True)
+            self.drawn = True
+        else:
+            print(self.line, file=sys.stderr, flush=True)
+
+    def _warning(self, *args, **kwargs):
+        self._clear()
+        self._showwarning(*args, **kwargs)
+        if self.line:
+            self._draw()
 
     def update(self, done: int, text: str, force: bool = False):
         now = time.perf_counter()
@@ -72,16 +101,27 @@ class Progress:
         self.last = now
         filled = int(self.width * min(done, self.total) / self.total)
         bar = "#" * filled + "." * (self.width - filled)
-        line = f"[{bar}] {done}/{self.total} {text}"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+        self.line = f"[{bar}] {done}/{self.total} {text}"
+        self._draw()
 
     def note(self, text: str):
         """A line of its own (an evaluation, a checkpoint), not overwritten by the bar."""
-        print(("\r" if self.tty else "") + text, file=sys.stderr, flush=True)
+        self._clear()
+        print(text, file=sys.stderr, flush=True)
+        if self.tty and self.line:
+            self._draw()  # the bar stays visible below the notes
 
     def close(self):
-        if self.tty:
-            print(file=sys.stderr)
+        """Ends the bar's line (on a terminal) and gives ``warnings`` its printer back; safe to
+        call twice (an error path and the normal end may both close)."""
+        if self.drawn:
+            print(file=sys.stderr, flush=True)
+            self.drawn = False
+        if self._showwarning is not None:
+            import warnings
+            if warnings.showwarning == self._warning:
+                warnings.showwarning = self._showwarning
+            self._showwarning = None
 
 
 def _world():
@@ -228,50 +268,55 @@ def train_on_data(program, job: DataJob) -> dict:
             progress.note(f"recc train: step {step}: held-out AUC {m['auc']:.4f}, log loss {m['log_loss']:.4f} "
                           f"({m['samples']:,} samples)")
 
-    if start > job.steps:
-        raise ValueError(f"--steps {job.steps}: the checkpoint {resumed} is already at step {start}")
-    # A saved position is checked against the data's settings: other data, batch size, split,
-    # seed or shuffle is an error saying what differs.
-    stream = train.batches(job.steps - start, rank=rank, world_size=world, start=position)
-    step = start
+    # The log and the bar stay open until the final evaluation and checkpoint have written to
+    # them (a run whose last step is not a multiple of --eval-every evaluates after the loop),
+    # and are closed on every way out.
     try:
-        for (dense_x, lS_o, lS_i, y), out in dmodel.train_pipeline(stream):
-            loss = F.binary_cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            step += 1
-            n = y.shape[0]
-            seen += n
-            win_loss += float(loss.detach()) * n
-            win_n += n
-            if step % log_every == 0 or step == job.steps:
-                total_loss, total_n = _all_sum([win_loss, win_n])
-                now = time.perf_counter()
-                rate = total_n / max(now - win_t, 1e-9)
-                last_loss = total_loss / max(total_n, 1)
-                if rank == 0:
-                    row({"step": step, "loss": last_loss, "samples_per_s": rate, "samples": int(total_n),
-                         "elapsed_s": round(now - t0, 3)})
-                    progress.update(step, f"loss {last_loss:.4f} {rate:,.0f} samples/s", force=step == job.steps)
-                win_loss = win_n = 0.0
-                win_t = now
-            before = side
-            if val is not None and step % job.eval_every == 0:
-                run_eval(step)
-            if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
-                checkpoint(step)
-            win_t += side - before  # the next logged rate is the training's alone
+        if start > job.steps:
+            raise ValueError(f"--steps {job.steps}: the checkpoint {resumed} is already at step {start}")
+        # A saved position is checked against the data's settings: other data, batch size, split,
+        # seed or shuffle is an error saying what differs.
+        stream = train.batches(job.steps - start, rank=rank, world_size=world, start=position)
+        step = start
+        try:
+            for (dense_x, lS_o, lS_i, y), out in dmodel.train_pipeline(stream):
+                loss = F.binary_cross_entropy(out, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                step += 1
+                n = y.shape[0]
+                seen += n
+                win_loss += float(loss.detach()) * n
+                win_n += n
+                if step % log_every == 0 or step == job.steps:
+                    total_loss, total_n = _all_sum([win_loss, win_n])
+                    now = time.perf_counter()
+                    rate = total_n / max(now - win_t, 1e-9)
+                    last_loss = total_loss / max(total_n, 1)
+                    if rank == 0:
+                        row({"step": step, "loss": last_loss, "samples_per_s": rate, "samples": int(total_n),
+                             "elapsed_s": round(now - t0, 3)})
+                        progress.update(step, f"loss {last_loss:.4f} {rate:,.0f} samples/s", force=step == job.steps)
+                    win_loss = win_n = 0.0
+                    win_t = now
+                before = side
+                if val is not None and step % job.eval_every == 0:
+                    run_eval(step)
+                if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
+                    checkpoint(step)
+                win_t += side - before  # the next logged rate is the training's alone
+        finally:
+            stream.close()
+        if val is not None and step % job.eval_every != 0:
+            run_eval(step)  # the run's final model is always scored
+        if job.checkpoint_dir and (not saved or not saved[-1].endswith(f"{step:08d}")) and step > start:
+            checkpoint(step)  # the run's last step is always resumable
     finally:
-        stream.close()
         if log is not None:
             log.close()
-    if val is not None and step % job.eval_every != 0:
-        run_eval(step)  # the run's final model is always scored
-    if job.checkpoint_dir and (not saved or not saved[-1].endswith(f"{step:08d}")) and step > start:
-        checkpoint(step)  # the run's last step is always resumable
-    if progress:
-        progress.close()
+        if progress:
+            progress.close()
     seconds = time.perf_counter() - t0
     total_seen, = _all_sum([seen])
     return {"steps": step, "start": start, "resumed": resumed, "seconds": seconds, "side_seconds": side,

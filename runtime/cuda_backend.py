@@ -15,7 +15,7 @@ import torch
 from recc.kernels import cuda as cuda_kernels
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.runtime.cpu_backend import check_max_unchanged
-from recc.ops import OPS, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
+from recc.ops import OPS, SlotBatch, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
 from recc.runtime.loss_scale import update_scale
 
@@ -37,12 +37,21 @@ class TBELookupCUDA(torch.autograd.Function):
             ctx.ids = ctx.offsets = ctx.hsc = None
             return torch.zeros(b, t * group.dim, dtype=torch.float32, device=weights.device)
         ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
+        if isinstance(sparse, SlotBatch):
+            # A cached group's ids are slots of its cache, rows of ``weights`` for every table:
+            # the kernels see one table of every slot whose bags are all the tables' bags, the
+            # output's [T*B, D] turned back into [B, T*D] (and the gradient the other way).
+            t, b = 1, t * b
+            hsc = torch.tensor([0, weights.shape[0]], dtype=torch.int64, device=weights.device)
+            names = (group.group_name,)
+            ctx.t, ctx.b, ctx.slot_tables = t, b, sparse.num_tables
         ctx.ids, ctx.offsets, ctx.hsc, ctx.names = ids, offsets, hsc, names
         if pooling == "max":  # no CUDA kernel: the torch reference, on the device
             out, ctx.winners = max_pool(weights.detach(), linearize_indices(ids, offsets, hsc, t, b), offsets, T=t, B=b)
-            return out
-        return cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
-                                        per_sample_weights=sparse.per_sample_weights, table_names=names)
+        else:
+            out = cuda_kernels.tbe_forward(weights.detach(), ids, offsets, hsc, T=t, B=b, pooling=pooling,
+                                           per_sample_weights=sparse.per_sample_weights, table_names=names)
+        return _from_slot_bags(out, ctx)
 
     @staticmethod
     def backward(ctx, grad):
@@ -52,6 +61,7 @@ class TBELookupCUDA(torch.autograd.Function):
         ids, offsets, psw, b, checked = ctx.ids, ctx.offsets, ctx.psw, ctx.b, True
         t, hsc, pooling, names = ctx.t, ctx.hsc, ctx.pooling, getattr(ctx, "names", ())
         winners = ctx.winners
+        grad = _to_slot_bags(grad, ctx)
         if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
             # Every replica applies the same update for the global batch: its rows' summed
             # gradients, as one-id bags of one table spanning the group's rows.
@@ -86,7 +96,26 @@ class TBELookupCUDA(torch.autograd.Function):
                 T=t, B=b, pooling=pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,
                 eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
                 table_names=names, checked=checked, weight_decay_mode=o.weight_decay_mode)
+        if isinstance(ctx.sparse, SlotBatch):
+            ctx.sparse.lease.release()   # its rows are updated: the cache may evict them now
         return None, None, None
+
+
+def _from_slot_bags(out: torch.Tensor, ctx) -> torch.Tensor:
+    """A cached group's pooled ``[T*B, D]`` (bags in table-major order) as ``[B, T*D]``."""
+    t = getattr(ctx, "slot_tables", None)
+    if t is None:
+        return out
+    tb, d = out.shape
+    return out.view(t, tb // max(1, t), d).transpose(0, 1).reshape(tb // max(1, t), t * d)
+
+
+def _to_slot_bags(grad: torch.Tensor, ctx) -> torch.Tensor:
+    t = getattr(ctx, "slot_tables", None)
+    if t is None:
+        return grad
+    b, td = grad.shape
+    return grad.reshape(b, t, td // max(1, t)).transpose(0, 1).reshape(t * b, td // max(1, t))
 
 
 @register_impl("tbe_lookup", "cuda")

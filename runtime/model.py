@@ -75,7 +75,7 @@ def _initial_rows(group: TableGroup, j: int, seed: int, table_init: TableInit, c
 
 
 def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 0,
-                table_init: TableInit = "module", cache_dir=None) -> None:
+                table_init: TableInit = "module", cache_dir=None, store: str = "disk") -> None:
     """Give ``group`` this rank's shards in one concatenated ``weights`` plus zeroed optimizer
     state. Only the rank's own blocks of the source tables are read; nothing else is copied.
     Tables built on meta get ``table_init``'s values for ``seed`` (``recc.runtime.table_init``).
@@ -83,7 +83,7 @@ def materialize(group: TableGroup, rank: int, device: torch.device, seed: int = 
     the initial rows (``recc.runtime.table_cache``)."""
     group.set_rank(rank)
     if group.cached:
-        _materialize_cached(group, rank, device, seed, table_init, cache_dir)
+        _materialize_cached(group, rank, device, seed, table_init, cache_dir, store)
         return
     rows, dim = group.total_rows, group.dim
     # Half tables start as the user's fp32 values rounded to nearest (copy_ converts).
@@ -130,15 +130,15 @@ def _finish(group: TableGroup, device: torch.device) -> None:
 
 
 def _materialize_cached(group: TableGroup, rank: int, device: torch.device, seed: int, table_init: TableInit,
-                        cache_dir) -> None:
+                        cache_dir, store: str) -> None:
     from recc.runtime.table_cache import materialize_cached
-    if cache_dir is None:
+    if cache_dir is None and store == "disk":
         raise ValueError(f"table group {group.group_name} ({', '.join(group.logical_names)}) is placed cached: its "
                          f"store needs a directory on local disk: CompileConfig(cache_dir=...) or --cache-dir")
     fills = [_initial_rows(group, j, seed, table_init, group.source_block_consumable(j))
              for j in range(group.num_tables)]
     cache = materialize_cached(group, rank, device, group.cache_slots(rank), cache_dir,
-                               lambda j, a, b: fills[j](a, b))
+                               lambda j, a, b: fills[j](a, b), store=store)
     group.state_names = list(cache.state())
     _finish(group, device)
     group.optimizer_state = cache.state
@@ -445,7 +445,9 @@ def instantiate(program, rank: Optional[int] = None, device: Optional[str] = Non
     seed = _init_seed(program)
     for m in gm.modules():
         if isinstance(m, TableGroup):
-            materialize(m, rank, device, seed, program.config.table_init, cache_dir=_cache_dir(program))
+            # A GPU rank's cached tables keep their store in (pinned) host memory, a CPU rank's on disk.
+            materialize(m, rank, device, seed, program.config.table_init, cache_dir=_cache_dir(program),
+                        store="host" if program.cluster.device_type == "cuda" else "disk")
     for m in program.graph.modules():
         if isinstance(m, TableGroup):
             m.release_sources()  # a rank's copies of its blocks are in its weights now

@@ -92,7 +92,8 @@ class RowStore:
     def __init__(self, directory, group: TableGroup, rank: int):
         self.directory = Path(directory)
         self.rows = group.total_rows
-        self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in _record_parts(group, 1)]
+        self.layout = _record_parts(group, 1)
+        self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in self.layout]
         self.record = sum(b for _, b in self.parts)
         self.meta = {"format": "recc-store", "version": FORMAT_VERSION, "rows": self.rows, "record": self.record,
                      "parts": self.parts, "fingerprint": fingerprint(group, rank)}
@@ -225,6 +226,17 @@ class RowStore:
         arr = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=HEADER_BYTES, shape=(self.rows, self.record))
         return torch.from_numpy(arr)
 
+    def logical(self) -> list[torch.Tensor]:
+        """Each part of every record as a view of the mapped file: weights ``[rows, D]`` in the
+        stored dtype, each state ``[rows]`` or ``[rows, D]``."""
+        raw = self.mapped()
+        views, at = [], 0
+        for (_, shape, dtype), (_, nbytes) in zip(self.layout, self.parts):
+            v = raw[:, at:at + nbytes].view(dtype)
+            at += nbytes
+            views.append(v if len(shape) > 1 else v.reshape(-1))
+        return views
+
     def close(self, remove: bool = True) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -254,6 +266,41 @@ class _suppress_oserror:
 
     def __exit__(self, kind, exc, tb):
         return kind is not None and issubclass(kind, OSError)
+
+
+class HostStore:
+    """The store of a GPU rank's cached group: every row in host memory (pinned when CUDA is
+    there, so copies to and from the device run asynchronously), the same interface as
+    ``RowStore`` (``io``, ``logical``, ``close``), so a tier below host memory can take its
+    place. The slots are device memory; a fetch copies host rows into their slots, a write-back
+    copies slots back."""
+
+    def __init__(self, group: TableGroup, rank: int):
+        self.rows = group.total_rows
+        pin = torch.cuda.is_available()
+        self.host = [torch.zeros(shape, dtype=dt, pin_memory=pin) for _, shape, dt in _record_parts(group, self.rows)]
+        self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in _record_parts(group, 1)]
+        self.record = sum(b for _, b in self.parts)
+        self.path = f"host memory of rank {rank} ({group.group_name})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.record
+
+    def io(self, *, write: bool, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        if rows.numel() == 0:
+            return
+        for host, dev in zip(self.host, parts):
+            if write:
+                host[rows] = dev[slots.to(dev.device)].to("cpu")
+            else:
+                dev[slots.to(dev.device)] = host[rows].to(dev.device, non_blocking=True)
+
+    def logical(self) -> list[torch.Tensor]:
+        return list(self.host)
+
+    def close(self, remove: bool = True) -> None:
+        self.host = []
 
 
 def _free_bytes(d: Path) -> int:
@@ -322,15 +369,17 @@ class _Lease:
 class TableCache:
     """The slots, index, store and I/O queue of one cached group on one rank."""
 
-    def __init__(self, group: TableGroup, slots: int, directory, rank: int, device: torch.device):
-        if device.type != "cpu":
-            raise StoreError(f"table group {group.group_name}: cached placement runs on CPU ranks (a store on local "
-                             f"disk); on {device.type} keep the tables resident or shard them over more devices")
+    def __init__(self, group: TableGroup, slots: int, rank: int, device: torch.device, *, directory=None,
+                 store: str = "disk"):
+        if store == "disk" and device.type != "cpu":
+            raise StoreError(f"table group {group.group_name}: a disk store is for CPU ranks; a GPU rank's cached "
+                             f"tables keep their store in host memory (store='host')")
         self.group_name = group.group_name
+        self.device = device
         self.slots = min(slots, max(1, group.total_rows))
-        self.store = RowStore(directory, group, rank)
+        self.store = RowStore(directory, group, rank) if store == "disk" else HostStore(group, rank)
         self.index = kernels.CacheIndex.empty(group.total_rows, self.slots)
-        self.parts = [_slot_memory(shape, dt) for _, shape, dt in _record_parts(group, self.slots)]
+        self.parts = [_slot_memory(shape, dt, device) for _, shape, dt in _record_parts(group, self.slots)]
         self.part_names = [n for n, _, _ in _record_parts(group, self.slots)]
         self.hash_size_cumsum = group.hash_size_cumsum
         self.seq = 0
@@ -365,8 +414,10 @@ class TableCache:
             raise RuntimeError(f"table group {self.group_name}: recc.cache_map got slots, not ids (mapped twice)")
         t, b = sparse.num_tables, sparse.batch_size
         lin = linearize_indices(sparse.indices, sparse.offsets, self.hash_size_cumsum, t, b) if t and b and \
-            sparse.indices.numel() else torch.zeros(0, dtype=torch.int64)
+            sparse.indices.numel() else torch.zeros(0, dtype=torch.int64, device=sparse.indices.device)
         rows, inverse = torch.unique(lin, sorted=True, return_inverse=True)
+        # The index lives on the host: a GPU rank's unique rows come over (the cache's one sync).
+        rows = rows.cpu()
         self.seq += 1
         seq = self.seq
         self.live[seq] = 1
@@ -391,7 +442,7 @@ class TableCache:
         c.ids += rows.numel()
         c.misses += a.fetch_rows.numel()
         c.hits += rows.numel() - a.fetch_rows.numel()
-        slots = a.slots[inverse] if lin.numel() else lin
+        slots = a.slots.to(lin.device)[inverse] if lin.numel() else lin
         return SlotBatch(sparse.tables, slots, sparse.offsets, sparse.per_sample_weights, b,
                          lease=lease, assignment=a)
 
@@ -469,13 +520,7 @@ class TableCache:
         stored dtype, each state ``[rows]`` or ``[rows, D]``), after a flush. Writing into them
         writes the store: call ``invalidate()`` afterwards."""
         self.flush()
-        raw = self.store.mapped()
-        views, at = [], 0
-        for (name, nbytes), p in zip(self.store.parts, self.parts):
-            block = raw[:, at:at + nbytes]
-            at += nbytes
-            v = block.view(p.dtype)
-            views.append(v if p.dim() > 1 else v.reshape(-1))
+        views = self.store.logical()
         return views[0], dict(zip(self.part_names[1:], views[1:]))
 
     def close(self) -> None:
@@ -487,7 +532,9 @@ def _shutdown(io: ThreadPoolExecutor, store: RowStore) -> None:
     store.close(remove=True)
 
 
-def _slot_memory(shape, dtype) -> torch.Tensor:
+def _slot_memory(shape, dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     from recc.kernels import huge_page_empty
     return huge_page_empty(shape, dtype).zero_()
 
@@ -495,11 +542,11 @@ def _slot_memory(shape, dtype) -> torch.Tensor:
 # ----------------------------------------------------------------------------- materialising
 
 def materialize_cached(group: TableGroup, rank: int, device: torch.device, cache_rows: int, directory,
-                       fill) -> TableCache:
+                       fill, store: str = "disk") -> TableCache:
     """Give a cached ``group`` its slots and store: the store filled with every local shard's
     initial rows (``fill(j, a, b) -> fp32 rows a..b of local shard j``) and zero optimizer
     state, written ``_FILL_BYTES`` at a time so the rank never holds more than that of them."""
-    cache = TableCache(group, cache_rows, directory, rank, device)
+    cache = TableCache(group, cache_rows, rank, device, directory=directory, store=store)
     staging_rows = max(1, _FILL_BYTES // max(1, cache.store.record))
     shapes = _record_parts(group, staging_rows)
     staging = [torch.zeros(shape, dtype=dt) for _, shape, dt in shapes]
@@ -579,17 +626,20 @@ def _cache_of(group: TableGroup) -> TableCache:
     return cache
 
 
-@register_impl("cache_map", "cpu")
-def cache_map_cpu(group, sparse):
+def cache_map_impl(group, sparse):
     return _cache_of(group).map(sparse)
 
 
-@register_impl("cache_io_start", "cpu")
-def cache_io_start_cpu(group, slots):
+def cache_io_start_impl(group, slots):
     return Handle(slots, _cache_of(group).io_start(slots), group)
 
 
-@register_impl("cache_io_wait", "cpu")
-def cache_io_wait_cpu(handle):
+def cache_io_wait_impl(handle):
     _cache_of(handle.comm).io_wait(handle.work)
     return handle.value
+
+
+for _device in ("cpu", "cuda"):   # one implementation: the store decides where rows go
+    register_impl("cache_map", _device)(cache_map_impl)
+    register_impl("cache_io_start", _device)(cache_io_start_impl)
+    register_impl("cache_io_wait", _device)(cache_io_wait_impl)
