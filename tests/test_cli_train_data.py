@@ -334,7 +334,8 @@ def test_the_hint_for_a_criteo_log_of_other_rows_converts_it_again(tmp_path, cap
     rows = ",".join(str(1000 + k) for k in range(26))
     assert main(["data", "convert", "--rows", rows, str(src), str(tmp_path / "odd")]) == 0
     capfd.readouterr()
-    assert main(["train", "--model", "kaggle", "--world-size", "1", "--data", str(tmp_path / "odd")]) == 2
+    assert main(["train", "--model", "kaggle", "--world-size", "1", "--batch-size", "16", "--data",
+                 str(tmp_path / "odd")]) == 2
     err = capfd.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "convert its sources for 'kaggle' with `" in err, err
     command = err.split("`")[1]
@@ -343,7 +344,7 @@ def test_the_hint_for_a_criteo_log_of_other_rows_converts_it_again(tmp_path, cap
     out = Path(err.rstrip().split(" and train on ")[-1])
     assert ClickLogData(out, batch_size=16).num_embeddings == load_preset("kaggle")["num_embeddings"]
     capfd.readouterr()
-    assert main(["train", "--model", "small", "--world-size", "1", "--data", str(out)]) == 2
+    assert main(["train", "--model", "small", "--world-size", "1", "--batch-size", "16", "--data", str(out)]) == 2
     err = capfd.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.rstrip().endswith(": train it with --model kaggle"), err
 
@@ -352,15 +353,21 @@ def test_a_rank_refused_for_its_data_is_not_told_to_resume(data, tmp_path, capfd
     """A corrupt sample found inside a rank of a 2-rank run that has a checkpoint: exit 2, and no
     "continue with --resume" (resuming meets the same sample again)."""
     bad = write_log(tmp_path / "log")
+    sample = int(ClickLogData(bad, batch_size=16, val_fraction=0.1, shuffle_buffer=64).sample_indices(5)[0])
     ids = np.memmap(bad / "sparse_01.i32", dtype="<i4", mode="r+", shape=(SAMPLES, 3))
-    ids[100, 1] = 20
+    ids[sample, 1] = 20  # met at step 6, after the first checkpoints
     ids.flush()
     del ids
+    # the header's checksum made to agree with the bad id, so the data opens and the rank meets it
+    header = json.loads((bad / "header.json").read_text())
+    header["tables"][1]["crc32"] = zlib.crc32((bad / "sparse_01.i32").read_bytes())
+    (bad / "header.json").write_text(json.dumps(header))
     assert main(["train", *COMMON, "--data", str(bad), "--steps", "12", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--checkpoint-every", "2"]) == 2
+                 "--checkpoint-every", "1"]) == 2
     err = capfd.readouterr().err
     last = err.strip().splitlines()[-1]
-    assert "id outside the table's 20 rows: corrupt" in last and "--resume" not in last, err
+    assert list_checkpoints(tmp_path / "ckpt"), err
+    assert f"sample {sample} has an id outside the table's 20 rows: corrupt" in last and "--resume" not in last, err
 
 
 def test_export_of_another_model_is_refused_naming_the_table(uninterrupted, tmp_path, capfd):
