@@ -214,7 +214,10 @@ def train_on_data(program, job: DataJob) -> dict:
     if job.resume:
         latest = latest_checkpoint(job.checkpoint_dir)
         if latest is not None:
-            info = load_checkpoint(dmodel, opt, latest)
+            # the directory: the newest checkpoint that loads intact (a damaged newer one is named
+            # in a warning and skipped)
+            info = load_checkpoint(dmodel, opt, job.checkpoint_dir)
+            latest = info.path
             position = info.extra.get("data")
             if position is None:
                 raise recc.CheckpointError(f"{latest}: no data position in it (not saved by recc train --data)")
