@@ -425,7 +425,13 @@ class TableCache:
         try:
             a = kernels.assign(self.index, rows, seq=seq, oldest_live=self._oldest_live(),
                                mark_dirty=torch.is_grad_enabled())
-        except kernels.CacheFull:
+        except kernels.CacheFull as full:
+            # The rows placed before the one that found no slot are in the index now: move their
+            # data too (write back what they evicted, read them), or a later batch would find
+            # them as hits in slots that still hold the evicted rows, and the evicted dirty rows
+            # would be lost. The cache stays usable once the batches in flight have run backward.
+            if full.partial is not None:
+                self._io.submit(self._io_job(full.partial)).result()
             lease.release()
             others = len(self.live)
             busy = "" if not others else (f" beside the rows of {others} other batch(es) still in flight (looked up, "
@@ -446,8 +452,9 @@ class TableCache:
         return SlotBatch(sparse.tables, slots, sparse.offsets, sparse.per_sample_weights, b,
                          lease=lease, assignment=a)
 
-    def io_start(self, batch: SlotBatch) -> Future:
-        a = batch.assignment
+    def _io_job(self, a):
+        """The I/O of one assignment, for the I/O thread: the evicted dirty rows written back,
+        then the missing rows read (sorted, so runs of rows coalesce)."""
         wb_rows, order = torch.sort(a.writeback_rows)
         wb_slots = a.writeback_slots[order]
         f_rows, order = torch.sort(a.fetch_rows)
@@ -459,9 +466,12 @@ class TableCache:
             self.store.io(write=True, parts=self.parts, rows=wb_rows, slots=wb_slots)
             self.store.io(write=False, parts=self.parts, rows=f_rows, slots=f_slots)
             return submitted, start, time.perf_counter()
+        return job
 
-        fut = self._io.submit(job)
-        fut.rows = (wb_rows.numel(), f_rows.numel())
+    def io_start(self, batch: SlotBatch) -> Future:
+        a = batch.assignment
+        fut = self._io.submit(self._io_job(a))
+        fut.rows = (a.writeback_rows.numel(), a.fetch_rows.numel())
         self._pending.append(fut)
         return fut
 

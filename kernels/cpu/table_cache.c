@@ -36,7 +36,8 @@ int64_t recc_cache_assign(int64_t R, int64_t S, int32_t* map, int64_t* slot_row,
                           int64_t* bad) {
     /* Returns 0; -1 with *bad = the index of a row outside [0, R); -2 when no evictable slot
      * is left (in-flight batches pin too many: *bad = how many rows were placed). On error the
-     * index is as consistent as before the failing row (the caller discards the cache). */
+     * index maps every row placed before the failing one: the caller must still write back what
+     * they evicted and read them (n_fetch / n_wb are set). */
     int64_t nf = 0, nw = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];

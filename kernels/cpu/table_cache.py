@@ -32,7 +32,13 @@ _KERNELS = native.KernelLibrary(Path(__file__).with_name("table_cache.c"), _decl
 
 
 class CacheFull(RuntimeError):
-    """No slot can take a missing row: the batches in flight pin every slot."""
+    """No slot can take a missing row: the batches in flight pin every slot. ``.args[0]``: how
+    many rows were placed; ``.partial``: their ``Assignment`` (the index already maps them, so
+    the caller must still write back what they evicted and read them)."""
+
+    def __init__(self, placed: int, partial: "Assignment" = None):
+        super().__init__(placed)
+        self.partial = partial
 
 
 @dataclass
@@ -100,9 +106,9 @@ def assign(index: CacheIndex, rows: torch.Tensor, *, seq: int, oldest_live: int,
                                _ptr(wr), _ptr(ws), ctypes.byref(nw), ctypes.byref(bad))
     if rc == -1:
         raise IndexError(f"row {int(rows[bad.value])} is outside the cached rows [0, {index.rows})", bad.value)
-    if rc == -2:
-        raise CacheFull(bad.value)
     f, w = nf.value, nw.value
+    if rc == -2:
+        raise CacheFull(bad.value, Assignment(out[:bad.value], fr[:f], fs[:f], wr[:w], ws[:w]))
     return Assignment(out, fr[:f], fs[:f], wr[:w], ws[:w])
 
 
@@ -141,7 +147,8 @@ def assign_reference(index: CacheIndex, rows: torch.Tensor, *, seq: int, oldest_
             break
         if found < 0:
             index.hand[0] = h
-            raise CacheFull(i)
+            t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+            raise CacheFull(i, Assignment(t(out[:i]), t(fr), t(fs), t(wr), t(ws)))
         old = int(slot_row[found])
         if old >= 0:
             if dirty[found]:
