@@ -53,8 +53,7 @@ def cache_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         rename(start, f"fetch_{suffix}_h")
         rename(wait, f"fetch_{suffix}")
         for n in (mapped, start, wait):
-            n.meta["recc.notes"] = [f"cached {group.group_name}: {group.cache_slots(0)} of {group.total_rows} rows "
-                                    f"in memory on rank 0"] if n is mapped else []
+            n.meta["recc.notes"] = [f"cached {group.group_name}: {group.describe_slots()}"] if n is mapped else []
         lookup.args = (g_node, wait) + tuple(lookup.args[2:])
     graph.lint()
     return gm

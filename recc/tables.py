@@ -181,6 +181,13 @@ class TableGroup(nn.Module):
         return sum(self.tiers[k].shard_cache_rows(r1 - r0, self.tables[k].rows)
                    for k, _, r0, r1, _, _ in self.local_placements(rank))
 
+    def describe_slots(self) -> str:
+        """A cached group's slots: "S of R rows in memory" on one rank; each rank's slots on
+        several (compile time has no rank of its own: rank 0's would hide the others')."""
+        if self.world_size == 1:
+            return f"{self.cache_slots(0)} of {self.total_rows} rows in memory"
+        return "slots " + " ".join(f"r{r}:{self.cache_slots(r)}" for r in range(self.world_size))
+
     def local_placements(self, rank: int) -> list[Placement]:
         return [p for p in self.placements if p[1] == rank]
 
@@ -311,7 +318,7 @@ class TableGroup(nn.Module):
         stored = "" if self.weight_dtype == torch.float32 else f" {self.tables[0].dtype}"
         s = f"{self.group_name}=[{names}] dim={self.dim}{stored} {self.pooling}{w} {self.optimizer.describe()}{dp}"
         if self.cached:
-            s += f" cached({self.cache_slots(self.rank)} of {self.total_rows} rows in memory, store on disk)"
+            s += f" cached({self.describe_slots()}, store on disk)"
         if self.world_size > 1 and not self.data_parallel:
             per_rank = []
             for r in range(self.world_size):
