@@ -64,6 +64,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from recc.runtime.table_cache import local_rows, rows_written
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint import save as dcp_save
@@ -573,15 +574,18 @@ def _table_entries(dmodel, *, writing: bool, chunk_bytes: int, with_state: bool)
     per_table: dict[str, dict[str, list]] = {}
     for g in dmodel.table_groups():
         names = g.state_names if with_state else []
+        # Every local row: the group's weights and state, or, for a cached group, views of its
+        # store after a flush (the checkpoint is logical whatever the placement).
+        weights, states = local_rows(g)
         for j, (k, _, r0, r1, c0, c1) in enumerate(g.local):
             if g.data_parallel and writing and g.rank != 0:
                 continue  # replicas are identical: rank 0's copy is written
             spec = g.tables[k]
             slot = per_table.setdefault(spec.name, {})
             a, b = g.row_starts[j], g.row_starts[j + 1]
-            slot.setdefault("weight", []).append(((r0, c0), g.weights.detach()[a:b]))
+            slot.setdefault("weight", []).append(((r0, c0), weights[a:b]))
             for n in names:
-                state = getattr(g, n)
+                state = states[n]
                 if state.dim() == 1:
                     if c0 == 0:  # one value per row (row-wise Adagrad: never split by columns)
                         slot.setdefault(n, []).append(((r0,), state[a:b]))
@@ -942,6 +946,8 @@ def load_checkpoint(dmodel, dense_optimizer, path, *, optimizer_state: bool = Tr
             state[_DENSE_OPTIMIZER] = io.BytesIO()
         planner = _LoadPlanner()
         _dcp_read(d, manifest, md, state, planner, no_dist=not _distributed())
+        for g in dmodel.table_groups():
+            rows_written(g)   # a cached group's store was written behind its cache
         if dense_optimizer is not None and _DENSE_OPTIMIZER in planner.loaded:
             try:
                 dense_optimizer.load_state_dict(planner.loaded[_DENSE_OPTIMIZER])

@@ -574,6 +574,24 @@ def materialize_cached(group: TableGroup, rank: int, device: torch.device, cache
     return cache
 
 
+def local_rows(group: TableGroup) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Every row of ``group``'s local shards, ``(weights, {state name: state})``: the group's own
+    tensors when resident; for a cached group, views of its store after a flush (writing into
+    them writes the store: call ``rows_written`` afterwards)."""
+    cache = getattr(group, "cache", None)
+    if cache is not None:
+        return cache.logical_parts()
+    return group.weights.detach(), {n: getattr(group, n) for n in group.state_names}
+
+
+def rows_written(group: TableGroup) -> None:
+    """After ``local_rows``' views were written (a checkpoint or state dict loaded): a cached
+    group forgets its slots, so the next batches read the new rows."""
+    cache = getattr(group, "cache", None)
+    if cache is not None:
+        cache.invalidate()
+
+
 def cache_report(groups) -> "CacheReport":
     return CacheReport([(g.group_name, g.logical_names, g.cache) for g in groups if getattr(g, "cache", None)])
 
