@@ -20,7 +20,6 @@ dipping below it (and growing back: 0-9 MB per rank over 27 timed steps, kaggle 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -31,10 +30,13 @@ KEEP_BYTES = 1 << 30
 
 
 def _libc():
+    """glibc by its soname (malloc_trim and mallopt are glibc's; elsewhere None). Not through
+    ``ctypes.util.find_library``, which runs ``ldconfig -p`` in a subprocess: compiling must not
+    start a process (tests/frontend/test_capture.py's purity test refuses one)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
         return None
 
