@@ -23,11 +23,16 @@ so a log of a few hundred MB takes seconds; ``--loader-only`` leaves out the tra
 last lines compare what trusting the data costs: checking every file's crc32 against the header
 (``ClickLog.verify()``, what opening a ``ClickLogData`` does) next to reading one epoch, and
 opening the log with and without the check. Each loader time is the best of ``--repeat`` runs
-(the machine may be shared).
+(the machine may be shared). ``--baseline REV`` also times the loader of ``models/click_log.py``
+as of git revision ``REV`` on the same log, each run alternating with the current one's, so a
+busy machine slows both alike. ``--cpu-time`` times with the process's CPU time instead of the
+wall clock (the loader's own work, whatever else the machine runs; page cache warm, the loader
+is CPU-bound).
 
     python bench/data_loader.py
     python bench/data_loader.py --samples 262144 --batch-size 4096 --steps 8
     python bench/data_loader.py --from-arrays --samples 2097152 --loader-only --repeat 3
+    python bench/data_loader.py --from-arrays --samples 2097152 --loader-only --repeat 5 --baseline HEAD~1
 """
 
 from __future__ import annotations
@@ -82,19 +87,35 @@ def write_kaggle_arrays(out: Path, n: int, seed: int, rows: list[int]) -> None:
     write_click_log(out, [("generated", chunks())], rows)
 
 
+clock = time.perf_counter  # --cpu-time: time.process_time
+
+
 def best(repeat: int, fn) -> float:
     """The smallest of ``repeat`` timings of ``fn()`` (seconds): the least disturbed run."""
     times = []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
+
+
+def load_baseline(rev: str):
+    """``ClickLogData`` of ``models/click_log.py`` as of git revision ``rev`` (a module of its own)."""
+    import importlib.util
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{rev}:models/click_log.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader("recc_click_log_baseline", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    exec(compile(source, f"{rev}:models/click_log.py", "exec"), module.__dict__)
+    return module.ClickLogData
 
 
 def time_loader(data: ClickLogData, steps: int, rank: int, world_size: int, threaded: bool) -> float:
     """Samples/s of this rank over ``steps`` batches (each timed once; the page cache is warm)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     samples = 0
     if threaded:
         with data.batches(steps, rank=rank, world_size=world_size) as stream:
@@ -103,7 +124,7 @@ def time_loader(data: ClickLogData, steps: int, rank: int, world_size: int, thre
     else:
         for step in range(steps):
             samples += len(data.rank_batch(step, rank, world_size)[3])
-    return samples / (time.perf_counter() - t0)
+    return samples / (clock() - t0)
 
 
 def time_recc_step(batches, steps: int) -> float:
@@ -139,10 +160,15 @@ def time_trust(out: Path, args) -> tuple[float, float, float, float | None]:
     """(MiB, seconds to check every checksum, seconds to open a ClickLogData, the same unchecked)."""
     import inspect
 
-    from recc.models import ClickLog
+    from recc.models import ClickLog, click_log
     mib = sum(f.stat().st_size for f in out.iterdir()) / 2 ** 20
-    verify = best(args.repeat, lambda: ClickLog(out).verify())
-    open_checked = best(args.repeat, lambda: ClickLogData(out, batch_size=args.batch_size))
+
+    def forget():  # a checksum this process verified before is not recomputed: time a first check
+        if hasattr(click_log, "_verified"):
+            click_log._verified.clear()
+
+    verify = best(args.repeat, lambda: (forget(), ClickLog(out).verify()))
+    open_checked = best(args.repeat, lambda: (forget(), ClickLogData(out, batch_size=args.batch_size)))
     open_unchecked = None
     if "verify" in inspect.signature(ClickLogData).parameters:  # (a loader that checks at open)
         open_unchecked = best(args.repeat, lambda: ClickLogData(out, batch_size=args.batch_size, verify=False))
@@ -161,7 +187,11 @@ def main(argv=None) -> int:
     p.add_argument("--from-arrays", action="store_true", help="write the converted log from arrays (no TSV)")
     p.add_argument("--loader-only", action="store_true", help="leave out the recc training step")
     p.add_argument("--repeat", type=int, default=1, help="time each loader run this many times, keep the best")
+    p.add_argument("--baseline", metavar="REV", help="also time models/click_log.py of this git revision")
+    p.add_argument("--cpu-time", action="store_true", help="time loaders and checks with this process's CPU time")
     args = p.parse_args(argv)
+    global clock
+    clock = time.process_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     rows = load_preset("kaggle")["num_embeddings"]
     with tempfile.TemporaryDirectory(prefix="recc-data-loader-") as tmp:
@@ -182,33 +212,44 @@ def main(argv=None) -> int:
                   f"converted at {convert_rate:,.0f} samples/s ({mib * convert_rate / args.samples:.0f} MiB/s), "
                   "one core")
         rows_out, epochs = [], {}
+        Baseline = load_baseline(args.baseline) if args.baseline else None
         for shuffle in (0, args.shuffle_buffer):
             data = ClickLogData(out, batch_size=args.batch_size, shuffle_buffer=shuffle, seed=args.seed)
+            base = None if Baseline is None else Baseline(out, batch_size=args.batch_size, shuffle_buffer=shuffle,
+                                                          seed=args.seed)
             steps = data.steps_per_epoch
             time_loader(data, steps, 0, 1, threaded=False)  # pages in the files once
             for world in (1, args.world_size):
                 for threaded in (False, True):
-                    rate = max(time_loader(data, steps, 0, world, threaded) for _ in range(args.repeat))
+                    rates, base_rates = [], []
+                    for _ in range(args.repeat):
+                        rates.append(time_loader(data, steps, 0, world, threaded))
+                        if base is not None:
+                            base_rates.append(time_loader(base, steps, 0, world, threaded))
                     rows_out.append((f"loader, {'background' if threaded else 'calling'} thread", shuffle, world,
-                                     args.batch_size // world, rate))
+                                     args.batch_size // world, max(rates), max(base_rates, default=None)))
                     if world == 1 and threaded:
-                        epochs[shuffle] = steps * args.batch_size / rate
+                        epochs[shuffle] = steps * args.batch_size / max(rates)
         trust = time_trust(out, args)
         train = None
         if not args.loader_only:
             data = ClickLogData(out, batch_size=args.batch_size)
             batches = [data.batch(i) for i in range(min(args.steps, data.steps_per_epoch))]
             train = time_recc_step(batches, args.steps)
-    print(f"# torch threads {args.threads}; global batch {args.batch_size}"
+    print(f"# torch threads {args.threads}; global batch {args.batch_size}; "
+          f"{'CPU time of this process' if args.cpu_time else 'wall clock'}; best of {args.repeat}"
           + ("" if train is None else "; ratio = loader samples/s / one core's recc kaggle training samples/s "
                                       "at the global batch"))
-    print("| what | shuffle buffer | world | rank batch | samples/s (one core) | ratio to training |")
-    print("|---|---|---|---|---|---|")
+    extra = "" if Baseline is None else f" {args.baseline}: samples/s | this / {args.baseline} |"
+    print("| what | shuffle buffer | world | rank batch | samples/s (one core) | ratio to training |" + extra)
+    print("|---|---|---|---|---|---|" + ("" if Baseline is None else "---|---|"))
     if train is not None:
-        print(f"| recc train step, kaggle, sgd | | 1 | {args.batch_size} | {train:,.0f} | 1.0 |")
-    for name, shuffle, world, b, rate in rows_out:
+        print(f"| recc train step, kaggle, sgd | | 1 | {args.batch_size} | {train:,.0f} | 1.0 |"
+              + ("" if Baseline is None else " | |"))
+    for name, shuffle, world, b, rate, base_rate in rows_out:
         ratio = "" if train is None else f"{rate / train:.1f}x"
-        print(f"| {name} | {shuffle or 'off'} | {world} (rank 0) | {b} | {rate:,.0f} | {ratio} |")
+        print(f"| {name} | {shuffle or 'off'} | {world} (rank 0) | {b} | {rate:,.0f} | {ratio} |"
+              + ("" if base_rate is None else f" {base_rate:,.0f} | {rate / base_rate:.2f} |"))
     mib, verify, open_checked, open_unchecked = trust
     print(f"# trust: crc32 of all {mib:.0f} MiB (ClickLog.verify, page cache warm): {verify:.3f} s "
           f"({mib / verify:,.0f} MiB/s); one epoch through the background thread, rank 0 of 1: "
