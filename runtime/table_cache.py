@@ -415,9 +415,9 @@ class TableCache:
         t, b = sparse.num_tables, sparse.batch_size
         lin = linearize_indices(sparse.indices, sparse.offsets, self.hash_size_cumsum, t, b) if t and b and \
             sparse.indices.numel() else torch.zeros(0, dtype=torch.int64, device=sparse.indices.device)
-        rows, inverse = torch.unique(lin, sorted=True, return_inverse=True)
-        # The index lives on the host: a GPU rank's unique rows come over (the cache's one sync).
-        rows = rows.cpu()
+        # The index lives on the host: a GPU rank's ids come over (the cache's one sync). No
+        # unique: the map itself finds a row met earlier in the batch.
+        rows = lin.cpu()
         self.seq += 1
         seq = self.seq
         self.live[seq] = 1
@@ -438,17 +438,17 @@ class TableCache:
                                           f"their backward not yet run)")
             raise RuntimeError(
                 f"table group {self.group_name} (rank {self.rank}): its cache of {self.slots} rows cannot hold this "
-                f"batch's {rows.numel()} rows{busy}. Give it more cache rows (CompileConfig(placement="
+                f"batch's {int(torch.unique(rows).numel())} rows{busy}. Give it more cache rows (CompileConfig(placement="
                 f"{{table: {{'cache_rows': N}}}}))" + (", or run backward after each forward" if others else "")) from None
         except IndexError as e:
             lease.release()
             raise IndexError(f"table group {self.group_name}: {e.args[0]}") from None
         c = self.counters
         c.lookups += 1
-        c.ids += rows.numel()
+        c.ids += a.hits + a.fetch_rows.numel()
         c.misses += a.fetch_rows.numel()
-        c.hits += rows.numel() - a.fetch_rows.numel()
-        slots = a.slots.to(lin.device)[inverse] if lin.numel() else lin
+        c.hits += a.hits
+        slots = a.slots.to(lin.device)
         return SlotBatch(sparse.tables, slots, sparse.offsets, sparse.per_sample_weights, b,
                          lease=lease, assignment=a)
 

@@ -9,8 +9,9 @@
  *   dirty[S]      uint8: slot s was handed to a training lookup since it was last written back
  *   hand          int64: CLOCK's position
  *
- * recc_cache_assign maps one batch's unique rows to slots. Hits first (so a row this batch
- * uses can never be chosen as a victim for another of its rows), then each miss takes the
+ * recc_cache_assign maps one batch's rows (every id, duplicates included) to slots. Hits
+ * first (so a row this batch uses can never be chosen as a victim for another of its rows),
+ * then each distinct miss takes the
  * next slot CLOCK finds that is free, or unreferenced and pinned by no batch still in flight
  * (pin < oldest_live): the batches whose backward has not run yet keep their rows. An evicted
  * dirty row is reported for write-back before its slot is refilled.
@@ -29,33 +30,48 @@
 #include <unistd.h>
 
 int64_t recc_cache_assign(int64_t R, int64_t S, int32_t* map, int64_t* slot_row, uint8_t* ref,
-                          int64_t* pin, uint8_t* dirty, int64_t* hand, const int64_t* rows,
+                          int64_t* pin, uint8_t* dirty, int64_t* hand, const int64_t* ids,
                           int64_t n, int64_t seq, int64_t oldest_live, int mark_dirty,
                           int64_t* out_slots, int64_t* fetch_rows, int64_t* fetch_slots,
                           int64_t* n_fetch, int64_t* wb_rows, int64_t* wb_slots, int64_t* n_wb,
-                          int64_t* bad) {
-    /* Returns 0; -1 with *bad = the index of a row outside [0, R); -2 when no evictable slot
-     * is left (in-flight batches pin too many: *bad = how many rows were placed). On error the
-     * index maps every row placed before the failing one: the caller must still write back what
-     * they evicted and read them (n_fetch / n_wb are set). */
-    int64_t nf = 0, nw = 0;
+                          int64_t* n_hit, int64_t* bad) {
+    /* ids: the batch's rows, duplicates and all (no sort, no unique: the map itself finds a
+     * row met before). out_slots[i]: the slot of ids[i]. *n_hit: distinct rows found cached;
+     * the misses (distinct) are the fetch list. Returns 0; -1 with *bad = the index of an id
+     * outside [0, R) (nothing changed); -2 when no evictable slot is left (in-flight batches
+     * pin too many: *bad = the id that found none). On -2 the index maps every row placed
+     * before it: the caller must still write back what they evicted and read them (n_fetch /
+     * n_wb are set). */
     for (int64_t i = 0; i < n; i++) {
-        int64_t r = rows[i];
-        if (r < 0 || r >= R) {
+        if (ids[i] < 0 || ids[i] >= R) {
             *bad = i;
             return -1;
         }
-        int32_t s = map[r];
+    }
+    int64_t nf = 0, nw = 0, nh = 0;
+    /* Pass 1, hits: pinned before any miss looks for a victim, so a row this batch uses is
+     * never evicted for another of its rows. */
+    for (int64_t i = 0; i < n; i++) {
+        int32_t s = map[ids[i]];
         out_slots[i] = s;
         if (s >= 0) {
+            if (pin[s] != seq) {
+                nh++;
+                pin[s] = seq;
+            }
             ref[s] = 1;
-            if (pin[s] < seq) pin[s] = seq;
             if (mark_dirty) dirty[s] = 1;
         }
     }
+    /* Pass 2, misses, in id order; a row missed twice is placed once (the map has it then). */
     int64_t h = *hand;
     for (int64_t i = 0; i < n; i++) {
         if (out_slots[i] >= 0) continue;
+        int64_t r = ids[i];
+        if (map[r] >= 0) {
+            out_slots[i] = map[r];
+            continue;
+        }
         /* Two sweeps clear every reference bit; past that only pins can be in the way. */
         int64_t tries = 0, found = -1;
         while (tries < 2 * S + 1) {
@@ -74,6 +90,7 @@ int64_t recc_cache_assign(int64_t R, int64_t S, int32_t* map, int64_t* slot_row,
             *hand = h;
             *n_fetch = nf;
             *n_wb = nw;
+            *n_hit = nh;
             *bad = i;
             return -2;
         }
@@ -86,19 +103,20 @@ int64_t recc_cache_assign(int64_t R, int64_t S, int32_t* map, int64_t* slot_row,
             }
             map[old] = -1;
         }
-        map[rows[i]] = (int32_t)found;
-        slot_row[found] = rows[i];
+        map[r] = (int32_t)found;
+        slot_row[found] = r;
         ref[found] = 1;
         pin[found] = seq;
         dirty[found] = (uint8_t)(mark_dirty != 0);
         out_slots[i] = found;
-        fetch_rows[nf] = rows[i];
+        fetch_rows[nf] = r;
         fetch_slots[nf] = found;
         nf++;
     }
     *hand = h;
     *n_fetch = nf;
     *n_wb = nw;
+    *n_hit = nh;
     return 0;
 }
 

@@ -2,7 +2,7 @@
 and moving rows between a store file and the slots.
 
 ``CacheIndex`` is the bookkeeping of one cached table group (see ``table_cache.c`` for the
-fields); ``assign`` places one batch's unique rows, ``store_io`` reads or writes records. Each
+fields); ``assign`` places one batch's rows (every id, duplicates included), ``store_io`` reads or writes records. Each
 has a plain-Python reference (``RECC_CPU_KERNELS=reference``, and the tests' oracle) with the
 same semantics: the same victims in the same order, the same bytes on disk.
 """
@@ -23,7 +23,7 @@ def _declare(lib) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.recc_cache_assign.restype = i64
     lib.recc_cache_assign.argtypes = [i64, i64, p, p, p, p, p, p, p, i64, i64, i64, i32,
-                                      p, p, p, p, p, p, p, p]
+                                      p, p, p, p, p, p, p, p, p]
     lib.recc_store_io.restype = ctypes.c_int
     lib.recc_store_io.argtypes = [i32, i32, i64, i64, i32, p, p, p, p, i64, i32]
 
@@ -75,64 +75,75 @@ class CacheIndex:
 
 @dataclass
 class Assignment:
-    """One batch placed: ``slots[i]`` holds ``rows[i]``; ``fetch_*`` the misses to read (row,
-    slot), ``writeback_*`` the evicted dirty rows to write first (row, the slot holding it)."""
+    """One batch placed: ``slots[i]`` holds the row of id i; ``hits`` distinct rows were
+    cached; ``fetch_*`` the distinct misses to read (row, slot), ``writeback_*`` the evicted
+    dirty rows to write first (row, the slot holding it)."""
 
     slots: torch.Tensor
     fetch_rows: torch.Tensor
     fetch_slots: torch.Tensor
     writeback_rows: torch.Tensor
     writeback_slots: torch.Tensor
+    hits: int = 0
 
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def assign(index: CacheIndex, rows: torch.Tensor, *, seq: int, oldest_live: int, mark_dirty: bool) -> Assignment:
-    """Place ``rows`` (unique int64) in slots. Raises IndexError for a row outside the index
-    (``.args[1]`` its position) and ``CacheFull`` when in-flight batches pin every slot."""
-    rows = rows.to(torch.int64).contiguous()
+def assign(index: CacheIndex, ids: torch.Tensor, *, seq: int, oldest_live: int, mark_dirty: bool) -> Assignment:
+    """Place the rows of ``ids`` (int64, duplicates allowed: no sort or unique is needed) in
+    slots. Raises IndexError for an id outside the index (``.args[1]`` its position; nothing
+    changed) and ``CacheFull`` when in-flight batches pin every slot."""
+    ids = ids.to(torch.int64).contiguous()
     lib = _KERNELS.get()
     if lib is None:
-        return assign_reference(index, rows, seq=seq, oldest_live=oldest_live, mark_dirty=mark_dirty)
-    n = rows.numel()
+        return assign_reference(index, ids, seq=seq, oldest_live=oldest_live, mark_dirty=mark_dirty)
+    n = ids.numel()
     out = torch.empty(n, dtype=torch.int64)
     fr, fs, wr, ws = (torch.empty(n, dtype=torch.int64) for _ in range(4))
-    nf, nw, bad = (ctypes.c_int64(0) for _ in range(3))
+    nf, nw, nh, bad = (ctypes.c_int64(0) for _ in range(4))
     rc = lib.recc_cache_assign(index.rows, index.slots, _ptr(index.map), _ptr(index.slot_row), _ptr(index.ref),
-                               _ptr(index.pin), _ptr(index.dirty), _ptr(index.hand), _ptr(rows), n, seq,
+                               _ptr(index.pin), _ptr(index.dirty), _ptr(index.hand), _ptr(ids), n, seq,
                                oldest_live, int(mark_dirty), _ptr(out), _ptr(fr), _ptr(fs), ctypes.byref(nf),
-                               _ptr(wr), _ptr(ws), ctypes.byref(nw), ctypes.byref(bad))
+                               _ptr(wr), _ptr(ws), ctypes.byref(nw), ctypes.byref(nh), ctypes.byref(bad))
     if rc == -1:
-        raise IndexError(f"row {int(rows[bad.value])} is outside the cached rows [0, {index.rows})", bad.value)
+        raise IndexError(f"row {int(ids[bad.value])} is outside the cached rows [0, {index.rows})", bad.value)
     f, w = nf.value, nw.value
     if rc == -2:
-        raise CacheFull(bad.value, Assignment(out[:bad.value], fr[:f], fs[:f], wr[:w], ws[:w]))
-    return Assignment(out, fr[:f], fs[:f], wr[:w], ws[:w])
+        raise CacheFull(bad.value, Assignment(out[:bad.value], fr[:f], fs[:f], wr[:w], ws[:w], nh.value))
+    return Assignment(out, fr[:f], fs[:f], wr[:w], ws[:w], nh.value)
 
 
-def assign_reference(index: CacheIndex, rows: torch.Tensor, *, seq: int, oldest_live: int,
+def assign_reference(index: CacheIndex, ids: torch.Tensor, *, seq: int, oldest_live: int,
                      mark_dirty: bool) -> Assignment:
-    """``assign`` in Python, one row at a time: the oracle the C kernel is tested against."""
+    """``assign`` in Python, one id at a time: the oracle the C kernel is tested against."""
     R, S = index.rows, index.slots
     m, slot_row, ref, pin, dirty = (t.numpy() for t in (index.map, index.slot_row, index.ref, index.pin, index.dirty))
-    rows_l = rows.tolist()
-    out = [-1] * len(rows_l)
-    for i, r in enumerate(rows_l):
+    ids_l = ids.tolist()
+    for i, r in enumerate(ids_l):
         if not 0 <= r < R:
             raise IndexError(f"row {r} is outside the cached rows [0, {R})", i)
+    out = [-1] * len(ids_l)
+    hits = 0
+    for i, r in enumerate(ids_l):
         s = int(m[r])
         out[i] = s
         if s >= 0:
+            if pin[s] != seq:
+                hits += 1
+                pin[s] = seq
             ref[s] = 1
-            pin[s] = max(int(pin[s]), seq)
             if mark_dirty:
                 dirty[s] = 1
     h = int(index.hand[0])
     fr, fs, wr, ws = [], [], [], []
-    for i, r in enumerate(rows_l):
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    for i, r in enumerate(ids_l):
         if out[i] >= 0:
+            continue
+        if m[r] >= 0:   # missed earlier in this batch, placed then
+            out[i] = int(m[r])
             continue
         found = -1
         for _ in range(2 * S + 1):
@@ -147,8 +158,7 @@ def assign_reference(index: CacheIndex, rows: torch.Tensor, *, seq: int, oldest_
             break
         if found < 0:
             index.hand[0] = h
-            t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-            raise CacheFull(i, Assignment(t(out[:i]), t(fr), t(fs), t(wr), t(ws)))
+            raise CacheFull(i, Assignment(t(out[:i]), t(fr), t(fs), t(wr), t(ws), hits))
         old = int(slot_row[found])
         if old >= 0:
             if dirty[found]:
@@ -164,8 +174,7 @@ def assign_reference(index: CacheIndex, rows: torch.Tensor, *, seq: int, oldest_
         fr.append(r)
         fs.append(found)
     index.hand[0] = h
-    t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    return Assignment(t(out), t(fr), t(fs), t(wr), t(ws))
+    return Assignment(t(out), t(fr), t(fs), t(wr), t(ws), hits)
 
 
 def store_io(fd: int, *, write: bool, header: int, parts: Sequence[torch.Tensor], rows: torch.Tensor,
