@@ -611,6 +611,11 @@ def main(argv=None) -> int:
             PermissionError) as e:
         # An unknown preset, a table that does not fit, a missing file, a YAML typo: one line.
         return _user_error(args.cmd, e)
+    except KeyboardInterrupt:
+        # Ctrl-C: recc.launch has already stopped and reaped every rank; one line, no traceback
+        # (on a terminal, after the "^C" echoed onto the progress bar's line).
+        print(f"{chr(10) if sys.stderr.isatty() else ''}recc {args.cmd}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
