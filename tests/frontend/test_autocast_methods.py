@@ -113,7 +113,7 @@ def test_an_autocast_around_a_method_product_compiles_it_in_bf16(form):
     torch.testing.assert_close(got, want.float(), atol=2e-2, rtol=0)
 
 
-def test_an_autocast_around_only_a_method_product_still_sets_bf16():
+def test_an_autocast_around_only_a_method_product_is_seen_and_the_split_refused():
     """The only product under autocast is ``h @ w`` (the nn.Linear outside it): recc must see the
     autocast at all, and so refuse the split rather than compile fp32 as if there were none."""
     torch.manual_seed(0)
