@@ -24,20 +24,20 @@ def test_compile_prints_the_final_ir_and_plan_and_dumps(tmp_path, capsys):
     dump = tmp_path / "ir"
     assert main(["compile", "--model", "tiny", "--world-size", "1", "--dump-dir", str(dump)]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("# recc IR after [12/12] lower | ")
+    assert out.startswith("# recc IR after [13/13] lower | ")
     assert "\npooled_g0  : f32[8,12]    = recc.tbe_lookup[cpu](tbe_g0, sparse_g0)  # @batch_tables\n" in out
     assert "# sharding plan: 3 tables over 1 rank(s), strategy=auto" in out
     assert "emb_l.2  30x4        table_wise  0      r0:30x4" in out
     assert ("\ncat        : f32[8,10]    = recc.dot_interaction[cpu](bot_l_3, [pooled_g0], li, lj, "
             "features=((0, 0), (0, 4), (0, 8)))  # @fuse_interaction\n") in out
-    assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 12 passes, pipeline discover_tables,"
-                     r"shard_tables\{strategy=auto\},batch_tables,insert_comm,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
+    assert re.search(r"^# compiled tiny for local-1 in \d+\.\d\d s: 13 passes, pipeline discover_tables,"
+                     r"shard_tables\{strategy=auto\},batch_tables,insert_comm,cache_tables,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
                      r"pipeline_comm\{enabled=true\},fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower$", out, re.M)
     assert f"# wrote every stage's .txt/.diff/.dot and summary.tsv to {dump}" in out
     assert err == ""
     names = sorted(p.name for p in dump.iterdir())
     assert names == sorted([f"{i:02d}-{n}.{ext}" for i, n in enumerate(
-        ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm",
+        ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm", "pipeline_comm",
          "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "lower"])
         for ext in ("txt", "diff", "dot")]
         + ["summary.tsv"])
@@ -119,15 +119,15 @@ def test_train_with_another_optimizer(capsys, one_thread_cli):
 def test_compile_terabyte_on_meta_plans_without_allocating(capsys):
     assert main(["compile", "--model", "terabyte", "--meta", "--cluster", str(ZIONEX)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# recc IR after [12/12] lower | ")
+    assert out.startswith("# recc IR after [13/13] lower | ")
     assert "# sharding plan: 26 tables over 128 rank(s), strategy=auto" in out
     assert re.search(r"^emb_l\.0\s+39884406x128\s+\w+\s+[\d-]+\s+r\S+(, r\S+)*\s+[\d.e-]+\s+\w+ \+[\d.e-]+ ms$", out, re.M)
     assert "tbe_g0=[t0,t1,t2,t3,t4,t5,t6,t7,t8,t9,t10,t11,t12,t13,t14,t15,t16,t17,t18,t19,t20,t21,t22,t23,t24,t25]" in out
     assert re.search(r"^emb_g0 +: f32\[256,3328\] += recc.dequantize\[cuda\]\(emb_g0_q, ", out, re.M)
     assert "memory cap 36.00 GiB per rank (40 GiB less 10% reserved)" in out
     assert " OVER" not in out
-    assert re.search(r"^# compiled terabyte for zionex-16x8 in \d+\.\d\d s: 12 passes, pipeline discover_tables,"
-                     r"shard_tables\{strategy=auto\},batch_tables,insert_comm,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
+    assert re.search(r"^# compiled terabyte for zionex-16x8 in \d+\.\d\d s: 13 passes, pipeline discover_tables,"
+                     r"shard_tables\{strategy=auto\},batch_tables,insert_comm,cache_tables,quantize_comm\{fwd=fp16,bwd=bf16,allreduce=fp32\},"
                      r"pipeline_comm\{enabled=true\},fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower$", out, re.M)
 
 

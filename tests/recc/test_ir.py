@@ -15,7 +15,7 @@ from recc.models import build_model
 from recc.ops import Handle, SparseBatch
 from recc.passmanager import format_item
 
-STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm",
+STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm", "pipeline_comm",
           "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "lower"]
 BANNER = re.compile(r"^# recc IR after \[(\d+)/(\d+)\] (\S+) \| (\d+\.\d) ms \| "
                     r"nodes (\d+) -> (\d+) \(([+-]\d+)\) \| verify (ok|off|ok\+eager)$")
@@ -110,7 +110,7 @@ def test_banner_format():
     # Only options that differ from the pass's defaults are shown, plus those set from the
     # CompileConfig (shard_tables' strategy comes from CompileConfig.sharding).
     assert specs == ["trace", "discover_tables", "shard_tables{strategy=auto}",
-                     "batch_tables", "insert_comm", "quantize_comm{fwd=fp16,bwd=bf16,allreduce=fp32}",
+                     "batch_tables", "insert_comm", "cache_tables", "quantize_comm{fwd=fp16,bwd=bf16,allreduce=fp32}",
                      "pipeline_comm{enabled=true}", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act",
                      "lower"]
     assert program.pipeline == ",".join(specs[1:])
@@ -119,7 +119,7 @@ def test_banner_format():
     assert program.stages["batch_tables"].banner.endswith("| nodes 29 -> 30 (+1) | verify ok")
     assert program.stages["insert_comm"].banner.endswith("| nodes 30 -> 30 (+0) | verify ok")  # one rank: no-op
     assert program.stages["fuse_interaction"].banner.endswith("| nodes 30 -> 22 (-8) | verify ok")
-    assert program.stages["lower"].banner.startswith("# recc IR after [12/12] lower | ")
+    assert program.stages["lower"].banner.startswith("# recc IR after [13/13] lower | ")
 
 
 def test_banner_shows_options_that_differ_from_the_defaults():
@@ -223,9 +223,10 @@ def test_stage_diff_is_the_unified_diff_of_consecutive_stages():
     for prev, cur in zip(names, names[1:]):
         a, b = program.stages[prev], program.stages[cur]
         assert b.diff == ir.diff(a.text, b.text, before_name=prev, after_name=cur)
-        # no-ops on one rank (and align_linear on tiny's small layers): no diff
+        # no-ops on one rank (cache_tables: every table resident; align_linear on tiny's small layers): no diff
         # (fuse_gathers: tiny has only pooled tables; fold_column_cat: its interaction took the pieces).
-        if cur in ("insert_comm", "quantize_comm", "pipeline_comm", "fuse_gathers", "fold_column_cat", "align_linear"):
+        if cur in ("insert_comm", "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers", "fold_column_cat",
+                   "align_linear"):
             assert b.text == a.text and b.diff == ""
             continue
         head = b.diff.splitlines()[:3]
@@ -343,9 +344,9 @@ def test_to_dot_labels_survive_truncation():
 def _check_dump(d, program):
     names = [f"{s.index:02d}-{s.name}" for s in program.stages.values()]
     assert names == ["00-trace", "01-discover_tables", "02-shard_tables", "03-batch_tables",
-                     "04-insert_comm", "05-quantize_comm", "06-pipeline_comm", "07-fuse_gathers",
-                     "08-fuse_interaction", "09-fold_column_cat", "10-align_linear", "11-fuse_linear_act",
-                     "12-lower"]
+                     "04-insert_comm", "05-cache_tables", "06-quantize_comm", "07-pipeline_comm", "08-fuse_gathers",
+                     "09-fuse_interaction", "10-fold_column_cat", "11-align_linear", "12-fuse_linear_act",
+                     "13-lower"]
     for stem, stage in zip(names, program.stages.values()):
         assert (d / f"{stem}.txt").read_text() == stage.ir
         assert (d / f"{stem}.diff").read_text() == stage.diff

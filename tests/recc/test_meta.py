@@ -14,7 +14,7 @@ from recc.tables import TableGroup
 
 
 ZIONEX = Path(__file__).resolve().parents[2] / "clusters" / "zionex-16x8.yaml"
-STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "quantize_comm", "pipeline_comm",
+STAGES = ["trace", "discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm", "pipeline_comm",
           "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "lower"]
 
 
