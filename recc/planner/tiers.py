@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from functools import partial
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -275,12 +276,12 @@ class _Cand:
     """One table as the tier search sees it: its shards per rank and the cost of a cache size."""
 
     def __init__(self, index: int, t: TableSpec, spec: ShardSpec, model: CostModel, bag: float,
-                 dist: IdDistribution):
+                 dist: Callable[[], IdDistribution]):
         self.index, self.t, self.model = index, t, model
         p = model.profile(t, bag)
         self.p = p
         self.m = model.B * bag                          # ids per step, all bags of the global batch
-        self.dist = dist
+        self._dist = dist  # built when first needed: most tables of a big model are never cached
         self._curve = None
         self.shards: dict[int, list[tuple[int, int]]] = {}
         for r, r0, r1, c0, c1 in spec.shards:
@@ -291,6 +292,12 @@ class _Cand:
         self.min_rows = max(-(-PIPELINE_BATCHES * min(n, int(math.ceil(self.m))) * t.rows // n)
                             for sh in self.shards.values() for n, _ in sh)
         self.rows = None  # cache rows while cached
+
+    @property
+    def dist(self) -> IdDistribution:
+        if callable(self._dist):
+            self._dist = self._dist()
+        return self._dist
 
     @property
     def curve(self) -> CacheCurve:
@@ -360,7 +367,7 @@ def place_tiers(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], mode
     profile = access_profile or {}
     samples = id_samples or {}
     cands = {n: _Cand(i, t, shards[n], model, (bag_sizes or {}).get(n, 1.0),
-                      id_distribution(t, profile.get(n), samples.get(n)))
+                      partial(id_distribution, t, profile.get(n), samples.get(n)))
              for i, (n, t) in enumerate(tables.items())}
     mem = list(base_mem)
     reasons: dict[str, str] = {}
