@@ -2,8 +2,15 @@
 
 Contract: requires ``discover_tables`` (TableSpecs on lookups). Ensures every node carrying
 ``meta["recc.table"]`` also carries ``meta["recc.shard"]`` (the same object as
-``ctx.plan.shards[table]``), and ``ctx.plan`` is the ``Plan`` with the cost model's estimates
+``ctx.plan.shards[table]``) and ``meta["recc.tier"]`` (``ctx.plan.tier(table)``: resident, or
+cached with its cache rows), and ``ctx.plan`` is the ``Plan`` with the cost model's estimates
 (``print(program.plan)`` is its table). Must not change the graph's nodes or what it computes.
+
+Tiers (``recc.planner.tiers``): ``CompileConfig.placement`` forces tables resident or cached;
+with ``auto`` the planner caches tables in front of the cluster's storage tier only when they
+do not fit the ranks' memory. A cached table's expected hit rate comes from its id distribution:
+``access_profile`` (``{table: zipf_alpha | [per-row frequencies]}``) if given, else a Zipf
+exponent fitted to the example inputs' ids of that table, else the presets' exponent.
 
 The plan comes from ``recc.planner.plan_tables`` for any world size: ``strategy`` is ``auto``
 (the planner's choice, per table) or one kind forced on every table (``CompileConfig.sharding``
