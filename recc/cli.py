@@ -44,6 +44,13 @@ def _config(args):
         config.pipelining = False
     if getattr(args, "sharding", None):
         config.sharding = args.sharding
+    if getattr(args, "placement", None):
+        config.placement = args.placement
+    if getattr(args, "cache_dir", None):
+        if not Path(args.cache_dir).is_dir():
+            raise ValueError(f"--cache-dir {args.cache_dir}: no such directory (create it on a local disk with room "
+                             f"for the cached tables)")
+        config.cache_dir = args.cache_dir
     config.__post_init__()  # validate what the flags set
     return config
 
@@ -257,6 +264,8 @@ def _train_data(args) -> int:
         print(f"log: {args.log}")
     if r["comm"]:
         print(f"rank 0 {r['comm']}")
+    if r.get("cache"):
+        print(f"rank 0 {r['cache']}")
     return 0
 
 
@@ -382,6 +391,8 @@ def _train_synthetic(args) -> int:
           f"training throughput {samples_per_s:,.0f} samples/s")
     if results[0]["comm"]:
         print(f"rank 0 {results[0]['comm']}")
+    if results[0].get("cache"):
+        print(f"rank 0 {results[0]['cache']}")
     return 0
 
 
@@ -422,7 +433,7 @@ def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict
             labels.append(y)
     comm = dmodel.comm_report().summary() if world > 1 else None
     return {"samples": seen, "seconds": t_train, "pred": torch.cat(preds), "label": torch.cat(labels),
-            "comm": comm}
+            "comm": comm, "cache": dmodel.cache_report().summary()}
 
 
 def cmd_plan(args) -> int:
@@ -548,6 +559,11 @@ def main(argv=None) -> int:
         sp.add_argument("--sharding", choices=["auto", "table_wise", "row_wise", "column_wise", "table_row_wise",
                                                "data_parallel"], help="force one sharding kind on every table "
                                                                       "(default: the config's, auto)")
+        sp.add_argument("--placement", choices=["auto", "resident", "cached"],
+                        help="every table's memory tier: cached keeps a budget of rows in memory in front of a store "
+                             "on disk (default: the config's, auto: cached only when the ranks' memory cannot hold "
+                             "the tables)")
+        sp.add_argument("--cache-dir", help="directory on local disk for cached tables' stores (one run at a time)")
 
     c = sub.add_parser("compile", formatter_class=_Help, help="compile a preset model and print/dump every stage")
     common(c, "small")

@@ -325,4 +325,5 @@ def train_on_data(program, job: DataJob) -> dict:
     return {"steps": step, "start": start, "resumed": resumed, "seconds": seconds, "side_seconds": side,
             "samples": int(total_seen),
             "loss": last_loss, "eval": last_eval, "checkpoints": saved,
-            "comm": dmodel.comm_report().summary() if world > 1 and rank == 0 else None}
+            "comm": dmodel.comm_report().summary() if world > 1 and rank == 0 else None,
+            "cache": dmodel.cache_report().summary() if rank == 0 else None}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import multiprocessing.util
 import os
 import socket
 import threading
@@ -388,7 +389,10 @@ class TableCache:
         self.rank = rank
         self._pending: deque[Future] = deque()
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"recc-cache-{group.group_name}")
-        self._finalizer = weakref.finalize(self, _shutdown, self._io, self.store)
+        # Closed (the I/O thread joined, the store removed, the lock released) when the cache is
+        # collected or the process exits — a launched rank too: multiprocessing runs these
+        # finalizers before its worker's os._exit, which skips atexit.
+        self._finalizer = multiprocessing.util.Finalize(self, _shutdown, args=(self._io, self.store), exitpriority=10)
 
     # -- what the group holds
     @property
@@ -616,6 +620,21 @@ class CacheReport:
                         "waited_steps": c.waited, "wait_ms": c.wait_s * 1e3,
                         "io_ms_per_step": c.io_s * 1e3 / steps})
         return out
+
+    def summary(self) -> Optional[str]:
+        """One line over every cached group of the rank (None when nothing is cached)."""
+        rows = self.rows()
+        if not rows:
+            return None
+        ids = sum(r["hits"] + r["misses"] for r in rows)
+        hits = sum(r["hits"] for r in rows)
+        steps = max(r["lookups"] for r in rows)
+        waited = max(r["waited_steps"] for r in rows)
+        wait_ms = sum(r["wait_ms"] for r in rows)
+        return (f"cache: {len(rows)} group(s), hit rate {hits / ids if ids else 1.0:.1%}, "
+                f"{_fmt_bytes(sum(r['read_bytes_per_step'] for r in rows))} read + "
+                f"{_fmt_bytes(sum(r['written_bytes_per_step'] for r in rows))} written per step, "
+                f"waited on the store in {waited}/{steps} steps ({wait_ms:.0f} ms)")
 
     def __str__(self) -> str:
         lines = ["# embedding cache: per cached group on this rank (per step = per lookup)"]
