@@ -380,11 +380,14 @@ class _World:
         return RankFailed(f"recc.launch: rank {r} of {world} failed: {self.errors[r]}", r)
 
     def stop(self) -> None:
-        """End every rank still running (SIGTERM, then SIGKILL) and reap them all."""
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 5.0
+        """Reap every rank: after a success, give each time to finish its own teardown (its exit
+        handlers free what it holds); otherwise end those still running (SIGTERM, then SIGKILL)."""
+        done = len(self.results) == self.world
+        if not done:
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+        deadline = time.monotonic() + (30.0 if done else 5.0)
         for p in self.procs:
             if p.pid is None:
                 continue  # never started (interrupted while the world started)
