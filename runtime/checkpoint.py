@@ -222,8 +222,16 @@ def _manifest(d: Path) -> dict:
         raise CheckpointError(f"{f}: the manifest of step {manifest.get('step')} in the directory of step {step} "
                               f"(copied or renamed from another checkpoint)")
     files = manifest.get("files")
-    if not isinstance(files, dict) or METADATA not in files or not all(_plain_name(n) for n in files):
+    if not isinstance(files, dict) or METADATA not in files or not all(
+            _plain_name(n) and isinstance(r, dict) and isinstance(r.get("bytes"), int)
+            and isinstance(r.get("items"), list)
+            and all(isinstance(i, list) and len(i) == 3 and isinstance(i[0], int) and isinstance(i[1], int)
+                    and isinstance(i[2], str) for i in r["items"])
+            for n, r in files.items()):
         raise CheckpointError(f"{f}: its list of files is malformed")
+    if not isinstance(manifest.get("step"), int) or not isinstance(manifest.get("tables"), dict) \
+            or not isinstance(manifest.get("dense"), dict):
+        raise CheckpointError(f"{f}: malformed (step, tables or dense missing)")
     return manifest
 
 
@@ -937,6 +945,8 @@ def load_checkpoint(dmodel, dense_optimizer, path, *, optimizer_state: bool = Tr
             _check_model(manifest, tables, {k: list(v.shape) for k, v in dense.items()}, optimizer_state, str(d))
         except CheckpointError as e:
             err = e
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest whose entries are malformed
+            err = CheckpointError(f"{d / MANIFEST}: malformed ({type(e).__name__}: {e})")
         err = _agree(err)
         if err is not None:
             raise err
@@ -973,6 +983,23 @@ def _load_module_from(model: torch.nn.Module, d: Path) -> CheckpointInfo:
     manifest = check_checkpoint(d)
     md = _read_metadata(d, manifest)
     sd = model.state_dict()
+    try:
+        saved_keys = _check_module(model, sd, manifest, d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a manifest whose entries are malformed
+        raise CheckpointError(f"{d / MANIFEST}: malformed ({type(e).__name__}: {e})") from None
+    state = {}
+    for key, t in sd.items():
+        if key in saved_keys:
+            rows, dim = t.shape
+            state[f"model/{key}"] = _Blocks((rows, dim), t.dtype, [((0, 0), t)], _grid_rows(dim, CHUNK_BYTES))
+        else:
+            state[f"model/{key}"] = t
+    _dcp_read(d, manifest, md, state, _LoadPlanner(), no_dist=True)
+    return CheckpointInfo(path=d, step=int(manifest["step"]), extra=manifest.get("extra", {}))
+
+
+def _check_module(model, sd: dict, manifest: dict, d: Path) -> dict:
+    """The manifest's tables by the model's key, once its tables and dense tensors match ``sd``."""
     saved_keys = {m["key"]: (name, m) for name, m in manifest["tables"].items()}
     for key, (name, m) in saved_keys.items():
         if key not in sd:
@@ -985,12 +1012,4 @@ def _load_module_from(model: torch.nn.Module, d: Path) -> CheckpointInfo:
     missing = [k for k in sd if k not in saved_keys and k not in manifest["dense"]]
     if missing:
         raise CheckpointError(f"{d}: written for another model: it has no {missing[0]}")
-    state = {}
-    for key, t in sd.items():
-        if key in saved_keys:
-            rows, dim = t.shape
-            state[f"model/{key}"] = _Blocks((rows, dim), t.dtype, [((0, 0), t)], _grid_rows(dim, CHUNK_BYTES))
-        else:
-            state[f"model/{key}"] = t
-    _dcp_read(d, manifest, md, state, _LoadPlanner(), no_dist=True)
-    return CheckpointInfo(path=d, step=int(manifest["step"]), extra=manifest.get("extra", {}))
+    return saved_keys
