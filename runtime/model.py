@@ -350,7 +350,9 @@ class DistributedModel(nn.Module):
             if g.data_parallel and owner != 0:
                 continue  # replicas are identical: rank 0's copy is the table
             if owner == g.rank:
-                block = g.table_weight(local[(k, r0, c0)]).detach().float()
+                # contiguous: a cached group's rows are views of its store's records, strided by
+                # the record (weights + optimizer state); broadcast sent the bytes as if packed
+                block = g.table_weight(local[(k, r0, c0)]).detach().float().contiguous()
             else:
                 block = torch.empty(r1 - r0, c1 - c0)
             if world > 1:
