@@ -17,12 +17,17 @@ Systems:
   then ``instantiate()`` on each rank (``recc.launch`` at W >= 2).
 - ``recc meta``: the same model with its tables built on ``meta`` (the dense part on the CPU);
   each rank draws its own shards.
+- ``recc cached``: ``recc meta`` with every table placed ``cached`` (``--cache-fraction`` of its
+  rows in memory, the rest in a store on disk under a temporary directory): the rank's peak is its
+  caches, their index and the bounded I/O buffers (the baseline with 20-row tables runs resident,
+  so the cache's fixed costs count as the tables').
 
 recc's figure is compared with the plan's per-rank estimate (weights + optimizer state + lookup
 and communication buffers) and with TorchRec's, as ratios.
 
     python bench/memory.py                                   # big, small, kaggle; W=1 and 2; sgd and rowwise_adagrad
     python bench/memory.py --models big --world-sizes 1 --optimizers sgd --rows 500000
+    python bench/memory.py --models big --systems "recc meta,recc cached" --rows 4000000   # the cache's memory
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import subprocess
 import sys
 
 MIB = 1 << 20
-SYSTEMS = ("eager", "torchrec", "recc", "recc meta")
+SYSTEMS = ("eager", "torchrec", "recc", "recc meta", "recc cached")
 
 
 def _peak_mib() -> float:
@@ -150,7 +155,7 @@ def _recc_rank(program, cfg, steps):
 
 
 def run_one(system: str, model: str, world: int, optimizer: str, rows: int, tables: int, dim: int, steps: int,
-            small_tables: bool) -> dict:
+            cache_fraction: float, small_tables: bool) -> dict:
     """In this (fresh) process: build and train one system; peak RSS per rank (MiB), and recc's estimates."""
     import torch
     import recc
@@ -162,7 +167,12 @@ def run_one(system: str, model: str, world: int, optimizer: str, rows: int, tabl
     if system == "torchrec":
         return {"peaks": recc.launch(_torchrec_rank, recc.Cluster.local(world), cfg, optimizer, steps)}
     config = recc.CompileConfig(optimizer=optimizer, lr=0.01, batch_size=cfg["batch_size"])
-    if system == "recc meta":
+    if system == "recc cached" and not small_tables:
+        import tempfile
+        config.placement = {f"emb_l.{k}": {"placement": "cached", "cache_rows": max(1, int(n * cache_fraction))}
+                            for k, n in enumerate(cfg["num_embeddings"])}
+        config.cache_dir = tempfile.mkdtemp(prefix="recc-memory-bench-")
+    if system in ("recc meta", "recc cached"):
         # Tables on meta, the dense part on the CPU (the DLRM's interaction indices are computed
         # when it is built, so a DLRM built wholly on meta has none): as a TorchRec user builds it.
         user_model = build_model(dict(cfg, num_embeddings=[20] * len(cfg["num_embeddings"])))
@@ -201,6 +211,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--world-sizes", default="1,2")
     p.add_argument("--optimizers", default="sgd,rowwise_adagrad")
+    p.add_argument("--cache-fraction", type=float, default=0.125,
+                   help="recc cached: the share of each table's rows its cache keeps in memory")
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -226,7 +238,8 @@ def main(argv=None) -> None:
                 for system in systems:
                     if system == "eager" and world != 1:
                         continue
-                    job = (system, model, world, optimizer, args.rows, args.tables, args.dim, args.steps)
+                    job = (system, model, world, optimizer, args.rows, args.tables, args.dim, args.steps,
+                           args.cache_fraction)
                     big, small = _fresh(*job, False), _fresh(*job, True)
                     if "error" in big or "error" in small:
                         print(f"{model:<7} {optimizer:<16} {world:>2} {system:<10} failed: "
