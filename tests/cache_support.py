@@ -38,12 +38,12 @@ class UserRec(nn.Module):
 
     TABLES = ("bags.0", "bags.1", "weighted", "item", "maxbag")
 
-    def __init__(self, rows=(300, 400, 200, 250, 150), dim: int = 8, max_bag: bool = True):
+    def __init__(self, rows=(300, 400, 200, 250, 150), dim: int = 8, max_bag: bool = True, mean: bool = True):
         super().__init__()
         self.rows = dict(zip(self.TABLES, rows))
         self.max_bag = max_bag
         self.bags = nn.ModuleList([nn.EmbeddingBag(rows[0], dim, mode="sum"),
-                                   nn.EmbeddingBag(rows[1], dim, mode="mean")])
+                                   nn.EmbeddingBag(rows[1], dim, mode="mean" if mean else "sum")])
         self.weighted = nn.EmbeddingBag(rows[2], dim, mode="sum")
         self.item = nn.Embedding(rows[3], dim)
         if max_bag:
@@ -67,10 +67,11 @@ class DictRec(nn.Module):
 
     FEATURES = {"user": (300, "sum"), "ad": (500, "mean"), "site": (200, "sum")}
 
-    def __init__(self, dim: int = 8):
+    def __init__(self, dim: int = 8, mean: bool = True):
         super().__init__()
         self.rows = {f"tables.{k}": n for k, (n, _) in self.FEATURES.items()}
-        self.tables = nn.ModuleDict({k: nn.EmbeddingBag(n, dim, mode=mode) for k, (n, mode) in self.FEATURES.items()})
+        self.tables = nn.ModuleDict({k: nn.EmbeddingBag(n, dim, mode=mode if mean else "sum")
+                                     for k, (n, mode) in self.FEATURES.items()})
         self.top = nn.Sequential(nn.Linear(DENSE + len(self.FEATURES) * dim, 8), nn.ReLU(), nn.Linear(8, 1))
 
     def forward(self, dense, offsets, ids):

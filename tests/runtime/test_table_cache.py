@@ -28,7 +28,7 @@ from recc.runtime import table_cache as runtime_cache
 from recc.runtime.table_cache import HEADER_BYTES, MAGIC, StoreError
 
 TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
+sys.path.append(str(TESTS))   # (appended: tests/recc must not shadow the recc package)
 import cache_support as cs  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -678,7 +678,7 @@ def test_two_groups_of_one_run_share_the_directory(tmp_path):
 CHILD = textwrap.dedent("""
     import json, os, sys
     import recc
-    sys.path.insert(0, sys.argv[3])
+    sys.path.append(sys.argv[3])
     import cache_support as cs
     import torch
     torch.set_num_threads(1)
