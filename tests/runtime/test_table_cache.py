@@ -361,11 +361,21 @@ pooled_g1  : f32[16,0]    = recc.tbe_lookup(tbe_g1, fetch_g1)  # @batch_tables
 """
 
 
-def _tiny_cached(tiny, world: int, **cfg) -> recc.Program:
-    """The tiny DLRM with emb_l.1 (20 rows) cached in 8 rows, table-wise (at W=2 on rank 1)."""
-    config = recc.CompileConfig(sharding="table_wise", placement={"emb_l.1": {"cache_rows": 8}}, cache_dir="/unused",
-                                **cfg)
-    return recc.compile(tiny, recc.Cluster.local(world), config=config)
+@pytest.fixture(scope="module")
+def tiny_cached():
+    """``tiny_cached(world, pipelining)``: the tiny DLRM with emb_l.1 (20 rows) cached in 8 rows,
+    table-wise (at W=2 on rank 1); each compiled once for the module (compiling is pure)."""
+    from recc.models import build_model
+    programs = {}
+
+    def get(world: int, pipelining: bool = True) -> recc.Program:
+        if (world, pipelining) not in programs:
+            torch.manual_seed(0)
+            config = recc.CompileConfig(sharding="table_wise", placement={"emb_l.1": {"cache_rows": 8}},
+                                        cache_dir="/unused", pipelining=pipelining)
+            programs[world, pipelining] = recc.compile(build_model("tiny"), recc.Cluster.local(world), config=config)
+        return programs[world, pipelining]
+    return get
 
 
 def _group_lines(text: str, group: str) -> str:
@@ -376,10 +386,10 @@ def _group_lines(text: str, group: str) -> str:
     return "\n".join(lines[first:last + 1]) + "\n"
 
 
-def test_cache_tables_ir_one_rank(tiny):
+def test_cache_tables_ir_one_rank(tiny_cached):
     """The cached group's ids go through cache_map, cache_io_start and cache_io_wait, and the
     lookup reads the waited slots; the resident group (emb_l.0, emb_l.2) is left as it was."""
-    program = _tiny_cached(tiny, 1)
+    program = tiny_cached(1)
     text = program.stages["cache_tables"].text
     assert _group_lines(text, "g1") == EXPECTED_W1
     before = program.stages["insert_comm"].text
@@ -387,22 +397,22 @@ def test_cache_tables_ir_one_rank(tiny):
     assert text.count("recc.cache_") == 3
 
 
-def test_cache_tables_ir_two_ranks_maps_after_the_input_dist(tiny):
+def test_cache_tables_ir_two_ranks_maps_after_the_input_dist(tiny_cached):
     """At W=2 the ids a rank maps are its own shard's, so the map follows the ids' all-to-all wait."""
-    text = _tiny_cached(tiny, 2).stages["cache_tables"].text
+    text = tiny_cached(2).stages["cache_tables"].text
     assert _group_lines(text, "g1") == EXPECTED_W2
 
 
 def test_cache_tables_changes_nothing_without_a_cached_table(tiny):
-    program = recc.compile(tiny, recc.Cluster.local(2), config=recc.CompileConfig(sharding="table_wise"))
+    program = recc.compile(tiny, config=recc.CompileConfig(sharding="table_wise"))
     assert program.stages["cache_tables"].text == program.stages["insert_comm"].text
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_pipeline_comm_stages_the_map_and_the_fetch(tiny, world):
+def test_pipeline_comm_stages_the_map_and_the_fetch(tiny_cached, world):
     """``cache_map`` and ``cache_io_start`` run a batch ahead (stage=sparse_dist); the wait and
     the lookup stay in the step. With pipelining off, nothing is tagged."""
-    lines = _tiny_cached(tiny, world).stages["pipeline_comm"].text.splitlines()
+    lines = tiny_cached(world).stages["pipeline_comm"].text.splitlines()
 
     def line(name):
         return next(l for l in lines if l.startswith(f"{name} "))
@@ -412,7 +422,7 @@ def test_pipeline_comm_stages_the_map_and_the_fetch(tiny, world):
         assert "stage=sparse_dist" not in line(name), line(name)
     if world == 2:
         assert "stage=sparse_dist" in line("ids_g1")   # the map needs the ids' wait in the stage too
-    off = _tiny_cached(tiny, world, pipelining=False).stages["pipeline_comm"].text
+    off = tiny_cached(world, pipelining=False).stages["pipeline_comm"].text
     assert "stage=sparse_dist" not in off
 
 
@@ -661,14 +671,16 @@ def test_two_groups_of_one_run_share_the_directory(tmp_path):
     """Several cached groups on one rank each have a store under the run's one lock (each used
     to take the lock for itself and refuse the next as 'another run'); a second run in this
     process is still refused."""
-    placement = {t: {"cache_rows": 40} for t in cs.UserRec.TABLES}
-    _, cached, _, data = cs.compile_pair("user", 1, "sgd", 1, tmp_path, pipeline=False)
-    dm = cached.instantiate()
-    assert len(list(tmp_path.glob("rank0-*.store"))) == 4
-    again = recc.compile(cs.build("user"), recc.Cluster.local(1), example_inputs=data[0].args,
-                         config=cs.config("sgd", placement=placement, cache_dir=str(tmp_path)))
+    placement = {t: {"cache_rows": 100} for t in cs.DictRec().rows}
+
+    def program():
+        model = cs.build("dict")
+        return recc.compile(model, recc.Cluster.local(1), example_inputs=cs.batches(model, 1)[0].args,
+                            config=cs.config("sgd", placement=placement, cache_dir=str(tmp_path)))
+    dm = program().instantiate()
+    assert len(list(tmp_path.glob("rank0-*.store"))) == 2   # the sum bags' group and the mean bag's
     with pytest.raises(StoreError) as e:
-        again.instantiate()
+        program().instantiate()
     assert str(tmp_path) in _one_line(e) and "in use by another run" in str(e.value)
     _close(dm)
 
@@ -747,7 +759,7 @@ def killed_run(tmp_path_factory):
             out["shared"] = None
         except StoreError as e:
             out["shared"] = str(e)
-        while _read_json_line(proc, 60)["step"] < 6:   # well into training past the checkpoint
+        while _read_json_line(proc, 60)["step"] < 4:   # into training past the checkpoint
             pass
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -771,6 +783,18 @@ def killed_run(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def resident_two_steps():
+    """The ModuleDict model's parameters after its first 2 batches, all resident."""
+    model = cs.build("dict")
+    data = cs.batches(model, 4)
+    resident = recc.compile(model, recc.Cluster.local(1), example_inputs=data[0].args,
+                            config=cs.config("sgd", placement="resident"))
+    dm = resident.instantiate()
+    cs.train(dm, data[:2], pipeline=False)
+    return dm.state_dict()
+
+
 def test_two_runs_cannot_share_a_cache_directory(killed_run):
     msg = killed_run["shared"]
     assert msg is not None, "a second run in a directory another run is using was not refused"
@@ -778,7 +802,7 @@ def test_two_runs_cannot_share_a_cache_directory(killed_run):
     assert f"pid {killed_run['pid']}" in msg, f"the refusal must name the owner: {msg}"
 
 
-def test_a_killed_run_leaves_the_directory_usable(killed_run):
+def test_a_killed_run_leaves_the_directory_usable(killed_run, resident_two_steps):
     """SIGKILL leaves its store and lock file behind; the kernel has dropped the lock, and the
     store is scratch: a new run of the same plan starts there and trains (from its own initial
     rows: two steps equal a fresh resident run's two steps)."""
@@ -787,33 +811,21 @@ def test_a_killed_run_leaves_the_directory_usable(killed_run):
     got = killed_run["restart"]
     if isinstance(got, Exception):
         pytest.fail(f"the new run failed: {type(got).__name__}: {got}")
-    model = cs.build("dict")
-    data = cs.batches(model, 4)
-    resident = recc.compile(model, recc.Cluster.local(1), example_inputs=data[0].args,
-                            config=cs.config("sgd", placement="resident"))
-    dm = resident.instantiate()
-    cs.train(dm, data[:2], pipeline=False)
-    want = dm.state_dict()
+    want = resident_two_steps
     for k in want:
         assert torch.equal(got[k], want[k]), k
 
 
-def test_a_killed_run_leaves_its_last_checkpoint_loadable(killed_run):
+def test_a_killed_run_leaves_its_last_checkpoint_loadable(killed_run, resident_two_steps):
     """The checkpoint the killed run saved after 2 steps loads into an all-resident run and holds
     exactly the parameters of 2 resident steps (the checkpoint is the truth, the store scratch)."""
     saved = killed_run["checkpoint"]
     assert not saved.startswith("error"), f"the cached run could not save its checkpoint: {saved}"
     model = cs.build("dict")
-    data = cs.batches(model, 4)
-    resident = recc.compile(model, recc.Cluster.local(1), example_inputs=data[0].args,
-                            config=cs.config("sgd", placement="resident"))
-    dm = resident.instantiate()
-    cs.train(dm, data[:2], pipeline=False)
-    want = dm.state_dict()
-    fresh = recc.compile(cs.build("dict"), recc.Cluster.local(1), example_inputs=data[0].args,
+    fresh = recc.compile(model, recc.Cluster.local(1), example_inputs=cs.batches(model, 1)[0].args,
                          config=cs.config("sgd", placement="resident")).instantiate()
     info = recc.load_checkpoint(fresh, None, killed_run["ckpt"])
     assert info.step == 2
     got = fresh.state_dict()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    for k in resident_two_steps:
+        assert torch.equal(got[k], resident_two_steps[k]), k
