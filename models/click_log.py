@@ -457,9 +457,12 @@ def _open_inside(directory: Path, inside: str, name: str, listed_in: Path | None
     path = directory / name
     real = os.path.realpath(path)
     if os.path.dirname(real) != inside:
-        raise DataError(f"{path}: a link to {real}, outside {directory}: refused (a click log's files stay in "
+        shown = real if real.isprintable() else repr(real)  # a link's target is the log's text too: one line
+        raise DataError(f"{path}: a link to {shown}, outside {directory}: refused (a click log's files stay in "
                         "its directory)")
     try:
+        # before opening: opening a device node may do something (a tape rewinds); the check after
+        # the open is for what could be swapped in between
         st = os.stat(real)
         if not stat.S_ISREG(st.st_mode):
             raise DataError(f"{path}: not a regular file")
