@@ -234,6 +234,9 @@ def run_child(spec: dict) -> dict:
     from recc.models import SyntheticData
 
     cfg, config = spec["cfg"], spec["config"]
+    if spec.get("io_threads"):
+        import recc.runtime.table_cache as table_cache
+        table_cache.IO_THREADS = spec["io_threads"]
     torch.manual_seed(0)
     model = build_model(cfg)
     data = SyntheticData(cfg, seed=spec["seed"])
@@ -433,6 +436,8 @@ def main(argv=None) -> int:
     p.add_argument("--headroom", type=float, default=0.10, help="share of the cap left free")
     p.add_argument("--cache-rows", type=int, default=None, help="rows per table in the cache (default: from the cap)")
     p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="override runtime/table_cache.py's IO_THREADS (requests in flight) in the cached runs and the floor")
     p.add_argument("--dir", default="/var/tmp", help="where the store, the mmap files and the probe file go")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
@@ -496,7 +501,8 @@ def main(argv=None) -> int:
     try:
         for config in configs:
             spec = {"cfg": cfg, "config": config, "seed": args.seed, "warmup": args.warmup, "steps": args.steps,
-                    "max_config_s": args.max_config_s, "cache_rows": per_table, "dir": workdir}
+                    "max_config_s": args.max_config_s, "cache_rows": per_table, "dir": workdir,
+                    "io_threads": args.io_threads}
             if config == "resident":
                 avail = mem_available()
                 limit = int(min(avail - GIB, tb * 1.3 + 2 * GIB))
@@ -522,11 +528,17 @@ def main(argv=None) -> int:
                 cg.close()
             results[config] = res
             _clean(workdir)
+            if args.json:   # kept as each configuration ends: a later failure loses nothing measured
+                with open(args.json, "w") as f:
+                    json.dump({"args": vars(args), "cfg": cfg, "results": results}, f, indent=1)
             status = res.get("error") or f"{statistics.median(res['steps_s']) * 1e3:.1f} ms/step"
             print(f"#   {config}: {status} (init {res.get('init_s', 0):.0f} s, wall {res['wall_s']:.0f} s)", flush=True)
 
         # the slow tier's floor, for each cached configuration's per-step pattern
         cached = [c for c in configs if c.startswith("cached") and "error" not in results.get(c, {"error": 1})]
+        if cached and args.io_threads:
+            import recc.runtime.table_cache as table_cache
+            table_cache.IO_THREADS = args.io_threads
         if cached:
             probe = os.path.join(workdir, "probe.bin")
             from recc.runtime.table_cache import HEADER_BYTES
