@@ -234,6 +234,7 @@ def _train_data(args) -> int:
     train = job.train_data()   # opens and checks the click log here, before any rank starts
     if train.num_embeddings != list(cfg["num_embeddings"]) or train.dense_features != cfg["dense_features"]:
         raise ValueError(_other_tables(args, cfg, train))
+    job.verified = True   # checked here, once: the ranks need not read every byte again
     if job.val_data() is not None and args.eval_every:
         job.val_data()  # the held-out split exists and holds a batch
     job.steps = args.steps if args.steps is not None else train.steps_per_epoch

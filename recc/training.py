@@ -42,18 +42,23 @@ class DataJob:
     keep_checkpoints: int = 0
     resume: bool = False
     model: str = ""
+    # The launcher checked every file's checksum before starting the ranks: they open the log
+    # without reading it all again (at Terabyte's size, minutes of I/O per rank). A file changed
+    # since is still caught as it is read (ClickLog re-checks sizes and times).
+    verified: bool = False
 
     def train_data(self):
         from recc.models import ClickLogData
         return ClickLogData(self.data, batch_size=self.batch_size, split="train", val_fraction=self.val_fraction,
-                            val_days=self.val_days, shuffle_buffer=self.shuffle_buffer, seed=self.seed)
+                            val_days=self.val_days, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
+                            verify=not self.verified)
 
     def val_data(self):
         from recc.models import ClickLogData
         if self.val_fraction is None and not self.val_days:
             return None
         return ClickLogData(self.data, batch_size=self.batch_size, split="val", val_fraction=self.val_fraction,
-                            val_days=self.val_days)
+                            val_days=self.val_days, verify=not self.verified)
 
 
 class Progress:
