@@ -13,6 +13,7 @@ from recc.passes.align_linear import align_linear
 from recc.passes.fuse_linear_act import fuse_linear_act
 from recc.passes.cast_dense import cast_dense
 from recc.passes.cast_embeddings import cast_embeddings
+from recc.passes.sync_batchnorm import sync_batchnorm
 from recc.passes.lower import lower
 
-__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "cast_dense", "cast_embeddings", "lower"]
+__all__ = ["discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm", "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear", "fuse_linear_act", "cast_dense", "cast_embeddings", "sync_batchnorm", "lower"]

@@ -27,13 +27,17 @@ from recc.trace import (AUTOCAST_SITE, autocast_of, default_example_inputs, exam
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,cache_tables,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower"
 
 
-def default_pipeline(config: CompileConfig) -> str:
+def default_pipeline(config: CompileConfig, world_size: int = 1, batch_statistics: bool = False) -> str:
     """The default pipeline for ``config``: with ``dense_dtype`` other than fp32, ``cast_dense``
-    and ``cast_embeddings`` run before ``lower`` (an fp32 compile has no stage that changes
-    nothing)."""
-    if config.dense_dtype == "fp32":
-        return DEFAULT_PIPELINE
-    return DEFAULT_PIPELINE.replace(",lower", ",cast_dense,cast_embeddings,lower")
+    and ``cast_embeddings`` run before ``lower``; on several ranks, for a model with a layer that
+    normalises by batch statistics (``batch_statistics``), ``sync_batchnorm`` runs last before
+    ``lower`` (a compile has no stage that changes nothing)."""
+    spec = DEFAULT_PIPELINE
+    if config.dense_dtype != "fp32":
+        spec = spec.replace(",lower", ",cast_dense,cast_embeddings,lower")
+    if world_size > 1 and batch_statistics:
+        spec = spec.replace(",lower", ",sync_batchnorm,lower")
+    return spec
 
 
 def _ensure_builtin_passes():
@@ -136,7 +140,10 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     ir.verify(gm, pass_name="trace", level=config.verify)
     verified = "ok" if config.verify else "off"
 
-    passes = resolve_pipeline(pipeline if pipeline is not None else default_pipeline(config), config, disable)
+    if pipeline is None:
+        from recc.passes.sync_batchnorm import needs_sync_batchnorm
+        pipeline = default_pipeline(config, cluster.world_size, cluster.world_size > 1 and needs_sync_batchnorm(gm))
+    passes = resolve_pipeline(pipeline, config, disable)
     if config.dense_dtype != "fp32" and "cast_dense" not in [info.name for info, _ in passes]:
         raise ValueError(f"recc.compile: CompileConfig(dense_dtype={config.dense_dtype!r}) needs the cast_dense pass, "
                          f"which the pipeline does not run; add it before lower")

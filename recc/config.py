@@ -19,6 +19,7 @@ DENSE_DTYPE_NAMES = {v: k for k, v in DENSE_TORCH_DTYPES.items()}  # torch dtype
 TABLE_DTYPES = ("fp32", "fp16", "bf16")
 TABLE_INITS = ("module", "normal", "torchrec")  # recc.runtime.table_init
 PLACEMENT_CHOICES = ("auto", "resident", "cached")
+BATCHNORM_MODES = ("sync", "local")
 
 
 def check_placement(placement) -> None:
@@ -92,6 +93,12 @@ class CompileConfig:
     some tables (the rest auto). A cached table keeps ``cache_rows`` rows (and their optimizer
     state) in memory in front of a store on local disk under ``cache_dir`` (one private directory
     per run; required when any table is cached, also settable in the cluster YAML's ``storage``).
+
+    ``batchnorm`` says whose statistics a training-mode BatchNorm normalises by on several ranks:
+    ``"sync"`` (the default) the global batch's, one all-reduce per layer per step each way
+    (``sync_batchnorm``), so W ranks train as one process on the global batch; ``"local"`` each
+    rank's own slice, as DDP does (no communication; parameters then drift from the one-process
+    run, and each rank keeps its own running statistics).
     """
 
     optimizer: str = "sgd"
@@ -118,6 +125,7 @@ class CompileConfig:
     pass_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     placement: Any = "auto"
     cache_dir: Optional[str] = None
+    batchnorm: str = "sync"
 
     def __post_init__(self):
         if self.optimizer not in SPARSE_OPTIMIZERS:
@@ -156,6 +164,9 @@ class CompileConfig:
         check_placement(self.placement)
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ValueError(f"CompileConfig.cache_dir must be a directory path, got {self.cache_dir!r}")
+        if self.batchnorm not in BATCHNORM_MODES:
+            raise ValueError(f"CompileConfig.batchnorm={self.batchnorm!r}: choose one of {BATCHNORM_MODES} ('sync': "
+                             f"the global batch's statistics on every rank; 'local': each rank's own, as DDP)")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"CompileConfig.batch_size must be >= 1, got {self.batch_size}")
 

@@ -834,3 +834,111 @@ def dequantize(x, *, dtype: str = "fp32"):
     after the collectives it went through. Implemented by the runtime."""
     raise RuntimeError("recc.dequantize runs in the runtime: lower the graph and run it from "
                        "program.instantiate()")
+
+
+# ----------------------------------------------------------------------------- BatchNorm over ranks
+# ``sync_batchnorm`` rewrites a training-mode BatchNorm into these four nodes, so the global
+# batch's statistics are a collective the IR shows (see passes/sync_batchnorm.py).
+
+def batch_statistics_used(bn) -> bool:
+    """Whether ``bn`` normalises by the batch's statistics now (as torch's ``_BatchNorm.forward``
+    decides: in training, or always when it keeps no running statistics)."""
+    return bn.training or bn.running_mean is None
+
+
+def _batchnorm_sums_meta(bn, x):
+    return _meta_like((2 * x.shape[1] + 1,))
+
+
+@define_op("batchnorm_sums", meta=_batchnorm_sums_meta)
+def batchnorm_sums(bn, x):
+    """recc.batchnorm_sums(bn: BatchNorm module, x: [N, C, *]) -> f32[2C+1]
+
+    This rank's contribution to the batch statistics, ready to be summed over ranks: per channel
+    ``sum(x - s)`` and ``sum((x - s)^2)`` over every dim but 1, then the element count per channel.
+    ``s`` is ``bn.running_mean`` (0 without running statistics), the same on every rank:
+    sums about a value near the mean keep ``E[(x-s)^2] - E[x-s]^2`` from cancelling. Differentiable
+    in ``x``. When ``bn`` uses its running statistics (eval mode) it returns an empty tensor and
+    nothing travels."""
+    if not batch_statistics_used(bn):
+        return x.new_zeros(0, dtype=torch.float32)
+    dims = [0] + list(range(2, x.dim()))
+    xs = x.float()
+    if bn.running_mean is not None:
+        xs = xs - bn.running_mean.detach().view([1, -1] + [1] * (x.dim() - 2))
+    count = x.numel() // x.shape[1]
+    return torch.cat([xs.sum(dims), (xs * xs).sum(dims), xs.new_full((1,), float(count))])
+
+
+def _batchnorm_stats_start_meta(sums, *, comm):
+    return Handle(sums, None, comm)
+
+
+@define_op("batchnorm_stats_start", meta=_batchnorm_stats_start_meta)
+def batchnorm_stats_start(sums, *, comm):
+    """recc.batchnorm_stats_start(sums: f32[2C+1], comm=CommSpec(op='batchnorm_stats')) -> handle
+
+    Starts the all-reduce (sum) of a BatchNorm layer's ``recc.batchnorm_sums`` over
+    ``comm.group``; ``recc.batchnorm_stats_wait`` returns the global batch's sums. Backward
+    all-reduces the gradient of the sums the same way (the two gradient sums per channel that
+    torch's ``SyncBatchNorm`` all-reduces, reached through the chain rule). An empty payload
+    (eval mode) sends nothing."""
+    if len(comm.group) != 1:
+        raise RuntimeError(f"recc.batchnorm_stats_start: the CPU reference runs one process; the all-reduce over "
+                           f"ranks {list(comm.group)} needs the runtime")
+    return Handle(sums, None, comm)
+
+
+def _batchnorm_stats_wait_meta(handle):
+    return handle.value
+
+
+@define_op("batchnorm_stats_wait", meta=_batchnorm_stats_wait_meta)
+def batchnorm_stats_wait(handle):
+    """recc.batchnorm_stats_wait(handle) -> f32[2C+1]: the sums of every rank's batch, completed."""
+    return handle.value
+
+
+def _sync_batch_norm_meta(bn, x, stats):
+    return _meta_like(tuple(x.shape), x.dtype)
+
+
+@define_op("sync_batch_norm", meta=_sync_batch_norm_meta)
+def sync_batch_norm(bn, x, stats):
+    """recc.sync_batch_norm(bn: BatchNorm module, x: [N, C, *], stats: f32[2C+1]) -> [N, C, *]
+
+    ``bn``'s forward with the batch statistics in ``stats`` (every rank's ``recc.batchnorm_sums``
+    added): mean ``s + S1/n`` and biased variance ``S2/n - (S1/n)^2`` normalise ``x``, the
+    affine weight and bias apply, and the running statistics update as torch's ``_BatchNorm``
+    does (``num_batches_tracked += 1``; momentum, or the cumulative average when it is None;
+    the unbiased variance ``* n/(n-1)``), with ``n`` the global count — the same values on every
+    rank. When ``bn`` uses its running statistics (eval mode), plain ``F.batch_norm``."""
+    if not batch_statistics_used(bn):
+        return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    c = x.shape[1]
+    n = stats[2 * c]
+    if float(n) <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{[int(n)] + list(x.shape[1:])} (the global batch)")
+    shifted_mean = stats[:c] / n
+    var = (stats[c:2 * c] / n - shifted_mean * shifted_mean).clamp_min(0.0)
+    mean = shifted_mean if bn.running_mean is None else shifted_mean + bn.running_mean.detach()
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    # (x - mean) * scale, as eager's kernel does: folding the mean into a shift would cancel.
+    scale = torch.rsqrt(var + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight
+    y = (x.float() - mean.view(shape)) * scale.view(shape)
+    if bn.bias is not None:
+        y = y + bn.bias.view(shape)
+    if bn.training and bn.running_mean is not None:
+        with torch.no_grad():
+            factor = 0.0 if bn.momentum is None else bn.momentum
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(1)
+                if bn.momentum is None:
+                    factor = 1.0 / float(bn.num_batches_tracked)
+            nf = float(n)
+            bn.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
+            bn.running_var.mul_(1 - factor).add_(var.detach() * (nf / (nf - 1)), alpha=factor)
+    return y.to(x.dtype)

@@ -650,7 +650,10 @@ def propagate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any], abstract
         # meta one (its collectives cannot run in one process).
         # Tensor constants of the capture (numpy attributes, torch.tensor(...) in forward) stay
         # real: they are small, and run with the real inputs until a meta value meets them.
-        with _on_meta(gm, keep_buffer=lambda name: name.startswith("_tensor_constant")):
+        # So does BatchNorm's num_batches_tracked: with momentum=None its forward reads it as a
+        # float (compile's ``untouched`` puts back the count it adds).
+        with _on_meta(gm, keep_buffer=lambda name: name.startswith("_tensor_constant")
+                      or name.endswith("num_batches_tracked")):
             return ShapeProp(gm, abstract).run(*flat)
 
 

@@ -3,6 +3,7 @@ from recc.runtime import cpu_backend  # noqa: F401  (registers CPU op implementa
 from recc.runtime import cuda_backend  # noqa: F401  (registers CUDA ones; CuPy loads on first use)
 from recc.runtime import comm_ops  # noqa: F401  (collectives and codecs, on every device)
 from recc.runtime import table_cache  # noqa: F401  (the embedding cache's ops, on every device)
+from recc.runtime import batchnorm  # noqa: F401  (BatchNorm statistics over ranks, on every device)
 from recc.runtime.model import DistributedModel, instantiate, materialize
 
 __all__ = ["DistributedModel", "instantiate", "materialize"]

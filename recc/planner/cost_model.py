@@ -60,6 +60,12 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
   (``cache_fixed_bytes``); per step it maps its ids to slots (``cache_map_s``) and reads
   each missing row and writes back the row it evicts at the storage tier's rate (``tier_row_s``).
 
+- BatchNorm with global statistics (``sync_batchnorm``, dense side, the same on every rank): a
+  layer of ``C`` channels all-reduces ``2C + 1`` fp32 sums forward and ``2C`` gradient sums
+  backward, ``2 (W-1)/W (4C + 1) 4`` bytes sent per rank per step over the slowest link the world
+  spans, and pays DP's tree all-reduce latency (``2 ceil(log2 W)`` one-peer steps) twice
+  (``batchnorm_sync``). The plan reports it in its notes; it does not move tables.
+
 A rank's estimated time is the sum of its shards' lookup time and its communication; the
 objective is the slowest rank's time plus the plan's collective latencies. Links are taken to
 serialise (NVLink and NIC traffic add up), a conservative bound.
@@ -324,6 +330,16 @@ class CostModel:
                      + self.out(p, self.B, p.dim))
             comp, comm, mem = [c] * W, [ex] * W, [m] * W
         return comp, comm, mem
+
+    def batchnorm_sync(self, channels: int) -> tuple[float, float, float]:
+        """``(bytes sent per rank per step, seconds per step, latency per collective)`` of one
+        BatchNorm layer of ``channels`` channels whose statistics are all-reduced: the forward's
+        ``2C+1`` sums and the backward's ``2C`` gradient sums, fp32, as a ring sends them."""
+        if self.W == 1:
+            return 0.0, 0.0, 0.0
+        sent = 2 * (self.W - 1) / self.W * (4 * channels + 1) * OUT_BYTES
+        latency = self.kind_latency[DP]
+        return sent, sent * self.i_slow + 2 * latency, latency
 
     def collective(self, p: Profile, placement: tuple) -> tuple:
         """The collectives a table joins in ``placement``: ``batch_tables`` puts tables with the
