@@ -338,6 +338,27 @@ def test_cached_training_equals_resident(tmp_path, kind, optimizer, table_dtype,
             torch.testing.assert_close(got[k], want[k], atol=1e-3, rtol=1e-3, msg=lambda m: f"{k}: {m}")
 
 
+def test_state_dict_mid_training_keeps_training_exact(tmp_path):
+    """``state_dict()`` flushes the dirty rows to the store and marks them clean; the rows later
+    batches hit must become dirty again, or their updates are lost when they are evicted.
+    Training on after a mid-run ``state_dict()`` still ends at the all-resident parameters."""
+    steps = 6
+    key = ("user", "sgd", None, steps)
+    resident, cached, placement, data = cs.compile_pair("user", 1, "sgd", steps, tmp_path, pipeline=True,
+                                                        resident=key not in _RESIDENT)
+    want = _resident_state(key, resident, data)
+    dm = cached.instantiate()
+    cs.train(dm, data[:2], pipeline=True)
+    dm.state_dict()
+    flushed = {r["group"]: r["written_back"] for r in dm.cache_report().rows()}
+    reports = cs.train(dm, data[2:], pipeline=True)
+    # rows updated after the flush were evicted dirty and written back
+    assert all(r["written_back"] > flushed[r["group"]] for r in reports[-1]), (flushed, reports[-1])
+    got = dm.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs from the all-resident run"
+
+
 # ============================================================================= the IR
 
 EXPECTED_W1 = """\
