@@ -63,13 +63,25 @@ class CaptureError(RuntimeError):
 
 def _user_site() -> str:
     """``file:line: source`` of the innermost frame of the user's code (not torch, not here)."""
+    sites = _user_sites(innermost_only=True)
+    return sites[-1] if sites else "(unknown location)"
+
+
+def _user_sites(innermost_only: bool = False) -> list[str]:
+    """``file:line: source`` of the user's frames (not torch, not recc's capture) since
+    ``forward`` was entered, outermost first."""
+    out = []
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
         if path == _HERE or path.startswith(_TORCH_DIR):
+            if frame.name == "trace" and path.startswith(os.path.join(_TORCH_DIR, "fx")):
+                break   # fx's Tracer.trace: the frames above it called the capture
             continue
         line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-        return f"{frame.filename}:{frame.lineno}: {line}"
-    return "(unknown location)"
+        out.append(f"{frame.filename}:{frame.lineno}: {line}")
+        if innermost_only:
+            break
+    return out[::-1]
 
 
 _NUMPY_ARITHMETIC = {np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul,
@@ -146,11 +158,69 @@ class _CaptureTracer(fx.Tracer):
         self.masks: dict[fx.Node, tuple] = {}   # sizes: which entries are the batch
         self._placeholders = 0
         self._evaluating = 0   # > 0 while a node runs on its example values: no recording
+        self._model_state: Optional[set] = None   # ids of the model's parameters and buffers
 
     def call_module(self, m, forward, args, kwargs):
         if self._evaluating:
             return forward(*args, **kwargs)
+        if not self._installed(m):
+            # A module forward builds and calls (nn.Sigmoid()(x), a pooling helper made per
+            # call): there is no path to name it by, and nothing of it outlives the call, so
+            # it is captured as what it computes. One with state of its own cannot be.
+            self._check_stateless(m)
+            return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def _installed(self, m: nn.Module) -> bool:
+        if self.submodule_paths:
+            return m in self.submodule_paths
+        return any(m is p for p in self.root.modules())
+
+    def _check_stateless(self, m: nn.Module) -> None:
+        """Refuse a call of a module that is not the model's submodule and holds parameters or
+        buffers the model does not (a wrapper around the model's own submodules is fine)."""
+        if self._model_state is None:
+            self._model_state = {id(t) for t in list(self.root.parameters()) + list(self.root.buffers())}
+        foreign = [(f"parameter {n}", t) for n, t in m.named_parameters() if id(t) not in self._model_state]
+        foreign += [(f"buffer {n}", t) for n, t in m.named_buffers() if id(t) not in self._model_state]
+        if not foreign:
+            return
+        what = ", ".join(f"{k} {list(t.shape)}" for k, t in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise CaptureError(
+            f"{_user_site()}\n  this line calls a {type(m).__name__} that is not a submodule of the model and "
+            f"has state of its own ({what}). Held in a plain Python list, dict or global, its parameters are "
+            f"neither trained nor saved with the model: register it in __init__ (an attribute, nn.ModuleList "
+            f"or nn.ModuleDict).")
+
+    @contextlib.contextmanager
+    def refusing_new_state(self):
+        """While tracing: a parameter or buffer created in forward (a module with parameters built
+        per call, ``self.w = nn.Parameter(...)``) is an error naming the line that creates it and
+        the forward line that led there: eager PyTorch re-initialises it on every call, so it
+        would never train, and a compiled graph cannot hold it."""
+        from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                             register_module_parameter_registration_hook)
+
+        def refuse(kind):
+            def hook(module, name, value):
+                if self._evaluating or value is None:
+                    return None
+                sites = _user_sites()
+                chain = "".join(f"\n    from {site}" for site in reversed(sites[:-1]))
+                raise CaptureError(
+                    f"{sites[-1] if sites else '(unknown location)'}\n  forward creates the {kind} "
+                    f"{type(module).__name__}.{name} {list(value.shape)}{chain}\n  A {kind} created in forward is "
+                    f"re-initialised on every call (it never trains, and a compiled graph cannot hold it): create "
+                    f"the module in __init__ and call it from forward.")
+            return hook
+
+        handles = [register_module_parameter_registration_hook(refuse("parameter")),
+                   register_module_buffer_registration_hook(refuse("buffer"))]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self._evaluating:
@@ -481,7 +551,7 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
     leaves = [x for v in example_inputs for x in _leaves(v)]
     tracer = _CaptureTracer(leaves, batch if batch is not None else example_batch(example_inputs))
     try:
-        with _recording_factories(tracer):
+        with _recording_factories(tracer), tracer.refusing_new_state():
             graph = tracer.trace(model, concrete_args=concrete or None)
     except CaptureError as e:
         raise CaptureError(f"recc could not capture {type(model).__name__}.forward: {e}") from None
