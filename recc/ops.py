@@ -432,10 +432,10 @@ def pooled_dtype(dtype: str) -> torch.dtype:
 
 
 def _tbe_lookup_meta(group, sparse, *, dtype="fp32"):
-    if tuple(sparse.tables) == group.logical_names:
-        # Before the input dist (or on one rank): the logical tables, in group order.
-        return _meta_like((sparse.batch_size, group.logical_width), pooled_dtype(dtype))
-    # After the input dist: this rank's shards for the global batch.
+    if tuple(sparse.tables) == group.feature_names:
+        # Before the input dist (or on one rank): the group's features (lookups), in group order.
+        return _meta_like((sparse.batch_size, group.feature_width), pooled_dtype(dtype))
+    # After the input dist: this rank's feature shards for the global batch.
     return _meta_like((sparse.batch_size, sparse.num_tables * group.dim), pooled_dtype(dtype))
 
 
