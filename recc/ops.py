@@ -432,10 +432,10 @@ def pooled_dtype(dtype: str) -> torch.dtype:
 
 
 def _tbe_lookup_meta(group, sparse, *, dtype="fp32"):
-    if tuple(sparse.tables) == group.feature_names:
-        # Before the input dist (or on one rank): the group's features (lookups), in group order.
-        return _meta_like((sparse.batch_size, group.feature_width), pooled_dtype(dtype))
-    # After the input dist: this rank's feature shards for the global batch.
+    if tuple(sparse.tables) == group.logical_names:
+        # Before the input dist (or on one rank): the logical tables, in group order.
+        return _meta_like((sparse.batch_size, group.logical_width), pooled_dtype(dtype))
+    # After the input dist: this rank's shards for the global batch.
     return _meta_like((sparse.batch_size, sparse.num_tables * group.dim), pooled_dtype(dtype))
 
 
@@ -917,7 +917,7 @@ def sync_batch_norm(bn, x, stats):
         return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
     c = x.shape[1]
     n = stats[2 * c]
-    if float(n) <= 1:
+    if float(n.detach()) <= 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                          f"{[int(n)] + list(x.shape[1:])} (the global batch)")
     shifted_mean = stats[:c] / n
@@ -938,7 +938,7 @@ def sync_batch_norm(bn, x, stats):
                 bn.num_batches_tracked.add_(1)
                 if bn.momentum is None:
                     factor = 1.0 / float(bn.num_batches_tracked)
-            nf = float(n)
+            nf = float(n.detach())
             bn.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
             bn.running_var.mul_(1 - factor).add_(var.detach() * (nf / (nf - 1)), alpha=factor)
     return y.to(x.dtype)
