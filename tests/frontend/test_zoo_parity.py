@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from zoo import ZOO
-from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, compile_zoo, eager_run, has_batchnorm,
-                        job, labels_of, make)
+from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, compile_zoo, eager_run, job,
+                        labels_of)
 
 MODELS = [n for n in ("ref_dlrm", "ref_dlrm_list", "deepfm", "dcn", "fm", "wide_deep", "xdeepfm_cin",
                       "padded_multihot", "user_tower", "torchrec_dlrm", "torchrec_seq") if n in ZOO]
@@ -66,8 +66,6 @@ def test_one_process_matches_eager(name, optimizer):
     program = compile_zoo(name, 1, optimizer)
     entry = ZOO[name]
     dmodel = program.instantiate()
-    if has_batchnorm(make(name)):
-        dmodel.eval()
     opt = torch.optim.SGD(dmodel.dense_parameters(), lr=program.config.lr)
     outs = []
     for step in range(STEPS):
