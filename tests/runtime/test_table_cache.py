@@ -640,6 +640,32 @@ def test_store_of_another_model(tmp_path, live_store):
     assert (d / name).read_bytes() == data, "a foreign store must not be overwritten"
 
 
+class OtherBag(OneBag):
+    """OneBag's shapes under another table name (``other.0``): records and row count match a
+    OneBag store, only what the store holds differs."""
+
+    def __init__(self, rows: int = 100, dim: int = 4):
+        super().__init__(rows, dim)
+        self.other = self.emb
+        del self.emb
+
+    def forward(self, offsets, ids):
+        return self.top(self.other[0](ids[0], offsets[0])).squeeze(1)
+
+
+def test_store_of_another_table_of_the_same_size(tmp_path, live_store):
+    """Same rows, same record bytes, another table: the header's fingerprint tells them apart."""
+    name, data = live_store
+    d = _dir_with(tmp_path, name, data)
+    torch.manual_seed(0)
+    program = recc.compile(OtherBag(), recc.Cluster.local(1), example_inputs=_ids(torch.arange(4)),
+                           config=cs.config("sgd", placement={"other.0": {"cache_rows": 8}}, cache_dir=str(d)))
+    with pytest.raises(StoreError, match="another model or plan") as e:
+        program.instantiate()
+    assert "emb.0" in _one_line(e), "the message names what the store holds"
+    assert (d / name).read_bytes() == data
+
+
 def test_store_of_another_optimizer(tmp_path, live_store):
     """Same table, other optimizer: another record layout, refused."""
     name, data = live_store
