@@ -1,6 +1,7 @@
 """batch_tables: replace per-table lookups by one table-batched lookup (TBE) per group.
 
-Contract: requires ``shard_tables`` (a ShardSpec on every lookup). Groups lookups by (shard
+Contract: requires ``shard_tables`` (a ShardSpec on every lookup; every lookup of a table the
+same). Groups tables by (shard
 width, pooling, weighted, optimizer, data-parallel, two-level, stored dtype, memory tier) — one group per distinct key
 (two-level: table-row-wise tables on a multi-node cluster, whose output dist differs), tables in
 discovery order except that a table held whole by one rank sorts by that rank (so the output
@@ -9,6 +10,14 @@ and for each group inserts a ``TableGroup`` submodule ``tbe_gN``, one ``recc.pac
 one ``recc.tbe_lookup``; the batched output is split per table by one ``recc.split_cols`` and
 each original lookup becomes a ``getitem`` of it keeping its name, table and shard annotations. The
 user's embedding modules leave the graph. Must not change what the graph computes.
+
+Every lookup of one table lands in that table's group as a *feature* (``TableGroup.features``,
+FBGEMM's ``feature_table_map``): one set of rows and optimizer state, each lookup its own ids
+and its own column block of the output; the fused backward sums every feature's gradient per row
+before the one update. A table's lookups key the group together: when their bag counts differ (a
+bag per sample and a ``[B, L]`` gather; a jagged gather beside a fixed one) the group is padded
+like a jagged one (``pack_sparse(pad=True)``, ``TableGroup.padded``) and a pooled lookup's rows
+are cut back to its bags by ``recc.own_bags`` (a gather's ``recc.rows_like`` takes its own).
 
 Before:
     emb_l_0 : f32[8,4] = recc.embedding_bag(emb_l_0_weight, l_s_i_1, l_s_o_1, None, mode='sum', table='emb_l.0')
@@ -20,6 +29,14 @@ After:
     tables_g0 : tuple[2x f32[8,4]] = recc.split_cols(pooled_g0, (4, 4))
     emb_l_0   : f32[8,4]    = getitem(tables_g0, 0)  # table t0=emb_l.0[10x4,sum]; ...
     emb_l_1   : f32[8,4]    = getitem(tables_g0, 1)  # table t1=emb_l.1[20x4,sum]; ...
+One item table read as a sum bag ([B] bags), a candidate ([B] ids) and a history ([B, 3] ids):
+    tbe_g0    : module      = get_attr tbe_g0  # tbe_g0=[t0,t0,t0] dim=4 sum sgd(lr=0.1)
+    sparse_g0 : kjt[t=3,b=24] = recc.pack_sparse([bag_ids, item_ids, item_1_ids], ..., tables=('item', 'item', 'item'), rows=(30, 30, 30), pad=True)
+    pooled_g0 : f32[24,12]  = recc.tbe_lookup(tbe_g0, sparse_g0)
+    tables_g0 : tuple[3x f32[24,4]] = recc.split_cols(pooled_g0, (4, 4, 4))
+    bag_padded : f32[24,4]  = getitem(tables_g0, 0)  # table t0=item[30x4,sum]; ...
+    bag       : f32[8,4]    = recc.own_bags(bag_padded, bag_ids, None)
+    item_rows : f32[24,4]   = getitem(tables_g0, 1)  # table t0=item[30x4,none]; ...
 """
 from __future__ import annotations
 
@@ -37,17 +54,27 @@ from recc.tables import TableGroup
 @register_pass(after=("shard_tables",))
 def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: int = 0) -> fx.GraphModule:
     """Fuse lookups into one table-batched kernel call per (width, pooling, weighted, optimizer,
-    data-parallel) group. ``max_tables_per_group`` (0 = unlimited) splits large groups."""
+    data-parallel) group; every lookup of one table in its table's group. ``max_tables_per_group``
+    (0 = unlimited) splits large groups."""
     opt = ctx.config.sparse_optimizer
     graph = gm.graph
     lookups = [n for n in graph.nodes if n.op == "call_function" and op_of(n.target) is OPS["embedding_bag"]]
-    groups: dict[tuple, list[list[fx.Node]]] = {}
+    per_table: dict[str, list[fx.Node]] = {}
     for n in lookups:
         t = n.meta["recc.table"]
         if "recc.shard" not in n.meta:
             raise ValueError(f"batch_tables: table {t.name} has no placement; batch_tables runs after "
                              f"shard_tables (add it to the pipeline before batch_tables)")
+        per_table.setdefault(t.name, []).append(n)
+    groups: dict[tuple, list[list[list[fx.Node]]]] = {}
+    for sites in per_table.values():
+        n = sites[0]
+        t = n.meta["recc.table"]
         shard = n.meta["recc.shard"]
+        for other in sites[1:]:
+            if other.meta["recc.shard"] != shard or other.meta.get("recc.tier") != n.meta.get("recc.tier"):
+                raise ValueError(f"batch_tables: table {t.name} is placed differently at its lookups {n.name} and "
+                                 f"{other.name}; a table has one placement, whichever lookup reads it")
         widths = {c1 - c0 for _, _, _, c0, c1 in shard.shards}
         if len(widths) != 1:
             raise ValueError(f"batch_tables: table {t.name} has shards of widths {sorted(widths)}; "
@@ -55,11 +82,18 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         two_level = shard.kind == "table_row_wise" and ctx.cluster.nodes > 1
         # Bags per batch: B for pooled tables and one-id gathers of [B] ids, B*L for gathers of
         # [B, L] ids; one group's tables share it (one offsets layout, one output dist split).
-        bags = int(n.meta["val"].shape[0]) if "val" in n.meta else 0
-        if t.jagged:
+        counts = {int(s.meta["val"].shape[0]) if "val" in s.meta else 0 for s in sites}
+        jagged = [s.meta["recc.table"].jagged for s in sites]
+        if all(jagged):
             # Its id count varies from batch to batch and from feature to feature: jagged tables
             # group together, each padded to the group's largest count (pack_sparse pad=True).
             bags = "jagged"
+        elif any(jagged) or len(counts) > 1:
+            # One table looked up with different bag counts (a bag per sample here, a [B, L]
+            # gather there): its features are padded to the largest count, like jagged ones.
+            bags = "mixed"
+        else:
+            bags = counts.pop()
         # Gathers (pooling "none") run as sum-pooled bags of one id.
         pooling = "sum" if t.pooling == "none" else t.pooling
         tier = n.meta.get("recc.tier")
@@ -73,13 +107,14 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
         bucket = groups.setdefault(key, [[]])
         if max_tables_per_group and len(bucket[-1]) >= max_tables_per_group:
             bucket.append([])
-        bucket[-1].append(n)
+        bucket[-1].append(sites)
     index, last = 0, None
-    for (width, pooling, weighted, _, dp, two_level, _, _, _), chunks in groups.items():
+    for (width, pooling, weighted, _, dp, two_level, bags, _, _), chunks in groups.items():
         node_size = ctx.cluster.devices_per_node if two_level else 0
         for members in chunks:
-            members.sort(key=_owner_order)
-            last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, node_size, last)
+            members.sort(key=lambda sites: _owner_order(sites[0]))
+            last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, node_size,
+                               bags in ("jagged", "mixed"), last)
             index += 1
     stable_toposort(graph)
     for n in list(graph.nodes):
@@ -99,36 +134,39 @@ def _owner_order(n: fx.Node) -> int:
     return ranks.pop() if len(ranks) == 1 else -1
 
 
-def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_size, after):
+def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_size, padded, after):
     """Insert one group's nodes (after ``after``, the previous group's last node, if later than
-    the group's inputs, so groups read in order) and return its last node."""
+    the group's inputs, so groups read in order) and return its last node. ``members``: per
+    table, its lookups (the group's features, table by table)."""
     graph = gm.graph
-    specs = [n.meta["recc.table"] for n in members]
+    specs = [sites[0].meta["recc.table"] for sites in members]
+    lookups = [n for sites in members for n in sites]
+    features = [k for k, sites in enumerate(members) for _ in sites]
     placements, sources = [], []
-    for k, (n, t) in enumerate(zip(members, specs)):
-        for rank, r0, r1, c0, c1 in n.meta["recc.shard"].shards:
+    for k, (sites, t) in enumerate(zip(members, specs)):
+        for rank, r0, r1, c0, c1 in sites[0].meta["recc.shard"].shards:
             placements.append((k, rank, r0, r1, c0, c1))
         sources.append(gm.get_parameter(t.weight_key))
-    tiers = [n.meta.get("recc.tier") or TierSpec(t.name) for n, t in zip(members, specs)]
+    tiers = [sites[0].meta.get("recc.tier") or TierSpec(t.name) for sites, t in zip(members, specs)]
     gm.add_submodule(name, TableGroup(name, specs, placements, width, pooling, weighted, opt, sources,
                                       data_parallel=dp, world_size=ctx.cluster.world_size, node_size=node_size,
-                                      tiers=tiers))
-    ids = [n.args[1] for n in members]
-    offsets = [n.args[2] for n in members]
-    psw = [n.args[3] for n in members] if weighted else None
+                                      tiers=tiers, features=features, padded=padded))
+    ids = [n.args[1] for n in lookups]
+    offsets = [n.args[2] for n in lookups]
+    psw = [n.args[3] for n in lookups] if weighted else None
     # Insert where every member's inputs exist: after the latest-defined input node, and never
     # among the placeholders (they stay first, in the user's argument order).
     order = {n: i for i, n in enumerate(graph.nodes)}
-    inputs = [a for n in members for a in n.args[1:] if isinstance(a, fx.Node)]
+    inputs = [a for n in lookups for a in n.args[1:] if isinstance(a, fx.Node)]
     inputs += [n for n in graph.nodes if n.op == "placeholder"]
     if after is not None:
         inputs.append(after)
-    anchor = max(inputs, key=order.__getitem__) if inputs else members[0].prev
+    anchor = max(inputs, key=order.__getitem__) if inputs else lookups[0].prev
     with graph.inserting_after(anchor):
         g = graph.get_attr(name)
     with graph.inserting_after(g):
-        kwargs = {"tables": tuple(t.name for t in specs), "rows": tuple(t.rows for t in specs)}
-        if all(t.jagged for t in specs):
+        kwargs = {"tables": tuple(specs[k].name for k in features), "rows": tuple(specs[k].rows for k in features)}
+        if padded:
             kwargs["pad"] = True
         sparse = graph.call_function(OPS["pack_sparse"], (ids, offsets, psw), kwargs)
     with graph.inserting_after(sparse):
@@ -136,19 +174,28 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_
     rename(sparse, f"sparse_{name[4:]}")
     rename(out, f"pooled_{name[4:]}")
     with graph.inserting_after(out):
-        split = graph.call_function(OPS["split_cols"], (out, tuple(t.dim for t in specs)))
+        split = graph.call_function(OPS["split_cols"], (out, tuple(specs[k].dim for k in features)))
     rename(split, f"tables_{name[4:]}")
     prev = split
-    for k, (n, t) in enumerate(zip(members, specs)):
+    for f, n in enumerate(lookups):
+        t = n.meta["recc.table"]
         with graph.inserting_after(prev):
-            piece = graph.call_function(operator.getitem, (split, k))
+            piece = graph.call_function(operator.getitem, (split, f))
         piece.meta["recc.table"] = t
         piece.meta["recc.shard"] = n.meta["recc.shard"]
         if "recc.tier" in n.meta:
             piece.meta["recc.tier"] = n.meta["recc.tier"]
         old = n.name
-        n.replace_all_uses_with(piece)
+        result = piece
+        if padded and t.pooling != "none":
+            # A bag per sample in a padded group: its rows are the first B of the padded count
+            # (a gather's recc.rows_like takes its own rows already).
+            with graph.inserting_after(piece):
+                result = graph.call_function(OPS["own_bags"], (piece, n.args[1], n.args[2]))
+        n.replace_all_uses_with(result)
         graph.erase_node(n)
-        rename(piece, old)
-        prev = piece
+        if result is not piece:
+            rename(piece, f"{old}_padded")
+        rename(result, old)
+        prev = result
     return prev

@@ -16,7 +16,19 @@ padding id is then an empty bag: zeros, as its zero padding row gives, and no gr
 recc cannot fuse (``max_norm``, ``scale_grad_by_freq``, a gather whose padding row is not zero) are
 left as they are, trained as dense modules, and
 listed once in ``ctx.stats["dense_lookups"]`` with the reason; a model with no table at all
-compiles with one warning. A table of fp16 or bf16 (``nn.EmbeddingBag(..., dtype=torch.bfloat16)``,
+compiles with one warning.
+
+A weight looked up at several call sites (the FM and the deep part of a DeepFM reading the same
+``nn.Embedding``; DIN's candidate item and behaviour history over one item table; a TorchRec
+``EmbeddingBagConfig`` with several ``feature_names``; ``F.embedding(ids, bag.weight)`` beside the
+bag module) is ONE table with several lookups: one ``TableSpec`` name and short id (``t0``), one
+entry in ``ctx.stats["tables"]`` (the first lookup's spec: rows, dim, dtype, init, placement are
+the table's), every lookup its own ``recc.embedding_bag`` whose spec carries that lookup's
+pooling, weights, jaggedness and padding id; ``ctx.stats["table_lookups"]`` lists each table's
+lookups (node names, in graph order). ``batch_tables`` makes them features of the table's one
+group. The lookups of one table run in one fused kernel, so they must pool alike (sum bags and
+gathers mix; a mean or max bag only with its own kind) and be all weighted or all unweighted:
+otherwise an error names the table and both call sites. A table of fp16 or bf16 (``nn.EmbeddingBag(..., dtype=torch.bfloat16)``,
 a TorchRec ``DataType.FP16`` table) is pooled in fp32 like any other and its rows cast to its dtype,
 what the module returns; ``TableSpec.user_dtype`` records that dtype (``state_dict`` returns the
 table in it) and ``TableSpec.dtype`` the stored one (``CompileConfig.table_dtype``, by default the
@@ -32,6 +44,9 @@ After:
     user_ids       : i64[8,1]  = ids.reshape(-1, 1)
     user_rows      : f32[8,4]  = recc.embedding_bag(user_weight, user_ids, None, None, mode='sum', table='user')  # table t1=user[20x4,sum]
     user           : f32[8,1,4] = recc.rows_like(user_rows, ids)
+A table looked up twice (one spec name, two lookups):
+    user_1_ids     : i64[40,1] = hist.reshape(-1, 1)
+    user_1_rows    : f32[40,4] = recc.embedding_bag(user_weight, user_1_ids, None, None, mode='sum', table='user')  # table t1=user[20x4,none]
 A bf16 table:
     half_weight    : bf16[30,4] = get_attr half.weight
     half_lookup    : f32[8,4]   = recc.embedding_bag(half_weight, l_s_i_3, l_s_o_3, None, mode='sum', table='half')  # table t2=half[30x4,sum,bf16]
@@ -39,6 +54,7 @@ A bf16 table:
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 import warnings
@@ -100,7 +116,8 @@ def _param_path(gm: fx.GraphModule, node) -> str | None:
 def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Find embedding lookups and normalise them to recc.embedding_bag with a TableSpec."""
     tables: dict[str, TableSpec] = {}
-    seen_weights: dict[str, str] = {}
+    seen_weights: dict[str, str] = {}  # weight path -> table name
+    lookups: dict[str, list[str]] = {}  # table name -> its lookups' node names, in graph order
     dense_lookups: dict[str, str] = {}
     graph = gm.graph
     for node in list(graph.nodes):
@@ -152,12 +169,9 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if found is None:
             continue
         name, wpath, ids, offsets, psw, mode, last_offset, padding_idx = found
-        if wpath in seen_weights:
-            raise ValueError(
-                f"discover_tables: table {name} (weight {wpath}) is looked up at more than one call site "
-                f"({seen_weights[wpath]} and {node.name}); recc places and updates each table through "
-                f"exactly one lookup — give each feature its own table or look the table up once")
-        seen_weights[wpath] = node.name
+        first = seen_weights.get(wpath)
+        if first is not None:
+            name = first  # one table, whatever the call site calls it
         weight = gm.get_parameter(wpath) if _is_param(gm, wpath) else None
         if weight is None:
             raise ValueError(f"discover_tables: table {name}: {wpath} is not a parameter")
@@ -169,13 +183,21 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                              f"model.get_submodule({name!r}).float())")
         user_dtype = _OF_TORCH[weight.dtype]
         rows = int(weight.shape[0])
-        spec = TableSpec(name=name, short=f"t{len(tables)}", rows=rows, dim=int(weight.shape[1]),
-                         pooling=mode, weight_key=wpath, weighted=psw is not None,
-                         jagged=mode == "none" and _is_jagged(ids, ctx.batch),
-                         dtype=_STORED[ctx.config.table_dtype] if ctx.config.table_dtype else user_dtype,
-                         user_dtype=user_dtype, init=_module_init(gm, wpath),
-                         padding_idx=None if padding_idx is None else padding_idx % rows)
-        tables[name] = spec
+        jagged = mode == "none" and _is_jagged(ids, ctx.batch)
+        padding = None if padding_idx is None else padding_idx % rows
+        if first is None:
+            spec = TableSpec(name=name, short=f"t{len(tables)}", rows=rows, dim=int(weight.shape[1]),
+                             pooling=mode, weight_key=wpath, weighted=psw is not None, jagged=jagged,
+                             dtype=_STORED[ctx.config.table_dtype] if ctx.config.table_dtype else user_dtype,
+                             user_dtype=user_dtype, init=_module_init(gm, wpath), padding_idx=padding)
+            tables[name] = spec
+            seen_weights[wpath] = name
+            lookups[name] = [node.name]
+        else:
+            # Another lookup of a table already found: the same table (rows, state, placement),
+            # this lookup's own pooling, weights and ids.
+            spec = _another_lookup(tables[name], lookups[name][0], node.name, mode, psw is not None, jagged, padding)
+            lookups[name].append(node.name)
         old_name = node.name
         shared = _field_offsets(gm, ids, int(weight.shape[0]))
         if shared is not None:
@@ -237,9 +259,34 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for name, why in dense_lookups.items():
         warnings.warn(f"recc: embedding {name} stays a dense module (not fused): it uses {why}", stacklevel=2)
     ctx.stats["tables"] = tables
+    ctx.stats["table_lookups"] = {name: tuple(sites) for name, sites in lookups.items()}
     ctx.stats["dense_lookups"] = dense_lookups
     gm.delete_all_unused_submodules()
     return gm
+
+
+def _kernel_pooling(mode: str) -> str:
+    return "sum" if mode == "none" else mode
+
+
+def _another_lookup(table: TableSpec, first: str, site: str, mode: str, weighted: bool, jagged: bool,
+                    padding_idx) -> TableSpec:
+    """The TableSpec of a further lookup of ``table``: the table's, with this lookup's pooling,
+    weightedness, jaggedness and padding id. Every lookup of a table runs in the table's one
+    group, whose kernel pools one way and takes per-sample weights for all or none of its bags:
+    lookups that differ there are refused, naming both call sites."""
+    if _kernel_pooling(mode) != _kernel_pooling(table.pooling):
+        raise ValueError(
+            f"discover_tables: table {table.name} is looked up with {table.pooling} pooling at {first} and with "
+            f"{mode} pooling at {site}; recc runs every lookup of one table in one fused kernel, which pools "
+            f"one way (sum bags and nn.Embedding gathers mix; mean or max bags only with their own kind)")
+    if weighted != table.weighted:
+        raise ValueError(
+            f"discover_tables: table {table.name} is looked up with per_sample_weights at "
+            f"{first if table.weighted else site} and without at {site if table.weighted else first}; recc runs "
+            f"every lookup of one table in one fused kernel, which takes weights for all its bags or none "
+            f"(pass ones for the unweighted lookup)")
+    return dataclasses.replace(table, pooling=mode, weighted=weighted, jagged=jagged, padding_idx=padding_idx)
 
 
 _ADDS = {operator.add, torch.add}

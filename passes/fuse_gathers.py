@@ -76,7 +76,7 @@ def _fusable(gm: fx.GraphModule, lookup: fx.Node) -> bool:
         return False  # a table split into blocks on this rank keeps the generic lookup
     if psw is not None or any(o is not None for o in offsets) or group.pooling != "sum" or group.weighted:
         return False
-    if any(t.pooling != "none" for t in group.tables) or tuple(sparse.kwargs["tables"]) != group.logical_names:
+    if any(t.pooling != "none" for t in group.tables) or tuple(sparse.kwargs["tables"]) != group.feature_names:
         return False
     shapes = [i.meta.get("val") for i in ids]
     return all(s is not None and s.dim() == 2 and s.shape[1] == 1 for s in shapes)
@@ -100,7 +100,7 @@ def fuse_gathers(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     for lookup in [n for n in graph.nodes if _is(n, "tbe_lookup")]:
         pieces = _pieces(lookup)
-        if pieces is None or len(pieces) != len(lookup.args[1].args[0]) or not _fusable(gm, lookup):
+        if pieces is None or not _fusable(gm, lookup) or len(pieces) != len(lookup.args[1].args[0]):
             continue
         group_node, sparse = lookup.args
         split = next(iter(lookup.users))

@@ -16,8 +16,13 @@ On a one-rank cluster it changes nothing. On W ranks, for every sharded group it
   all-to-all between the ranks of the same local index (TorchRec's TWRW; 1/node_size of the
   flat exchange's inter-node bytes; ``insert_comm{two_level=false}`` keeps it flat);
 
-A group of jagged gathers (``TableSpec.jagged``: a different number of ids, so of one-id bags,
-on every rank) is first padded with empty bags to the largest count over the ranks
+The dists move the group's features (``TableGroup.feature_placements``): a table looked up
+twice is two features over the same shards, so each lookup's ids go to every shard of its table
+and its rows come back as its own columns; on the owner, the features of one shard read the
+same rows (``TableGroup.feature_hash_size_cumsum``), so the fused backward sums their gradients.
+
+A padded group (``TableGroup.padded``: jagged gathers, a different number of ids, so of one-id
+bags, on every rank; or one table's lookups with different bag counts) is first padded with empty bags to the largest count over the ranks
 (``recc.pad_bags``, ``CommSpec(op="bag_count_max")``) and its rows cut back to this rank's after
 the output dist (``recc.unpad_bags``): the dists pair one bag count across ranks.
 Marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allreduce")`` — their backward
@@ -85,15 +90,17 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
                 raise ValueError(f"insert_comm: table {t.name} uses {t.pooling} pooling and is split by rows; a "
                                  f"{t.pooling} cannot be assembled from row blocks' partial sums — use "
                                  f"table_wise/column_wise/data_parallel for it")
-        layout = tuple(group.placements)
-        dims = tuple(t.dim for t in group.tables)
-        rows = tuple(t.rows for t in group.tables)
-        labels = tuple(t.short for t in group.tables)
+        # The dists move features: each lookup's ids go to its table's shards, and its rows come
+        # back as its own columns (a table looked up twice is two features over the same shards).
+        layout = tuple(group.feature_placements)
+        dims = tuple(group.tables[k].dim for k in group.features)
+        rows = tuple(group.tables[k].rows for k in group.features)
+        labels = tuple(group.tables[k].short for k in group.features)
         in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim,
                            name=f"input_dist {suffix}", labels=labels)
         b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
         local = sparse
-        if any(t.jagged for t in group.tables):
+        if group.padded:
             # A different bag count on every rank: pad to the largest (see recc.pad_bags).
             with graph.inserting_after(sparse):
                 sparse = graph.call_function(OPS["pad_bags"], (local,), {

@@ -59,7 +59,7 @@ def _batch_and_bags(gm: fx.GraphModule, batch: Optional[int] = None) -> tuple[Op
             batch = int(out.shape[0]) or None
         per = int(out.shape[0]) if t.pooling != "none" else batch
         if per:
-            bags[t.name] = ids_val.numel() / per
+            bags[t.name] = bags.get(t.name, 0.0) + ids_val.numel() / per  # every lookup of a shared table
     return batch, bags
 
 

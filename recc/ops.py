@@ -147,7 +147,9 @@ def use_references(device: str) -> None:
 class SparseBatch:
     """The sparse features of one table group, packed the way FBGEMM's TBE takes them.
 
-    ``indices`` holds every table's ids (local to their table) back to back, table-major
+    ``tables`` names each feature's table (a table looked up at several call sites appears
+    once per lookup: ``TableGroup.features``). ``indices`` holds every table's ids (local to
+    their table) back to back, table-major
     (int64; int32 as a CPU input dist delivers them, see ``recc.runtime.comm``); ``offsets`` has
     length T*B+1 and bag b of table t is ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``. Gathers
     (``nn.Embedding``) arrive here as bags of one id each (see ``discover_tables``).
@@ -432,10 +434,10 @@ def pooled_dtype(dtype: str) -> torch.dtype:
 
 
 def _tbe_lookup_meta(group, sparse, *, dtype="fp32"):
-    if tuple(sparse.tables) == group.logical_names:
-        # Before the input dist (or on one rank): the logical tables, in group order.
-        return _meta_like((sparse.batch_size, group.logical_width), pooled_dtype(dtype))
-    # After the input dist: this rank's shards for the global batch.
+    if tuple(sparse.tables) == group.feature_names:
+        # Before the input dist (or on one rank): the group's features (lookups), in group order.
+        return _meta_like((sparse.batch_size, group.feature_width), pooled_dtype(dtype))
+    # After the input dist: this rank's feature shards for the global batch.
     return _meta_like((sparse.batch_size, sparse.num_tables * group.dim), pooled_dtype(dtype))
 
 
@@ -519,7 +521,7 @@ def gather_rows(group, indices, *, tables, rows):
     outs = []
     for j, (table, ids) in enumerate(zip(tables, indices)):
         check_bags(table, ids, None, rows[j])
-        outs.append(F.embedding(ids.reshape(-1).to(torch.int64), group.table_weight(j).float()))
+        outs.append(F.embedding(ids.reshape(-1).to(torch.int64), group.feature_weight(j).float()))
     return tuple(outs)
 
 
@@ -601,6 +603,23 @@ def rows_like(rows, ids):
     """
     n = ids.numel()
     return (rows if rows.shape[0] == n else rows[:n]).reshape(tuple(ids.shape) + (rows.shape[1],)).contiguous()
+
+
+def _own_bags_meta(rows, indices, offsets):
+    return _meta_like((_batch_of(indices, offsets), rows.shape[1]), rows.dtype)
+
+
+@define_op("own_bags", meta=_own_bags_meta)
+def own_bags(rows, indices, offsets):
+    """recc.own_bags(rows: f32[N', D], ids, offsets | None) -> f32[B, D]
+
+    A pooled lookup's rows in a padded group (``TableGroup.padded``: features with different bag
+    counts, e.g. a table looked up as a bag per sample and as a [B, L] gather): its first B
+    rows, B its bag count (``offsets``' length, or ids' first dim without offsets); the padding
+    bags after them are empty and get no gradient.
+    """
+    b = _batch_of(indices, offsets)
+    return rows if rows.shape[0] == b else rows[:b]
 
 
 def _split_cols_meta(x, sizes):

@@ -112,19 +112,42 @@ class TableGroup(nn.Module):
     """Tables whose shards share (width, pooling, weighted, optimizer): one kernel call per batch.
 
     ``placements`` lists every shard of every table of the group on every rank, sorted by
-    (rank, table, col0, row0); a rank's local shards, in that order, are the "tables" of its
-    kernel. ``width`` is the shard width (the table dim, or a column block's width).
-    ``data_parallel`` groups hold a full replica of each table on every rank.
+    (rank, table, col0, row0); a rank's local shards, in that order, are its rows: shard j is
+    ``weights[hash_size_cumsum[j]:hash_size_cumsum[j+1]]``. ``width`` is the shard width (the
+    table dim, or a column block's width). ``data_parallel`` groups hold a full replica of each
+    table on every rank.
+
+    ``features`` is FBGEMM's ``feature_table_map``: one entry per lookup of the group (a
+    *feature*), the index of the table it reads. A table looked up at several call sites, or
+    serving several features, is one table with several features; by default every table is
+    one feature. The kernel's "tables" are the features' shards (``feature_placements``, the
+    same blocks as their table's, sorted by (rank, feature, col0, row0)); every feature shard of
+    one table shard starts at that shard's rows (``feature_hash_size_cumsum``, FBGEMM's
+    per-feature ``hash_size_cumsum``), so the fused backward, which sums the gradients of
+    duplicate rows over the whole batch, sums all the lookups' gradients per row before the one
+    update, as autograd sums them in eager PyTorch.
     """
 
     def __init__(self, name: str, tables: list[TableSpec], placements: list[Placement], width: int,
                  pooling: str, weighted: bool, optimizer: OptimizerSpec, sources: list[torch.Tensor],
                  *, data_parallel: bool = False, world_size: int = 1, node_size: int = 0,
-                 tiers: Optional[list[TierSpec]] = None):
+                 tiers: Optional[list[TierSpec]] = None, features: Optional[list[int]] = None,
+                 padded: bool = False):
         super().__init__()
         self.group_name = name
         self.tables = list(tables)
+        self.features = tuple(range(len(self.tables))) if features is None else tuple(int(k) for k in features)
+        unread = sorted(set(range(len(self.tables))) - set(self.features))
+        if unread or any(not 0 <= k < len(self.tables) for k in self.features):
+            raise ValueError(f"table group {name}: features {list(self.features)} must name tables 0..{len(self.tables) - 1}, "
+                             f"each at least once (tables {[self.tables[k].name for k in unread]} have no lookup)")
+        # The features' bag counts may differ (jagged gathers; a table looked up as a pooled bag and
+        # as a [B, L] gather): recc.pack_sparse pads each to the largest with empty bags.
+        self.padded = padded
         self.placements = sorted((tuple(p) for p in placements), key=lambda p: (p[1], p[0], p[4], p[2]))
+        self.feature_placements = sorted(((f, *p[1:]) for f, k in enumerate(self.features)
+                                          for p in self.placements if p[0] == k),
+                                         key=lambda p: (p[1], p[0], p[4], p[2]))
         self.dim = width
         self.pooling = pooling
         self.weighted = weighted
@@ -168,7 +191,14 @@ class TableGroup(nn.Module):
         self.register_buffer("hash_size_cumsum", torch.tensor(cum, dtype=torch.int64), persistent=False)
         self.register_buffer("weights_offsets", torch.tensor(cum[:-1], dtype=torch.int64) * self.dim,
                              persistent=False)
-        self.register_buffer("D_offsets", torch.arange(len(self.shards) + 1, dtype=torch.int64) * self.dim,
+        # The kernel's tables: this rank's feature shards, each reading its table shard's rows.
+        self.local_features = [p for p in self.feature_placements if p[1] == rank]
+        shard_of = {(k, r0, r1, c0, c1): j for j, (k, _, r0, r1, c0, c1) in enumerate(self.local)}
+        self.feature_shards = [shard_of[(self.features[f], r0, r1, c0, c1)] for f, _, r0, r1, c0, c1 in self.local_features]
+        self.feature_row_starts = tuple(cum[j] for j in self.feature_shards) + (cum[-1],)
+        self.register_buffer("feature_hash_size_cumsum", torch.tensor(self.feature_row_starts, dtype=torch.int64),
+                             persistent=False)
+        self.register_buffer("D_offsets", torch.arange(len(self.local_features) + 1, dtype=torch.int64) * self.dim,
                              persistent=False)
 
     @property
@@ -200,8 +230,32 @@ class TableGroup(nn.Module):
         return sum(t.dim for t in self.tables)
 
     @property
+    def shares_rows(self) -> bool:
+        """Whether some table of the group is read by more than one feature."""
+        return len(self.features) != len(self.tables)
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """Each feature's table name, in feature order (what ``recc.pack_sparse`` packs)."""
+        return tuple(self.tables[k].name for k in self.features)
+
+    @property
+    def feature_width(self) -> int:
+        """Columns of the lookup's output before the output dist: every feature's rows."""
+        return sum(self.tables[k].dim for k in self.features)
+
+    @property
+    def num_features(self) -> int:
+        """Number of kernel tables on this rank (local feature shards)."""
+        return len(self.local_features)
+
+    def feature_weight(self, j: int) -> torch.Tensor:
+        """The rows local feature shard j reads (its table shard's)."""
+        return self.table_weight(self.feature_shards[j])
+
+    @property
     def num_tables(self) -> int:
-        """Number of kernel tables on this rank (local shards)."""
+        """Number of table shards on this rank (its rows; ``num_features`` are the kernel's tables)."""
         return len(self.shards)
 
     @property
@@ -285,10 +339,10 @@ class TableGroup(nn.Module):
         return state
 
     def reference_lookup(self, sparse):
-        """Plain-torch lookup (one F.embedding_bag per local shard), for stage verification."""
+        """Plain-torch lookup (one F.embedding_bag per local feature shard), for stage verification."""
         outs = []
-        for j in range(self.num_tables):
-            w = self.table_weight(j)
+        for j in range(self.num_features):
+            w = self.feature_weight(j)
             b = sparse.batch_size
             lo, hi = sparse.offsets[j * b], sparse.offsets[(j + 1) * b]
             ids = sparse.indices[lo:hi]
@@ -312,7 +366,7 @@ class TableGroup(nn.Module):
         return self.source_block(j)
 
     def describe(self) -> str:
-        names = ",".join(t.short for t in self.tables)
+        names = ",".join(self.tables[k].short for k in self.features)
         w = ",weighted" if self.weighted else ""
         dp = " data_parallel" if self.data_parallel else f" two-level(nodes of {self.node_size})" if self.node_size else ""
         stored = "" if self.weight_dtype == torch.float32 else f" {self.tables[0].dtype}"
@@ -340,4 +394,7 @@ class TableGroup(nn.Module):
         new.placements = list(self.placements)
         new.shards = list(self.shards)
         new.local = list(self.local)
+        new.feature_placements = list(self.feature_placements)
+        new.local_features = list(self.local_features)
+        new.feature_shards = list(self.feature_shards)
         return new

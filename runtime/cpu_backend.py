@@ -49,7 +49,7 @@ class TBELookup(torch.autograd.Function):
         # A cached group's ids arrive as slots of its cache (recc.cache_map): already rows of
         # ``weights``, which holds the slots.
         lin = sparse.indices if isinstance(sparse, SlotBatch) else \
-            linearize_indices(sparse.indices, sparse.offsets, group.hash_size_cumsum, t, b)
+            linearize_indices(sparse.indices, sparse.offsets, group.feature_hash_size_cumsum, t, b)
         offsets = sparse.offsets
         ctx.lin, ctx.offsets, ctx.t, ctx.b = lin, offsets, t, b
         if pooling == "max":
@@ -70,7 +70,7 @@ class TBELookup(torch.autograd.Function):
         if group.data_parallel and group.world_size > 1 and group.dp_comm.op == "dp_grad_allreduce":
             # Every replica applies the same update for the global batch: its rows' summed gradients.
             if lin is None:
-                lin = linearize_indices(ctx.sparse.indices, offsets, group.hash_size_cumsum, ctx.t, b)
+                lin = linearize_indices(ctx.sparse.indices, offsets, group.feature_hash_size_cumsum, ctx.t, b)
             rows, offsets, grad, n = all_reduce_row_grads(lin, offsets, grad, psw, ctx.pooling, ctx.t, b,
                                                           group.total_rows, group.dp_comm)
             if n:
@@ -79,7 +79,7 @@ class TBELookup(torch.autograd.Function):
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
-            lin = linearize_indices(ids, offsets, group.hash_size_cumsum, ctx.t, b)
+            lin = linearize_indices(ids, offsets, group.feature_hash_size_cumsum, ctx.t, b)
             if ctx.pooling == "max":
                 winners = None  # the other ranks' bags: recomputed from the weights, if unchanged
                 check_max_unchanged(group, ctx.version)
@@ -111,7 +111,7 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weights, group, indices, tables, rows):
-        lin, outs = gather_rows(weights.detach(), indices, rows, group.row_starts, tables)
+        lin, outs = gather_rows(weights.detach(), indices, rows, group.feature_row_starts, tables)
         ctx.group, ctx.lin = group, lin
         ctx.segments = [0]
         for o in outs:

@@ -37,10 +37,15 @@ class TBELookupCUDA(torch.autograd.Function):
             ctx.ids = ctx.offsets = ctx.hsc = None
             return torch.zeros(b, t * group.dim, dtype=torch.float32, device=weights.device)
         ids, offsets, hsc, names = sparse.indices, sparse.offsets, group.hash_size_cumsum, sparse.tables
-        if isinstance(sparse, SlotBatch):
-            # A cached group's ids are slots of its cache, rows of ``weights`` for every table:
-            # the kernels see one table of every slot whose bags are all the tables' bags, the
+        if isinstance(sparse, SlotBatch) or group.shares_rows:
+            # A cached group's ids are slots of its cache, rows of ``weights`` for every table; a
+            # group with a table that several features read is linearized here (the kernels bound
+            # table t's ids by hash_size_cumsum[t + 1], which features sharing rows cannot say;
+            # pack_sparse and the input dist checked the ids against their tables). Either way
+            # the kernels see one table of every row whose bags are all the tables' bags, the
             # output's [T*B, D] turned back into [B, T*D] (and the gradient the other way).
+            if not isinstance(sparse, SlotBatch):
+                ids = linearize_indices(ids, offsets, group.feature_hash_size_cumsum, t, b)
             t, b = 1, t * b
             hsc = torch.tensor([0, weights.shape[0]], dtype=torch.int64, device=weights.device)
             names = (group.group_name,)
@@ -73,8 +78,14 @@ class TBELookupCUDA(torch.autograd.Function):
             hsc = torch.tensor([0, group.total_rows], dtype=torch.int64, device=grad.device)
         elif group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
+            shared = getattr(ctx, "slot_tables", None)   # a shared group (data-parallel ones are never cached)
+            if shared:
+                grad = _from_slot_bags(grad, ctx)        # gathered as [B, T*D], local ids
             ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
             checked = False  # other ranks' ids: the update's own bounds check reports them
+            if shared:
+                ids = linearize_indices(ids, offsets, group.feature_hash_size_cumsum, shared, b)
+                grad, b = _to_slot_bags(grad, ctx), shared * b
             if pooling == "max":
                 winners = None
                 check_max_unchanged(group, ctx.version)

@@ -125,7 +125,7 @@ def _finish(group: TableGroup, device: torch.device) -> None:
     group._sources = []
     group.release_sources()
     group.materialized = True
-    for key in ("hash_size_cumsum", "weights_offsets", "D_offsets"):
+    for key in ("hash_size_cumsum", "feature_hash_size_cumsum", "weights_offsets", "D_offsets"):
         group.register_buffer(key, getattr(group, key).to(device), persistent=False)
 
 

@@ -219,12 +219,55 @@ class TwiceModel(nn.Module):
 
 
 @pytest.mark.parametrize("functional, table", [(False, "shared"), (True, "p")])
-def test_one_table_looked_up_twice_is_a_clear_error(functional, table):
+def test_one_table_looked_up_twice_is_one_table_with_two_lookups(functional, table):
+    """Two call sites of one weight: one TableSpec (one short name, one set of rows), each lookup
+    a recc.embedding_bag of its own; batch_tables then makes them two features of one group."""
     o, i = _bags(7)
-    with pytest.raises(ValueError, match=rf"table {table} .* more than one call site") as e:
-        recc.compile(TwiceModel(functional), example_inputs=[torch.rand(B, 4), [o, o], [i, i]],
+    program = recc.compile(TwiceModel(functional), example_inputs=[torch.rand(B, 4), [o, o], [i, i]],
+                           pipeline="discover_tables,shard_tables,batch_tables")
+    assert list(program.stats["tables"]) == [table]
+    assert len(program.stats["table_lookups"][table]) == 2
+    text = program.stages["discover_tables"].text
+    assert text.count(f"table t0={table}[7x3,mean]") == 2 and "t1=" not in text
+    assert f"tbe_g0=[t0,t0] dim=3 mean" in program.stages["batch_tables"].text
+    group = program.stages["batch_tables"].graph.tbe_g0
+    assert group.features == (0, 0) and len(group.tables) == 1
+
+
+class MixedUseModel(nn.Module):
+    def __init__(self, mode="mean", weighted=False):
+        super().__init__()
+        self.items = nn.EmbeddingBag(9, 3, mode=mode)
+        self.weighted = weighted
+
+    def forward(self, offs, ids, cand):
+        psw = torch.ones(ids.shape[0]) if self.weighted else None
+        return self.items(ids, offs, per_sample_weights=psw) + F.embedding(cand, self.items.weight)
+
+
+def test_one_table_pooled_two_ways_is_refused_naming_both_lookups():
+    o, i = _bags(9)
+    with pytest.raises(ValueError, match=r"table items is looked up with mean pooling at items and with none "
+                                         r"pooling at embedding"):
+        recc.compile(MixedUseModel("mean"), example_inputs=[o, i, torch.randint(0, 9, (B,))],
                      pipeline="discover_tables")
-    assert "discover_tables" in str(e.value)
+
+
+def test_one_table_weighted_at_one_lookup_only_is_refused():
+    o, i = _bags(9)
+    with pytest.raises(ValueError, match=r"table items is looked up with per_sample_weights at items and without "
+                                         r"at embedding"):
+        recc.compile(MixedUseModel("sum", weighted=True), example_inputs=[o, i, torch.randint(0, 9, (B,))],
+                     pipeline="discover_tables")
+
+
+def test_a_sum_bag_and_a_gather_of_one_table_are_one_table():
+    o, i = _bags(9)
+    program = recc.compile(MixedUseModel("sum"), example_inputs=[o, i, torch.randint(0, 9, (B,))],
+                           pipeline="discover_tables")
+    text = program.stages["discover_tables"].text
+    assert "table t0=items[9x3,sum]" in text and "table t0=items[9x3,none]" in text
+    assert program.stats["table_lookups"] == {"items": ("items", "embedding")}
 
 
 class WeightedModel(nn.Module):

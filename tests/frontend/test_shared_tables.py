@@ -1,0 +1,313 @@
+"""Tables looked up at several call sites, or serving several features, are one table with several
+lookups: one set of rows, fused and sharded like any table, the lookups' gradients summed per row
+before the one fused update — as eager autograd sums them.
+
+The zoo models (``zoo_shared``: DeepFM with FM and DNN parts reading the same embeddings and two
+features on one table, DIN with a candidate and a padded history over shared item and category
+tables, a YouTube-DNN history bag and candidate gather on one table, TorchRec's
+``EmbeddingBagConfig(feature_names=["f1", "f2"])``) train like eager PyTorch on the global batch
+at W=1/2/4 with ``sgd`` and ``rowwise_adagrad``, auto and every forced sharding kind; the IR of a
+small model's shared lookups is checked as text; a shared table placed cached trains as resident.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import recc
+import zoo_shared
+from zoo import ZOO
+from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, compile_zoo, eager_run, job, labels_of)
+
+MODELS = zoo_shared.SHARED_MODELS
+OPTIMIZERS = ("sgd", "rowwise_adagrad")
+# (world, kind/optimizer) jobs: every kind at W=2, the kinds whose shards change with W at W=4.
+# column_wise with rowwise_adagrad is refused (one accumulator per whole row).
+JOBS_W2 = ("auto/sgd", "auto/rowwise_adagrad", "table_wise/sgd", "row_wise/rowwise_adagrad", "column_wise/sgd",
+           "table_row_wise/sgd", "data_parallel/rowwise_adagrad")
+JOBS_W4 = ("auto/rowwise_adagrad", "row_wise/sgd", "table_row_wise/rowwise_adagrad", "column_wise/sgd",
+           "data_parallel/sgd")
+
+_EAGER: dict = {}
+
+
+def eager(name: str, optimizer: str):
+    if (name, optimizer) not in _EAGER:
+        _EAGER[name, optimizer] = eager_run(name, optimizer)
+    return _EAGER[name, optimizer]
+
+
+def _jobs(world: int, kinds) -> dict:
+    jobs = {}
+    for name in MODELS:
+        for k in kinds:
+            kind, optimizer = k.split("/")
+            jobs[f"{name}/{k}"] = job(name, world, optimizer, kind)
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def shared_world2() -> ZooWorld:
+    return ZooWorld(2, _jobs(2, JOBS_W2))
+
+
+@pytest.fixture(scope="module")
+def shared_world4() -> ZooWorld:
+    return ZooWorld(4, _jobs(4, JOBS_W4))
+
+
+# Each table once, with every call site that reads it (lookups in graph order).
+EXPECTED_LOOKUPS = {
+    "deepfm_shared": {"linear_model.embedding_dict.C0": 1, "linear_model.embedding_dict.C1": 1,
+                      "linear_model.embedding_dict.C2": 2, "embedding_dict.C0": 2, "embedding_dict.C1": 2,
+                      "embedding_dict.C2": 4},
+    "din": {"embedding_dict.user": 1, "embedding_dict.item_id": 2, "embedding_dict.cate_id": 2},
+    "youtube_dnn": {"items": 3, "users": 1},
+    "torchrec_shared": {"ebc.embedding_bags.t_shared": 2, "ebc.embedding_bags.t_f3": 1},
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_each_table_is_one_table_with_its_lookups(name):
+    program = compile_zoo(name, 1)
+    assert not program.stats["dense_lookups"]
+    assert len(program.stats["tables"]) == ZOO[name].n_tables
+    assert {t: len(s) for t, s in program.stats["table_lookups"].items()} == EXPECTED_LOOKUPS[name]
+    groups = [m for n, m in program.graph.named_modules() if n.startswith("tbe_g")]
+    # Every lookup of a table is a feature of the table's one group.
+    for table, count in EXPECTED_LOOKUPS[name].items():
+        (g,) = [g for g in groups if table in g.logical_names]
+        assert g.feature_names.count(table) == count
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("name", MODELS)
+def test_one_process_matches_eager(name, optimizer):
+    program = compile_zoo(name, 1, optimizer)
+    entry = ZOO[name]
+    model_before = copy.deepcopy(entry.make_model().state_dict())
+    dmodel = program.instantiate()
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=program.config.lr)
+    outs = []
+    for step in range(STEPS):
+        args, y = entry.batch(step, GLOBAL_BATCH)
+        out = dmodel(*args)
+        outs.append(out.detach().clone())
+        entry.loss(out, labels_of(y, 0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+    state = dmodel.state_dict()
+    assert set(state) == set(model_before)   # the user's keys, each table once
+    assert_matches_eager([{"outputs": outs, "state": state}], eager(name, optimizer))
+
+
+@pytest.mark.parametrize("name,kind", [(n, k) for n in MODELS for k in JOBS_W2])
+def test_world2_matches_eager(shared_world2, name, kind):
+    assert_matches_eager(shared_world2.job(f"{name}/{kind}"), eager(name, kind.split("/")[1]))
+
+
+@pytest.mark.parametrize("name,kind", [(n, k) for n in MODELS for k in JOBS_W4])
+def test_world4_matches_eager(shared_world4, name, kind):
+    assert_matches_eager(shared_world4.job(f"{name}/{kind}"), eager(name, kind.split("/")[1]))
+
+
+# ------------------------------------------------------------------------------------------------
+# the IR
+
+class Shared(nn.Module):
+    """One item table read as a candidate ([B] ids), as a history ([B, L] ids) and as a sum bag
+    (B bags: a padded group, the bag's rows cut back by recc.own_bags); one user bag table read
+    twice with the same bag count."""
+
+    def __init__(self):
+        super().__init__()
+        self.item = nn.Embedding(30, 4)
+        self.user = nn.EmbeddingBag(20, 4, mode="sum")
+        self.top = nn.Linear(20, 1)
+
+    def forward(self, cand, hist, u, uo):
+        recent = F.embedding_bag(hist.flip(1), self.item.weight, mode="sum")
+        x = torch.cat([self.item(cand), self.item(hist).sum(1), recent, self.user(u, uo), self.user(u.flip(0), uo)], 1)
+        return self.top(x).squeeze(1)
+
+
+def _shared_batch(step: int, b: int = 8, length: int = 3):
+    g = torch.Generator().manual_seed(step)
+    return ((torch.randint(0, 30, (b,), generator=g), torch.randint(0, 30, (b, length), generator=g),
+             torch.randint(0, 20, (2 * b,), generator=g), torch.arange(0, 2 * b, 2)), torch.rand(b, generator=g))
+
+
+EXPECTED_BATCH_TABLES = """\
+tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t0,t0] dim=4 sum sgd(lr=0.1); @batch_tables
+sparse_g0  : kjt[t=3,b=24] = recc.pack_sparse([flip, item_ids, item_1_ids], [None, None, None], None, tables=('item', 'item', 'item'), rows=(30, 30, 30), pad=True)  # @batch_tables
+pooled_g0  : f32[24,12]   = recc.tbe_lookup(tbe_g0, sparse_g0)  # @batch_tables
+tables_g0  : tuple[3x f32[24,4]] = recc.split_cols(pooled_g0, (4, 4, 4))  # @batch_tables
+embedding_bag_padded : f32[24,4]    = getitem(tables_g0, 0)  # table t0=item[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
+embedding_bag : f32[8,4]     = recc.own_bags(embedding_bag_padded, flip, None)  # @batch_tables
+item_rows  : f32[24,4]    = getitem(tables_g0, 1)  # table t0=item[30x4,none]; shard=tw@r0[0:30,0:4]; @batch_tables
+item_1_rows : f32[24,4]    = getitem(tables_g0, 2)  # table t0=item[30x4,none]; shard=tw@r0[0:30,0:4]; @batch_tables
+item_1     : f32[8,3,4]   = recc.rows_like(item_1_rows, hist)  # @discover_tables
+sum_1      : f32[8,4]     = item_1.sum(1)
+flip_1     : i64[16]      = u.flip(0)
+tbe_g1     : module       = get_attr tbe_g1  # tbe_g1=[t1,t1] dim=4 sum sgd(lr=0.1); @batch_tables
+sparse_g1  : kjt[t=2,b=8] = recc.pack_sparse([u, flip_1], [uo, uo], None, tables=('user', 'user'), rows=(20, 20))  # @batch_tables
+pooled_g1  : f32[8,8]     = recc.tbe_lookup(tbe_g1, sparse_g1)  # @batch_tables
+tables_g1  : tuple[2x f32[8,4]] = recc.split_cols(pooled_g1, (4, 4))  # @batch_tables
+user       : f32[8,4]     = getitem(tables_g1, 0)  # table t1=user[20x4,sum]; shard=tw@r0[0:20,0:4]; @batch_tables
+user_1     : f32[8,4]     = getitem(tables_g1, 1)  # table t1=user[20x4,sum]; shard=tw@r0[0:20,0:4]; @batch_tables
+"""
+
+
+def _lines(text: str, first: str, last: str) -> str:
+    lines = text.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith(first))
+    j = next(k for k, ln in enumerate(lines) if ln.startswith(last))
+    return "\n".join(lines[i:j + 1]) + "\n"
+
+
+def test_shared_lookups_ir_after_batch_tables():
+    """One group per table, one feature per lookup (``tbe_g0=[t0,t0]``), each lookup its own column
+    block; the candidate and the history have different bag counts, so their group is padded."""
+    program = recc.compile(Shared(), recc.Cluster.local(1), example_inputs=_shared_batch(0)[0],
+                           config=recc.CompileConfig(optimizer="sgd", lr=0.1))
+    assert _lines(program.stages["batch_tables"].ir, "tbe_g0 ", "user_1 ") == EXPECTED_BATCH_TABLES
+
+
+EXPECTED_INSERT_COMM_G0 = """\
+tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t0,t0] dim=4 sum sgd(lr=0.1) | r0:t0[0:15,0:4] r1:t0[15:30,0:4]; @batch_tables
+sparse_g0  : kjt[t=3,b=12] = recc.pack_sparse([flip, item_ids, item_1_ids], [None, None, None], None, tables=('item', 'item', 'item'), rows=(30, 30, 30), pad=True)  # @batch_tables
+sparse_g0_padded : kjt[t=3,b=12] = recc.pad_bags(sparse_g0, comm=bag_count_max)  # comm bag_count_max over [0, 1]; @insert_comm
+ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0_padded, comm=input_dist)  # comm input_dist over [0, 1]: t0[0:15]->r0 t0[0:15]->r0 t0[0:15]->r0 t0[15:30]->r1 t0[15:30]->r1 t0[15:30]->r1; @insert_comm
+ids_g0     : kjt[t=3,b=24] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
+pooled_g0  : f32[24,12]   = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
+emb_g0_h   : handle       = recc.all_to_all_start(pooled_g0, comm=output_dist)  # comm output_dist over [0, 1] splits=[12, 12]: t0[0:15]->r0 t0[0:15]->r0 t0[0:15]->r0 t0[15:30]->r1 t0[15:30]->r1 t0[15:30]->r1; @insert_comm
+emb_g0     : f32[12,12]   = recc.all_to_all_wait(emb_g0_h)  # @insert_comm
+emb_g0_own : f32[12,12]   = recc.unpad_bags(emb_g0, sparse_g0)  # @insert_comm
+tables_g0  : tuple[3x f32[12,4]] = recc.split_cols(emb_g0_own, (4, 4, 4))  # @batch_tables
+embedding_bag_padded : f32[12,4]    = getitem(tables_g0, 0)  # table t0=item[30x4,sum]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
+embedding_bag : f32[4,4]     = recc.own_bags(embedding_bag_padded, flip, None)  # @batch_tables
+item_rows  : f32[12,4]    = getitem(tables_g0, 1)  # table t0=item[30x4,none]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
+item_1_rows : f32[12,4]    = getitem(tables_g0, 2)  # table t0=item[30x4,none]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
+"""
+
+
+def test_shared_lookups_ir_after_insert_comm_row_wise():
+    """Row-wise on two ranks: each feature's ids go to both row blocks of its table (the layout
+    lists the table's blocks once per feature); a rank's kernel reads its one block for all three;
+    the padded group pads its bags to one count over the ranks and cuts them back."""
+    example = _shared_batch(0, b=4)[0]
+    program = recc.compile(Shared(), recc.Cluster.local(2), example_inputs=example,
+                           config=recc.CompileConfig(optimizer="sgd", lr=0.1, sharding="row_wise", batch_size=8))
+    got = _lines(program.stages["insert_comm"].ir, "tbe_g0 ", "item_1_rows ")
+    assert got == EXPECTED_INSERT_COMM_G0
+    group = program.stages["insert_comm"].graph.tbe_g0
+    assert group.features == (0, 0, 0) and group.padded
+    assert group.feature_row_starts == (0, 0, 0, 15)   # the three features of rank 0 read rows [0, 15)
+    group.set_rank(1)
+    assert group.feature_row_starts == (0, 0, 0, 15) and group.local_features[0][2:4] == (15, 30)
+
+
+# ------------------------------------------------------------------------------------------------
+# gradients of every lookup, summed per row (the mechanism)
+
+def test_one_row_read_by_both_lookups_gets_their_summed_gradient_once():
+    """Row 3 of ``user`` is read by both lookups of the batch: rowwise_adagrad updates it once with
+    the sum of both gradients (updating per lookup, or the first lookup only, gives other values)."""
+    torch.manual_seed(0)
+    model = nn.EmbeddingBag(8, 2, mode="sum")
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.user = model
+
+        def forward(self, a, b, off):
+            return (self.user(a, off) * 2 + self.user(b, off) * 3).sum(1)
+
+    a, b, off = torch.tensor([3, 1]), torch.tensor([3, 5]), torch.tensor([0, 1])
+    ref = copy.deepcopy(model.weight.detach())
+    program = recc.compile(Twice(), recc.Cluster.local(1), example_inputs=(a, b, off),
+                           config=recc.CompileConfig(optimizer="rowwise_adagrad", lr=0.5, eps=1e-8))
+    dmodel = program.instantiate()
+    dmodel(a, b, off).sum().backward()
+    w = dmodel.state_dict()["user.weight"]
+    g = torch.zeros_like(ref)
+    g[3] += 2 + 3        # bag 0 of both lookups
+    g[1] += 2
+    g[5] += 3
+    m = (g * g).mean(1, keepdim=True)
+    expect = ref - 0.5 * g / (m.sqrt() + 1e-8)
+    torch.testing.assert_close(w, expect, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# cached placement
+
+def test_a_shared_table_placed_cached_trains_as_resident(tmp_path):
+    """Both features of the item table go through its one cache: cached = resident bit for bit."""
+    def build():
+        torch.manual_seed(5)
+        m = Shared()
+        m.item = nn.Embedding(300, 4)
+        return m
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return (torch.randint(0, 300, (8,), generator=g), torch.randint(0, 300, (8, 3), generator=g),
+                torch.randint(0, 20, (16,), generator=g), torch.arange(0, 16, 2)), torch.rand(8, generator=g)
+
+    states = []
+    for placement in ("resident", {"item": {"cache_rows": 64}}):
+        cfg = recc.CompileConfig(optimizer="rowwise_adagrad", lr=0.1, placement=placement, cache_dir=str(tmp_path))
+        program = recc.compile(build(), recc.Cluster.local(1), example_inputs=batch(0)[0], config=cfg)
+        if placement != "resident":
+            assert "cached(64 of 300 rows in memory" in program.stages["batch_tables"].ir
+        dmodel = program.instantiate()
+        for step in range(4):
+            args, y = batch(step)
+            F.mse_loss(dmodel(*args), y).backward()
+        states.append(dmodel.state_dict())
+    for key in states[0]:
+        if key.startswith(("item", "user")):
+            assert torch.equal(states[0][key], states[1][key]), key
+
+
+# ------------------------------------------------------------------------------------------------
+# the CUDA backend (on the kernels' CPU harness)
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_shared_tables_train_through_the_cuda_ops_like_the_cpu_backend(optimizer, one_thread):
+    """The CUDA backend linearizes a shared group's ids with the features' row bases and runs the
+    kernels over one table of every row (their per-table bounds cannot express features sharing
+    rows): it trains the padded three-feature item group and the two-feature user group as the
+    CPU backend does."""
+    import contextlib
+    import sys
+    from pathlib import Path
+    from recc.kernels.cuda import emulator
+    if emulator.compiler() is None:
+        pytest.skip("the CUDA emulator needs g++")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from test_cuda_backend_emulated import cuda_ops
+    torch.manual_seed(3)
+    model = Shared()
+    config = recc.CompileConfig(optimizer=optimizer, lr=0.1)
+    models = [recc.compile(copy.deepcopy(model), recc.Cluster.local(1), example_inputs=_shared_batch(0)[0],
+                           config=config).instantiate() for _ in range(2)]
+    opts = [torch.optim.SGD(m.dense_parameters(), lr=0.1) for m in models]
+    emulator.launches.clear()
+    for step in range(3):
+        args, y = _shared_batch(step)
+        for i, (m, opt) in enumerate(zip(models, opts)):
+            with cuda_ops() if i == 1 else contextlib.nullcontext():
+                F.mse_loss(m(*args), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert "tbe_linearize" in set(emulator.launches)
+    for (k, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
