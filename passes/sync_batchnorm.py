@@ -116,6 +116,7 @@ def sync_batchnorm(gm: fx.GraphModule, ctx: PassContext, *, mode: str = "sync") 
         return gm   # one rank's batch is the global batch
     synced, unsynced, dropouts = batch_statistics_layers(gm)
     for n in unsynced:
+        n.meta.setdefault("recc.notes", []).append("batch statistics of this rank's slice: not synchronised")
         warnings.warn(f"recc: {_describe(gm, n)} normalises by batch statistics that recc does not synchronise: on "
                       f"{world} ranks it uses each rank's slice's, so training differs from one process on the "
                       f"global batch; write it as an nn.BatchNorm1d/2d/3d module to have the global batch's",

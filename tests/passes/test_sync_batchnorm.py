@@ -145,6 +145,8 @@ def test_functional_batch_norm_and_dropout_are_named():
     with pytest.warns(UserWarning, match=r"batch_norm \(batch_norm, training=True\) normalises by batch statistics "
                                          r"that recc does not synchronise"):
         program = compile_ctr(2, model=CTR(functional=True, dropout=0.5))
+    line = next(l for l in program.stages["sync_batchnorm"].text.splitlines() if l.startswith("batch_norm "))
+    assert line.endswith("# batch statistics of this rank's slice: not synchronised")
     notes = "\n".join(program.plan.notes)
     assert "batch statistics NOT synchronised (each rank's slice's): batch_norm" in notes
     assert "dropout (mlp.3): each rank draws its slice's masks from its own RNG stream" in notes
