@@ -21,8 +21,8 @@ from recc.heap import trim_heap
 from recc.passmanager import PassContext, format_item, format_spec, resolve_pipeline, shown_options
 from recc.program import InputSignature, Program, Stage, dump_stages, snapshot
 from recc.tables import TableGroup
-from recc.trace import (AUTOCAST_SITE, autocast_of, default_example_inputs, example_batch, model_is_meta,
-                        propagate_shapes, to_meta, trace, untouched)
+from recc.trace import (AUTOCAST_SITE, autocast_of, default_example_inputs, eager_float_dtypes, example_batch,
+                        model_is_meta, propagate_shapes, to_meta, trace, untouched)
 
 DEFAULT_PIPELINE = "discover_tables,shard_tables,batch_tables,insert_comm,cache_tables,quantize_comm,pipeline_comm,fuse_gathers,fuse_interaction,fold_column_cat,align_linear,fuse_linear_act,lower"
 
@@ -137,6 +137,9 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     config = _follow_autocast(gm, config, cluster.device_type, type(model).__name__)
     propagate_shapes(gm, example_inputs, abstract)
     trace_ms = (time.perf_counter() - t0) * 1e3
+    # Which floating dtypes eager takes for each dense input, asked of the captured graph before
+    # any pass (the compiled model refuses the others as eager does: InputSignature).
+    float_dtypes = eager_float_dtypes(gm, example_inputs)
     ir.verify(gm, pass_name="trace", level=config.verify)
     verified = "ok" if config.verify else "off"
 
@@ -211,7 +214,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
             detached_state[key] = value.detach().clone()
     return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
                    pipeline=format_spec([(i.name, shown_options(i, o)) for i, o in passes]), state_keys=state_keys,
-                   signature=InputSignature.of(sig_names, example_inputs, list(tables), batch), stats=ctx.stats,
+                   signature=InputSignature.of(sig_names, example_inputs, list(tables), batch, float_dtypes), stats=ctx.stats,
                    detached_state=detached_state,
                    init_seed=config.init_seed if config.init_seed is not None else torch.initial_seed() % 2**63,
                    tables_on_meta=any(getattr(resolve_attr(model, spec.weight_key), "is_meta", False)

@@ -196,13 +196,43 @@ def _is_meta(t) -> bool:
     return isinstance(t, torch.Tensor) and t.device.type == "meta"
 
 
+# The dtypes a lookup's ids may have after ATen's promotion (see check_id_dtype).
+ID_DTYPES = (torch.int64, torch.int32)
+
+
+def check_id_dtype(table: str, indices, offsets=None) -> None:
+    """The one rule for a lookup's id dtypes, on every path (reference ops, each backend's
+    packing and gathers, every world size and sharding kind), and it is eager PyTorch's:
+    ``nn.Embedding`` and ``nn.EmbeddingBag`` without offsets take int64/int32 ids; with offsets,
+    ATen first promotes ids and offsets to one dtype (int16 or uint8 ids with int64 offsets are
+    taken, int16 ids with int16 offsets are not), which must be int64/int32. ``offsets`` is
+    the user's (None for a gather or a ``[B, L]`` bag), never one recc made."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"table {table}: indices must be an int64/int32 tensor, got {type(indices).__name__}")
+    if offsets is None or not isinstance(offsets, torch.Tensor):
+        if indices.dtype not in ID_DTYPES:
+            raise TypeError(f"table {table}: indices must be an int64/int32 tensor, got {indices.dtype} "
+                            f"(as nn.Embedding, and nn.EmbeddingBag without offsets, require)")
+        return
+    common = torch.promote_types(indices.dtype, offsets.dtype)
+    if common not in ID_DTYPES:
+        raise TypeError(f"table {table}: indices ({indices.dtype}) and offsets ({offsets.dtype}) must promote to "
+                        f"int64/int32, as nn.EmbeddingBag requires; they promote to {common}")
+
+
+def check_id_dtypes(tables, indices, offsets) -> None:
+    """``check_id_dtype`` for each table of a group (before any padding adds offsets)."""
+    for k, name in enumerate(tables):
+        check_id_dtype(name, indices[k] if k < len(indices) else None,
+                       offsets[k] if offsets is not None and k < len(offsets) else None)
+
+
 def check_bags(table: str, indices: torch.Tensor, offsets: Optional[torch.Tensor], rows: int,
                per_sample_weights: Optional[torch.Tensor] = None) -> None:
     """Validate one table's ids/offsets before any row is touched; errors name the table."""
     if _is_meta(indices):
         return
-    if indices.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"table {table}: indices must be int64/int32, got {indices.dtype}")
+    check_id_dtype(table, indices, offsets)
     flat = indices.reshape(-1)
     if flat.numel():
         lo, hi = torch.aminmax(flat)
@@ -310,6 +340,7 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pad=False
     (``pad_table_bags``).
     """
     tables = tuple(tables)
+    check_id_dtypes(tables, indices, offsets)
     if pad:
         indices, offsets = pad_table_bags(indices, offsets)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
@@ -326,9 +357,7 @@ def check_pack_arguments(indices, offsets, per_sample_weights, tables) -> None:
         raise ValueError(f"pack_sparse: {len(per_sample_weights)} per-sample-weight tensors for tables {tables}")
     for k, name in enumerate(tables):
         ids = indices[k]
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"table {name}: indices must be an int64/int32 tensor, got "
-                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        check_id_dtype(name, ids, offsets[k])
         if offsets[k] is not None and ids.dim() != 1:
             raise ValueError(f"table {name}: indices of shape {list(ids.shape)} come with offsets; like "
                              f"nn.EmbeddingBag, offsets go with 1-D indices (2-D indices [B, L] take offsets=None)")

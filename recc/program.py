@@ -58,6 +58,9 @@ class InputSignature:
     names: list[str]
     kinds: list[Any]          # per argument: ("tensor", dtype, trailing shape) | ("list", n, elem kinds)
     table_names: list[str] = field(default_factory=list)
+    # Per floating-point input, by its path (``dense_x``, ``lS_w[1]``, ``X['price']``): the dtypes
+    # eager PyTorch takes there and, for the others, eager's error (``trace.eager_float_dtypes``).
+    float_dtypes: dict = field(default_factory=dict)
 
     @staticmethod
     def _kind(v, batch=None):
@@ -71,8 +74,30 @@ class InputSignature:
         return ("value", type(v).__name__, None)
 
     @classmethod
-    def of(cls, names: Sequence[str], example_inputs: Sequence[Any], table_names=(), batch=None) -> "InputSignature":
-        return cls(list(names), [cls._kind(v, batch) for v in example_inputs], list(table_names))
+    def of(cls, names: Sequence[str], example_inputs: Sequence[Any], table_names=(), batch=None,
+           float_dtypes: Optional[dict] = None) -> "InputSignature":
+        """``float_dtypes``: ``trace.eager_float_dtypes``' answer, by flattened input position."""
+        paths = [p for name, v in zip(names, example_inputs) for p in _leaf_paths(name, v)]
+        by_path = {paths[k]: entry for k, entry in (float_dtypes or {}).items() if k < len(paths)}
+        return cls(list(names), [cls._kind(v, batch) for v in example_inputs], list(table_names), by_path)
+
+    def _check_float_dtypes(self, args: Sequence[Any]) -> None:
+        """A floating-point input in a dtype eager PyTorch refuses there is refused the same way
+        (naming the input and eager's error); one eager takes runs as given (the graph does what
+        the user's forward does with it)."""
+        if not self.float_dtypes:
+            return
+        for name, v in zip(self.names, args):
+            for path, x in _leaves_with_paths(name, v):
+                entry = self.float_dtypes.get(path)
+                if entry is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                    continue
+                taken, refused = entry
+                if x.dtype not in taken:
+                    why = refused.get(x.dtype)
+                    raise TypeError(f"argument {path}: dtype {x.dtype}, but the model takes "
+                                    f"{' or '.join(str(d) for d in taken)} there: eager PyTorch refuses it too"
+                                    + (f" ({why})" if why else ""))
 
     def check(self, args: Sequence[Any]) -> None:
         if len(args) != len(self.kinds):
@@ -99,6 +124,23 @@ class InputSignature:
                         raise TypeError(f"argument {name}[{i}]: expected a tensor, got {type(ev).__name__}")
                     if ek[0] == "tensor" and ev.dtype.is_floating_point != ek[1].is_floating_point:
                         raise TypeError(f"argument {name}[{i}]: expected dtype {ek[1]}, got {ev.dtype}")
+        self._check_float_dtypes(args)
+
+
+def _leaf_paths(name: str, value) -> list[str]:
+    """Input paths in the order capture flattens containers into placeholders."""
+    return [p for p, _ in _leaves_with_paths(name, value)]
+
+
+def _leaves_with_paths(name: str, value):
+    if isinstance(value, (list, tuple)):
+        for i, x in enumerate(value):
+            yield from _leaves_with_paths(f"{name}[{i}]", x)
+    elif isinstance(value, dict):
+        for k, x in value.items():
+            yield from _leaves_with_paths(f"{name}[{k!r}]", x)
+    else:
+        yield name, value
 
 
 class Program:

@@ -674,9 +674,10 @@ class ShapeProp(fx.Interpreter):
     Tensors are stored as ``meta`` tensors (shape and dtype only): the annotation holds no data.
     """
 
-    def __init__(self, gm: fx.GraphModule, abstract: bool):
+    def __init__(self, gm: fx.GraphModule, abstract: bool, record: bool = True):
         super().__init__(gm)
         self.abstract = abstract
+        self.record = record
 
     def run_node(self, n: fx.Node):
         if n.op == "call_function" and op_of(n.target) is not None and self.abstract:
@@ -692,8 +693,77 @@ class ShapeProp(fx.Interpreter):
             result = getattr(self, n.op)(n.target, args, kwargs)
         else:
             result = super().run_node(n)
-        n.meta["val"] = abstract_value(result)
+        if self.record:
+            n.meta["val"] = abstract_value(result)
         return result
+
+
+class _EagerProbe(fx.Interpreter):
+    """The captured graph run as eager PyTorch runs the user's forward: each node under the
+    autocast it was traced under, on real values wherever the model's state is real (meta
+    kernels skip dtype checks: ``F.linear`` of bf16 by fp32 passes on meta), on meta only past
+    a meta table; it records nothing."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.extra_traceback = False   # eager's own error, and no graph dump (it imports seconds of logging)
+
+    def run_node(self, n: fx.Node):
+        with contextlib.ExitStack() as stack:
+            for dev, dtype in n.meta.get(AUTOCAST, {}).items():
+                stack.enter_context(torch.autocast(dev, dtype))
+            if n.op not in ("call_function", "call_method", "call_module"):
+                return super().run_node(n)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            if n.op == "call_module":
+                module = self.module.get_submodule(n.target)
+                if _has_meta((args, kwargs)) or model_is_meta(module):
+                    return _call_on_meta(module, to_meta(args), to_meta(kwargs))
+            elif _is_tensor_op(n, args) and _has_meta((args, kwargs)):
+                args, kwargs = to_meta(args), to_meta(kwargs)
+            return getattr(self, n.op)(n.target, args, kwargs)
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def eager_float_dtypes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> dict:
+    """Per floating-point input of the example (by its position among ``gm``'s placeholders):
+    ``(the floating dtypes eager PyTorch takes there, {dtype refused: eager's error})``, found by
+    running the captured graph (the ``trace`` stage, before any pass) with that input alone in
+    each other dtype, as eager runs it (``_EagerProbe``). A forward that casts its input
+    (``x.float()``) or promotes it (``torch.cat`` with fp32 values) takes every dtype; one whose
+    first layer multiplies it by fp32 weights takes only fp32, unless under autocast. Inputs the
+    probe cannot run (even in their own dtype) get no entry (unchecked)."""
+    flat = fx_flatten_inputs(gm, list(example_inputs))
+    out = {}
+
+    def runs(args):
+        with torch.no_grad():
+            _EagerProbe(gm).run(*args)
+
+    floats = [k for k, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    for k in floats:
+        v = flat[k]
+        taken, refused = [v.dtype], {}
+        for dtype in FLOAT_DTYPES:
+            if dtype == v.dtype:
+                continue
+            args = list(flat)
+            args[k] = v.to(dtype)
+            try:
+                runs(args)
+                taken.append(dtype)
+            except Exception as e:
+                refused[dtype] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        out[k] = (tuple(taken), refused)
+    if any(refused for _, refused in out.values()):
+        # A refusal counts only if the inputs as given run (else the probe cannot tell).
+        try:
+            runs(flat)
+        except Exception:
+            return {}
+    return out
 
 
 def abstract_value(v):

@@ -570,13 +570,36 @@ def pad_to_world_bags(sparse: SparseBatch, comm) -> SparseBatch:
     return pad_bag_offsets(sparse, int(n))
 
 
+def same_batches(group) -> bool:
+    """Whether a group's bags per table are a fixed multiple of each rank's batch (no jagged
+    table), so ranks with different bag counts have different batches."""
+    return not any(getattr(t, "jagged", False) for t in group.tables)
+
+
+def check_same_batches(label: str, bags: list[int]) -> None:
+    """A data-parallel group applies the sum of every rank's gradients as the global batch's
+    update; with a per-rank mean loss that equals one process on the global batch only when every
+    rank has the same batch (DESIGN.md, the parity contract). ``bags``: each rank's bags per table,
+    a fixed multiple of its batch (groups with a jagged table are not checked: their counts vary).
+    Table-wise and row-wise groups refuse the same batches in their input dist."""
+    if len(set(bags)) > 1:
+        raise ValueError(
+            f"{label}: the ranks have different bag counts per table ({bags} by rank), so different batch sizes; "
+            f"data-parallel tables train like one process on the global batch only when every rank gets the same "
+            f"share of it: give each rank global_batch / world_size samples (a short last batch padded, as recc's "
+            f"training loop does, or dropped)")
+
+
 def all_reduce_row_grads(lin: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, psw, pooling: str,
-                         t: int, b: int, total_rows: int, comm):
+                         t: int, b: int, total_rows: int, comm, same_batch: bool = True):
     """``dp_grad_allreduce``: this rank's bags' gradient summed per row of the group (``lin``:
     the group's linearized ids of ``t * b`` feature-major bags, ``grad`` ``[b, t*D]``), summed
     over the ranks. Returns the touched rows as one-id bags, ``(rows, offsets, grads, n)``: what
     the fused optimizer applies as the global batch's update (a row touched anywhere is
-    updated, with gradient 0 if its gradients cancel, as the gathered batch would have it)."""
+    updated, with gradient 0 if its gradients cancel, as the gathered batch would have it).
+    ``same_batch``: every rank must have ``b`` bags (``check_same_batches``); the counts travel
+    beside the gradients (8 bytes a rank, not in the payload rows) and are read at the sync the
+    touched rows need anyway."""
     world, me = dist.get_world_size(), dist.get_rank()
     dim = grad.shape[1] // max(t, 1)
     acc = torch.zeros(total_rows, dim + 1, dtype=torch.float32, device=grad.device)
@@ -600,25 +623,34 @@ def all_reduce_row_grads(lin: torch.Tensor, offsets: torch.Tensor, grad: torch.T
     per_peer = 2 * acc.numel() * 4 // world  # a ring all-reduce: 2 (W-1)/W of the buffer leaves each rank
     wire_peer = per_peer * wire.element_size() // 4
     st.add_payload(label, precision, per_peer * (world - 1), wire_peer * (world - 1))
-    Transfer(label, [dist.all_reduce(wire, group=embedding_group(), async_op=True)], wire_peer * (world - 1), st,
-             st.cross_node([wire_peer] * world, me)).wait()
+    works = [dist.all_reduce(wire, group=embedding_group(), async_op=True)]
+    if same_batch:
+        mine = torch.tensor([b], dtype=torch.int64, device=grad.device)
+        bags = [torch.empty_like(mine) for _ in range(world)]
+        works.append(dist.all_gather(bags, mine, group=embedding_group(), async_op=True))
+    Transfer(label, works, wire_peer * (world - 1), st, st.cross_node([wire_peer] * world, me)).wait()
     if wire is not acc:
         acc = wire.float()
     rows = torch.nonzero(acc[:, dim] > 0).squeeze(1)
     n = rows.numel()
+    if same_batch:
+        check_same_batches(label, torch.cat(bags).tolist())
     return rows, torch.arange(n + 1, dtype=torch.int64, device=grad.device), acc[rows, :dim], n
 
 
-def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm):
+def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm, same_batch: bool = True):
     """Every rank's (ids, offsets, per-sample weights, output grads) as one global batch,
     feature-major, in rank order: what a data-parallel replica needs to apply the same update.
-    The gradients travel in ``comm.grad_precision``."""
+    The gradients travel in ``comm.grad_precision``. ``same_batch``: every rank must have as
+    many bags (``check_same_batches``), read from the bag lengths' exchange."""
     world = dist.get_world_size()
     st = comm_stats.current()
     label = comm.name or "dp_grad_allgather"
     t = sparse.num_tables
     lengths = (sparse.offsets[1:] - sparse.offsets[:-1])
     all_len = _all_gather_varlen(lengths, label, st)
+    if same_batch:
+        check_same_batches(label, [l.numel() // max(t, 1) for l in all_len])
     all_ids = _all_gather_varlen(sparse.indices, label, st)
     all_w = _all_gather_varlen(sparse.per_sample_weights, label, st) if sparse.per_sample_weights is not None else None
     codec = comm.grad_precision

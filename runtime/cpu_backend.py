@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from recc.ops import SlotBatch, SparseBatch, get_op, pad_table_bags, pooled_dtype, register_impl, use_references
-from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
+from recc.ops import (SlotBatch, SparseBatch, check_id_dtypes, get_op, pad_table_bags, pooled_dtype, register_impl,
+                      use_references)
+from recc.runtime.comm import all_reduce_row_grads, gather_global_batch, same_batches
 from recc.runtime.loss_scale import update_scale
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
                           linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
@@ -22,6 +23,7 @@ def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows, pad=F
     """1-D ids with start offsets (or [B, L] ids) and no per-sample weights: packed and checked
     in one C pass. Everything else, and a batch the C checks reject, goes through the reference,
     which packs it or raises naming the table and the bag or id at fault."""
+    check_id_dtypes(tables, indices, offsets)   # eager's rule, before padding adds offsets
     if pad:
         indices, offsets = pad_table_bags(indices, offsets)
     packed = pack_bags(indices, offsets, rows) if per_sample_weights is None else None
@@ -72,13 +74,15 @@ class TBELookup(torch.autograd.Function):
             if lin is None:
                 lin = linearize_indices(ctx.sparse.indices, offsets, group.feature_hash_size_cumsum, ctx.t, b)
             rows, offsets, grad, n = all_reduce_row_grads(lin, offsets, grad, psw, ctx.pooling, ctx.t, b,
-                                                          group.total_rows, group.dp_comm)
+                                                          group.total_rows, group.dp_comm,
+                                                          same_batch=same_batches(group))
             if n:
                 _apply_update(group, rows, offsets, grad, 1, n, "sum")
             return None, None, None, None
         if group.data_parallel and group.world_size > 1:
             # Every replica applies the same update for the global batch: gather it.
-            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
+            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm,
+                                                             same_batch=same_batches(group))
             lin = linearize_indices(ids, offsets, group.feature_hash_size_cumsum, ctx.t, b)
             if ctx.pooling == "max":
                 winners = None  # the other ranks' bags: recomputed from the weights, if unchanged
@@ -133,6 +137,7 @@ class GatherRows(torch.autograd.Function):
 
 @register_impl("gather_rows", "cpu")
 def gather_rows_cpu(group, indices, *, tables, rows):
+    check_id_dtypes(tables, indices, None)   # nn.Embedding's rule (the kernel would take any integer)
     if not group.materialized:
         raise RuntimeError(f"table group {group.group_name} has no weights on this rank yet: "
                            f"run the model from program.instantiate()")

@@ -15,8 +15,8 @@ import torch
 from recc.kernels import cuda as cuda_kernels
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.runtime.cpu_backend import check_max_unchanged
-from recc.ops import OPS, SlotBatch, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
-from recc.runtime.comm import all_reduce_row_grads, gather_global_batch
+from recc.ops import OPS, SlotBatch, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
+from recc.runtime.comm import all_reduce_row_grads, gather_global_batch, same_batches
 from recc.runtime.loss_scale import update_scale
 
 
@@ -73,7 +73,8 @@ class TBELookupCUDA(torch.autograd.Function):
             lin = (linearize_indices(ids, offsets, hsc, t, b) if ids is not None
                    else torch.zeros(0, dtype=torch.int64, device=grad.device))  # no bags on this rank
             ids, offsets, grad, b = all_reduce_row_grads(lin, offsets, grad, psw, pooling, t, b,
-                                                         group.total_rows, group.dp_comm)
+                                                         group.total_rows, group.dp_comm,
+                                                         same_batch=same_batches(group))
             t, pooling, psw, checked, names = 1, "sum", None, False, (group.group_name,)
             hsc = torch.tensor([0, group.total_rows], dtype=torch.int64, device=grad.device)
         elif group.data_parallel and group.world_size > 1:
@@ -81,7 +82,8 @@ class TBELookupCUDA(torch.autograd.Function):
             shared = getattr(ctx, "slot_tables", None)   # a shared group (data-parallel ones are never cached)
             if shared:
                 grad = _from_slot_bags(grad, ctx)        # gathered as [B, T*D], local ids
-            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm)
+            ids, offsets, psw, grad, b = gather_global_batch(ctx.sparse, grad, group.dp_comm,
+                                                             same_batch=same_batches(group))
             checked = False  # other ranks' ids: the update's own bounds check reports them
             if shared:
                 ids = linearize_indices(ids, offsets, group.feature_hash_size_cumsum, shared, b)
@@ -150,6 +152,7 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=
     A bad batch is re-validated by the CPU reference on host copies, which raises the same
     error (table and position) the CPU backend would."""
     tables = tuple(tables)
+    check_id_dtypes(tables, indices, offsets)   # eager's rule, before padding adds offsets
     if pad:
         indices, offsets = pad_table_bags(indices, offsets)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
