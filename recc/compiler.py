@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 import os
 import sys
 import time
@@ -147,6 +148,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
         from recc.passes.sync_batchnorm import needs_sync_batchnorm
         pipeline = default_pipeline(config, cluster.world_size, cluster.world_size > 1 and needs_sync_batchnorm(gm))
     passes = resolve_pipeline(pipeline, config, disable)
+    id_inputs = []
     if config.dense_dtype != "fp32" and "cast_dense" not in [info.name for info, _ in passes]:
         raise ValueError(f"recc.compile: CompileConfig(dense_dtype={config.dense_dtype!r}) needs the cast_dense pass, "
                          f"which the pipeline does not run; add it before lower")
@@ -183,6 +185,8 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
         ir.verify(gm, pass_name=info.name, passes_before=list(ctx.passes_run), level=config.verify,
                   reference=eager_out, run_reference=lambda: got, tolerance=3e-2 if loose else 1e-4)
         ctx.passes_run.append(info.name)
+        if info.name == "discover_tables":
+            id_inputs = lookup_inputs(gm)
         text = ir.format(gm)
         key = info.name if info.name not in stages else f"{info.name}#{idx}"
         if config.verify >= 2 and eager_out is not None:
@@ -214,12 +218,54 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
             detached_state[key] = value.detach().clone()
     return Program(stages=stages, graph=gm, plan=ctx.plan, cluster=cluster, config=config,
                    pipeline=format_spec([(i.name, shown_options(i, o)) for i, o in passes]), state_keys=state_keys,
-                   signature=InputSignature.of(sig_names, example_inputs, list(tables), batch, float_dtypes), stats=ctx.stats,
+                   signature=InputSignature.of(sig_names, example_inputs, list(tables), batch, float_dtypes,
+                                                 id_inputs), stats=ctx.stats,
                    detached_state=detached_state,
                    init_seed=config.init_seed if config.init_seed is not None else torch.initial_seed() % 2**63,
                    tables_on_meta=any(getattr(resolve_attr(model, spec.weight_key), "is_meta", False)
                                       for spec in tables.values()))
 
+
+
+# Methods that keep a tensor's values and dtype: ids read through them are still the input's.
+_SAME_VALUES = frozenset({"reshape", "view", "unsqueeze", "squeeze", "flatten", "contiguous", "clone", "view_as",
+                          "reshape_as"})
+
+
+def lookup_inputs(gm) -> list[tuple[str, int, Optional[int]]]:
+    """``(table, ids placeholder index, offsets placeholder index | None)`` for every lookup (after
+    ``discover_tables``) whose ids are one of the model's inputs as given (through reshapes and
+    indexing, never a cast): the compiled model checks those inputs' dtypes on entry with
+    ``ops.check_id_dtype``, naming the argument (lookups of ids computed in forward are checked
+    by the ops, naming the table)."""
+    from recc.ops import op_of
+    placeholders = {n: k for k, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+
+    def source(node):
+        while isinstance(node, torch.fx.Node) and node not in placeholders:
+            if node.op == "call_method" and node.target in _SAME_VALUES:
+                node = node.args[0]
+            elif node.op == "call_function" and node.target is operator.getitem and not isinstance(
+                    node.args[1], torch.fx.Node):
+                node = node.args[0]
+            else:
+                return None
+        return placeholders.get(node) if isinstance(node, torch.fx.Node) else None
+
+    out = []
+    for node in gm.graph.nodes:
+        op = op_of(node.target) if node.op == "call_function" else None
+        if op is None or "table" not in node.kwargs or op.name not in ("embedding_bag", "drop_padding"):
+            continue
+        ids, offsets = (node.args[1], node.args[2]) if op.name == "embedding_bag" else (node.args[0], node.args[1])
+        k = source(ids)
+        if k is None:
+            continue
+        if offsets is None:
+            out.append((node.kwargs["table"], k, None))
+        elif source(offsets) is not None:
+            out.append((node.kwargs["table"], k, source(offsets)))
+    return out
 
 
 def _stages_without_tables(stages, model: nn.Module, tables: dict) -> None:

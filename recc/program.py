@@ -61,6 +61,9 @@ class InputSignature:
     # Per floating-point input, by its path (``dense_x``, ``lS_w[1]``, ``X['price']``): the dtypes
     # eager PyTorch takes there and, for the others, eager's error (``trace.eager_float_dtypes``).
     float_dtypes: dict = field(default_factory=dict)
+    # Lookups whose ids (and offsets) are inputs as given: (table, ids path, offsets path | None),
+    # checked on entry by ``ops.check_id_dtype`` so the error names the argument.
+    id_inputs: list = field(default_factory=list)
 
     @staticmethod
     def _kind(v, batch=None):
@@ -75,11 +78,30 @@ class InputSignature:
 
     @classmethod
     def of(cls, names: Sequence[str], example_inputs: Sequence[Any], table_names=(), batch=None,
-           float_dtypes: Optional[dict] = None) -> "InputSignature":
-        """``float_dtypes``: ``trace.eager_float_dtypes``' answer, by flattened input position."""
+           float_dtypes: Optional[dict] = None, id_inputs=()) -> "InputSignature":
+        """``float_dtypes``: ``trace.eager_float_dtypes``' answer, by flattened input position;
+        ``id_inputs``: ``compiler.lookup_inputs``' (table, ids position, offsets position)."""
         paths = [p for name, v in zip(names, example_inputs) for p in _leaf_paths(name, v)]
         by_path = {paths[k]: entry for k, entry in (float_dtypes or {}).items() if k < len(paths)}
-        return cls(list(names), [cls._kind(v, batch) for v in example_inputs], list(table_names), by_path)
+        ids = [(t, paths[i], None if o is None else paths[o]) for t, i, o in id_inputs
+               if i < len(paths) and (o is None or o < len(paths))]
+        return cls(list(names), [cls._kind(v, batch) for v in example_inputs], list(table_names), by_path, ids)
+
+    def _check_id_dtypes(self, args: Sequence[Any]) -> None:
+        """The lookups' rule (``ops.check_id_dtype``, eager's) on the inputs that are ids as
+        given, so a refusal names the argument as well as the table."""
+        if not self.id_inputs:
+            return
+        from recc.ops import check_id_dtype
+        leaves = {p: x for name, v in zip(self.names, args) for p, x in _leaves_with_paths(name, v)}
+        for table, ids, offsets in self.id_inputs:
+            if ids not in leaves or (offsets is not None and offsets not in leaves):
+                continue
+            try:
+                check_id_dtype(table, leaves[ids], None if offsets is None else leaves[offsets])
+            except TypeError as e:
+                where = f"argument {ids}" + (f" (with offsets {offsets})" if offsets is not None else "")
+                raise TypeError(f"{where}: {e}") from None
 
     def _check_float_dtypes(self, args: Sequence[Any]) -> None:
         """A floating-point input in a dtype eager PyTorch refuses there is refused the same way
@@ -125,6 +147,7 @@ class InputSignature:
                     if ek[0] == "tensor" and ev.dtype.is_floating_point != ek[1].is_floating_point:
                         raise TypeError(f"argument {name}[{i}]: expected dtype {ek[1]}, got {ev.dtype}")
         self._check_float_dtypes(args)
+        self._check_id_dtypes(args)
 
 
 def _leaf_paths(name: str, value) -> list[str]:

@@ -134,12 +134,13 @@ def compiled_answer(dmodel, args: dict):
         return "error", f"{type(e).__name__}: {e}"
 
 
-def what_names_it(model: str, names: tuple) -> str:
-    """The table or argument a refusal must name."""
+def what_names_it(model: str, names: tuple) -> list[str]:
+    """What a refusal must name: the argument, and for ids the table they index."""
     if names == ("dense",):
-        return "argument dense"
+        return ["argument dense:"]
     table = {"ids": "emb", "bag_ids": "bag", "bag_offsets": "bag", "bag2d_ids": "bag2d", "ids_a": "a"}[names[0]]
-    return f"table {table}:"
+    arg = "bag_ids (with offsets bag_offsets)" if table == "bag" else names[0]
+    return [f"argument {arg}: table {table}:"]
 
 
 def assert_same_answer(got, want, model: str, names: tuple, key: str) -> None:
@@ -148,7 +149,8 @@ def assert_same_answer(got, want, model: str, names: tuple, key: str) -> None:
     if want[0] == "ok":
         torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=1e-5, msg=lambda m: f"{key}: {m}")
     else:
-        assert got[1].startswith("TypeError") and what_names_it(model, names) in got[1], f"{key}: {got[1]}"
+        assert got[1].startswith("TypeError") and all(w in got[1] for w in what_names_it(model, names)), \
+            f"{key}: {got[1]}"
 
 
 def compile_model(model: str, world: int, kind: str = "auto") -> recc.Program:
@@ -189,6 +191,41 @@ def test_the_id_rule_is_eager_s():
     check_id_dtype("t", torch.zeros(3, dtype=torch.int16), torch.zeros(2, dtype=torch.int64))   # a bag: promoted
     with pytest.raises(TypeError, match=r"indices \(torch.int16\) and offsets \(torch.int16\) must promote"):
         check_id_dtype("t", torch.zeros(3, dtype=torch.int16), torch.zeros(2, dtype=torch.int16))
+
+
+class ComputedIds(nn.Module):
+    """Ids the forward computes in another input's dtype (not an input as given): the lookups'
+    own check (``ops.check_id_dtype`` in every backend's packing and gathers) decides, naming
+    the table."""
+
+    def __init__(self, gathers_only: bool):
+        super().__init__()
+        torch.manual_seed(6)
+        self.emb = nn.Embedding(12, 4)
+        self.other = nn.Embedding(12, 4) if gathers_only else nn.EmbeddingBag(12, 4, mode="sum")
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, ids, like):
+        own = self.emb((ids % 12).to(like.dtype))
+        other = self.other(ids) if isinstance(self.other, nn.Embedding) else self.other(ids.view(-1, 1))
+        return self.top(torch.cat([own, other], dim=1)).squeeze(1)
+
+
+@pytest.mark.parametrize("id_dtype", INT_DTYPES)
+@pytest.mark.parametrize("gathers_only", (True, False), ids=("fused-gathers", "packed"))
+def test_ids_computed_in_forward_are_checked_by_the_lookup_itself(gathers_only, id_dtype):
+    ids = torch.randint(0, 12, (B,), generator=torch.Generator().manual_seed(3))
+    model = ComputedIds(gathers_only)
+    program = recc.compile(model, example_inputs=[ids, torch.zeros(1, dtype=torch.int64)])
+    assert ("recc.gather_rows" in program.ir) == gathers_only
+    args = {"ids": ids, "like": torch.zeros(1, dtype=id_dtype)}
+    want = eager_answer(model, args)
+    got = compiled_answer(program.instantiate(), args)
+    assert got[0] == want[0], (got, want)
+    if want[0] == "ok":
+        torch.testing.assert_close(got[1], want[1])
+    else:
+        assert got[1].startswith("TypeError: table emb: indices must be an int64/int32 tensor"), got[1]
 
 
 class CastsItself(nn.Module):
