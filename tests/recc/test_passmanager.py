@@ -112,7 +112,7 @@ def test_unknown_pass(tiny):
 
 def test_unknown_option(tiny):
     with pytest.raises(ValueError, match=r"pass shard_tables: unknown option\(s\) \['stratgy'\]; "
-                                         r"options: \['check_memory', 'constraints', 'strategy'\]"):
+                                         r"options: \['access_profile', 'check_memory', 'constraints', 'strategy'\]"):
         recc.compile(tiny, pipeline="discover_tables,shard_tables{stratgy=auto}")
 
 
@@ -258,7 +258,7 @@ def test_sharding_from_the_config_shows_in_the_stage_spec(tiny):
 
 def test_options_from_config_fields_yield_to_pass_options_and_the_spec():
     assert PASSES["shard_tables"].from_config == {"strategy": "sharding"}
-    rest = {"constraints": None, "check_memory": True}  # shard_tables' other options, at their defaults
+    rest = {"constraints": None, "check_memory": True, "access_profile": None}  # shard_tables' other options, at their defaults
     config = recc.CompileConfig(sharding="row_wise")
     (info, opts), = resolve_pipeline("shard_tables", config)
     assert opts == {"strategy": "row_wise", **rest}
