@@ -40,6 +40,7 @@ One item table read as a sum bag ([B] bags), a candidate ([B] ids) and a history
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch.fx as fx
@@ -134,12 +135,22 @@ def _owner_order(n: fx.Node) -> int:
     return ranks.pop() if len(ranks) == 1 else -1
 
 
+def _table_spec(sites: list[fx.Node]):
+    """The group's spec of the table its lookups ``sites`` read: the first lookup's (rows, dim,
+    dtype, init: the table's), jagged if any lookup is."""
+    spec = sites[0].meta["recc.table"]
+    if not spec.jagged and any(s.meta["recc.table"].jagged for s in sites):
+        spec = dataclasses.replace(spec, jagged=True)
+    return spec
+
+
 def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_size, padded, after):
     """Insert one group's nodes (after ``after``, the previous group's last node, if later than
     the group's inputs, so groups read in order) and return its last node. ``members``: per
     table, its lookups (the group's features, table by table)."""
     graph = gm.graph
-    specs = [sites[0].meta["recc.table"] for sites in members]
+    # A table is jagged when any of its lookups is (its id count then varies from rank to rank).
+    specs = [_table_spec(sites) for sites in members]
     lookups = [n for sites in members for n in sites]
     features = [k for k, sites in enumerate(members) for _ in sites]
     placements, sources = [], []

@@ -253,6 +253,12 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             rename(new, f"{old_name}_rows")
         if user_dtype != "f32":
             rename(out.args[0], f"{old_name}_lookup")
+    both = sorted(set(tables) & set(dense_lookups))
+    if both:
+        name = both[0]
+        raise ValueError(f"discover_tables: table {name} is looked up at {', '.join(lookups[name])}, which recc fuses, and "
+                         f"elsewhere with {dense_lookups[name]}, which it leaves a dense module; one table cannot be "
+                         f"both (its rows would train twice over) — use the same lookup options at every call site")
     if not tables:
         warnings.warn(f"recc: {type(gm).__name__} has no embedding table recc can fuse; it compiles as a "
                       f"dense model (every parameter data-parallel)", stacklevel=2)

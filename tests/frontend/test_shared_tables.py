@@ -67,7 +67,11 @@ EXPECTED_LOOKUPS = {
                       "embedding_dict.C2": 4},
     "din": {"embedding_dict.user": 1, "embedding_dict.item_id": 2, "embedding_dict.cate_id": 2},
     "youtube_dnn": {"items": 3, "users": 1},
-    "torchrec_shared": {"ebc.embedding_bags.t_shared": 2, "ebc.embedding_bags.t_f3": 1},
+    "seq_shared": {"items": 2},
+    # TorchRec's DLRM keeps the collection at sparse_arch.embedding_bag_collection; its tables
+    # are keyed by config name.
+    "torchrec_shared": {"sparse_arch.embedding_bag_collection.embedding_bags.t_shared": 2,
+                        "sparse_arch.embedding_bag_collection.embedding_bags.t_f3": 1},
 }
 
 

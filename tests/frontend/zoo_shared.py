@@ -13,6 +13,9 @@
   ``nn.EmbeddingBag`` over the item table, the last few clicks (``[B, 3]``) and the candidate
   item read from the same table's weight with ``F.embedding`` — one table, a sum bag in one
   place and gathers of different bag counts in others.
+- ``seq_shared``: a variable-length history (1-D ids with lengths: jagged, its id count differs
+  from rank to rank) and a candidate item gathered from one ``nn.Embedding``, the history pooled
+  in user code with ``index_add_``.
 - ``torchrec_shared`` (TorchRec): ``EmbeddingBagConfig(feature_names=["f1", "f2"])`` — one
   table serving two features of the ``KeyedJaggedTensor``; only when ``import torchrec`` works.
 
@@ -247,6 +250,46 @@ _register(ZooEntry("youtube_dnn", make_youtube_dnn, batch_youtube_dnn, slice_you
 
 
 # ------------------------------------------------------------------------------------------------
+# A variable-length history (1-D ids and lengths, jagged) and a candidate on one item table
+
+class SeqShared(nn.Module):
+    def __init__(self, items=40, dim=4):
+        super().__init__()
+        self.items = nn.Embedding(items, dim)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, candidate, hist_values, hist_lengths):
+        batch_size = candidate.shape[0]
+        rows = self.items(hist_values)                                   # [N, dim], N varies
+        seg = torch.repeat_interleave(torch.arange(batch_size), hist_lengths)
+        pooled = torch.zeros(batch_size, rows.shape[1]).index_add_(0, seg, rows)
+        return self.out(pooled * self.items(candidate)).squeeze(-1)
+
+
+def make_seq_shared() -> nn.Module:
+    torch.manual_seed(25)
+    return SeqShared()
+
+
+def batch_seq_shared(step: int, batch_size: int):
+    g = _gen(25, step)
+    lengths = torch.randint(1, 4, (batch_size,), generator=g)
+    return ((torch.randint(0, 40, (batch_size,), generator=g), torch.randint(0, 40, (int(lengths.sum()),), generator=g),
+             lengths), _labels(g, (batch_size,)))
+
+
+def slice_seq_shared(args, rank, world):
+    candidate, values, lengths = args
+    b = candidate.shape[0] // world
+    lo, hi = rank * b, (rank + 1) * b
+    start = int(lengths[:lo].sum())
+    return candidate[lo:hi], values[start:start + int(lengths[lo:hi].sum())], lengths[lo:hi]
+
+
+_register(ZooEntry("seq_shared", make_seq_shared, batch_seq_shared, slice_seq_shared, n_tables=1, loss=bce_logits))
+
+
+# ------------------------------------------------------------------------------------------------
 # TorchRec: one EmbeddingBagConfig serving two features
 
 if zoo.torchrec is not None:
@@ -275,4 +318,5 @@ if zoo.torchrec is not None:
     _register(ZooEntry("torchrec_shared", make_torchrec_shared, batch_torchrec_shared, slice_torchrec_shared,
                        n_tables=2, loss=bce_logits))
 
-SHARED_MODELS = tuple(n for n in ("deepfm_shared", "din", "youtube_dnn", "torchrec_shared") if n in zoo.ZOO)
+SHARED_MODELS = tuple(n for n in ("deepfm_shared", "din", "youtube_dnn", "seq_shared", "torchrec_shared")
+                      if n in zoo.ZOO)

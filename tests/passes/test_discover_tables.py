@@ -261,6 +261,22 @@ def test_one_table_weighted_at_one_lookup_only_is_refused():
                      pipeline="discover_tables")
 
 
+class HalfDenseModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(9, 3)
+
+    def forward(self, a, b):
+        return self.items(a) + F.embedding(b, self.items.weight, max_norm=1.0)
+
+
+def test_one_table_fused_at_one_lookup_and_dense_at_another_is_refused():
+    ids = torch.randint(0, 9, (B,))
+    with pytest.raises(ValueError, match=r"table items is looked up at items, which recc fuses, and elsewhere with "
+                                         r"max_norm"):
+        recc.compile(HalfDenseModel(), example_inputs=[ids, ids], pipeline="discover_tables")
+
+
 def test_a_sum_bag_and_a_gather_of_one_table_are_one_table():
     o, i = _bags(9)
     program = recc.compile(MixedUseModel("sum"), example_inputs=[o, i, torch.randint(0, 9, (B,))],
