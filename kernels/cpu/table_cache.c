@@ -20,9 +20,8 @@
  * nparts parts (weights row, then each optimizer-state row), part k of slot s at
  * base[k] + s * bytes[k]. Rows arrive sorted; runs of consecutive rows are read or written
  * with one pread/pwrite each (up to RUN_BYTES), spread over nthreads threads, so the store sees
- * large sequential requests where the ids allow and several requests in flight otherwise. The
- * file's pages are then flushed and dropped from the page cache: what is in memory is recc's
- * to decide, and only its slots count.
+ * large sequential requests where the ids allow and several requests in flight otherwise. A write
+ * call leaves at most its own pages dirty (see the end of recc_store_io).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -144,6 +143,10 @@ int recc_store_io(int fd, int write, int64_t header, int64_t record, int nparts,
                   char* const* base, const int64_t* rows, const int64_t* slots, int64_t n, int nthreads) {
     /* Returns 0 or -errno of the first failed request. */
     if (n <= 0) return 0;
+    if (write) {
+        if (sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE) != 0) return -errno;
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    }
     int64_t per_run = RUN_BYTES / record;
     if (per_run < 1) per_run = 1;
     /* Runs of consecutive rows, each at most per_run long: run j covers rows[start[j]..start[j+1]). */
@@ -196,16 +199,13 @@ int recc_store_io(int fd, int write, int64_t header, int64_t record, int nparts,
         }
     }
     free(start);
-    /* The store's pages are not left in the page cache: recc's cache holds the rows it needs,
-     * and pages written here would otherwise stay dirty until the kernel flushes them — under a
-     * memory cgroup they are charged to the rank, and a fill or a burst of write-backs faster
-     * than the disk drives the cgroup into its OOM killer (seen at 1.5 GiB of store under a 0.5
-     * GiB cap). Written ranges are flushed first, then every clean page of the file dropped. */
-    if (!err && write) {
-        if (sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                                          SYNC_FILE_RANGE_WAIT_AFTER) != 0)
-            err = -errno;
-    }
-    posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    /* Dirty store pages are bounded to one call's writes: under a memory cgroup they are charged
+     * to the rank, and the kernel does not throttle a cgroup's dirtying, so a fill or a burst of
+     * write-backs faster than the disk drove the cgroup into its OOM killer (seen at 1.5 GiB of
+     * store under a 0.5 GiB cap). A write call starts the writeback of what it wrote and returns;
+     * the next write call first waits for that writeback and drops the pages it cleaned. Clean
+     * pages the reads bring in stay until the kernel reclaims them (a cgroup reclaims them first):
+     * a record written back later may then find its page there instead of reading it again. */
+    if (!err && write && sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE) != 0) err = -errno;
     return err;
 }
