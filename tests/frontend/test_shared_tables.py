@@ -315,3 +315,76 @@ def test_shared_tables_train_through_the_cuda_ops_like_the_cpu_backend(optimizer
     assert "tbe_linearize" in set(emulator.launches)
     for (k, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class TwoTables(nn.Module):
+    """Table ``c`` read twice and table ``a`` once, all sum bags of one group: features (c, c, a)
+    over rows [0, 12) and [12, 22)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.EmbeddingBag(12, 4, mode="sum")
+        self.a = nn.EmbeddingBag(10, 4, mode="sum")
+        self.top = nn.Linear(12, 1)
+
+    def forward(self, x1, x2, x3, o):
+        return self.top(torch.cat([self.c(x1, o), self.a(x2, o), self.c(x3, o)], 1)).squeeze(1)
+
+
+def _two_batch(step: int, b: int = 8):
+    g = torch.Generator().manual_seed(step)
+    return ((torch.randint(0, 12, (2 * b,), generator=g), torch.randint(0, 10, (2 * b,), generator=g),
+             torch.randint(0, 12, (2 * b,), generator=g), torch.arange(0, 2 * b, 2)), torch.rand(b, generator=g))
+
+
+def _dp_steps_both_backends(programs, steps):
+    """On each rank: the CPU ops and the CUDA ops (emulated) train a data-parallel shared program;
+    returns both final states."""
+    import contextlib
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from test_cuda_backend_emulated import cuda_ops
+    rank, world = recc.rank(), recc.world_size()
+    out = []
+    for i, program in enumerate(programs):
+        dm = program.instantiate()
+        opt = torch.optim.SGD(dm.dense_parameters(), lr=0.1)
+        for step in range(steps):
+            (x1, x2, x3, o), y = _two_batch(step)
+            b = o.shape[0] // world
+            lo, hi = rank * b, (rank + 1) * b
+            mine = (x1[2 * lo:2 * hi], x2[2 * lo:2 * hi], x3[2 * lo:2 * hi], o[:b])
+            with cuda_ops() if i == 1 else contextlib.nullcontext():
+                F.mse_loss(dm(*mine), y[lo:hi]).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append({k: v.clone() for k, v in dm.state_dict().items()})
+    return out
+
+
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("exchange", ["allreduce", "allgather"])
+def test_data_parallel_shared_tables_through_the_cuda_ops_at_world_size_2(exchange):
+    """Data-parallel shared groups on the CUDA backend: the all-reduce exchange runs on the
+    linearized one-table view; the all-gather one gathers the ranks' local ids and [B, T*D]
+    gradients and linearizes them with the features' row bases. Both give the CPU backend's state."""
+    import sys
+    import cloudpickle
+    from recc.kernels.cuda import emulator
+    if emulator.compiler() is None:
+        pytest.skip("the CUDA emulator needs g++")
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    torch.manual_seed(4)
+    model = TwoTables()
+    cluster = recc.Cluster.local(2)
+    config = recc.CompileConfig(optimizer="rowwise_adagrad", lr=0.1, sharding="data_parallel", comm_bwd="fp32",
+                                batch_size=8, pass_options={"insert_comm": {"dp_exchange": exchange}})
+    programs = [recc.compile(copy.deepcopy(model), cluster, config=config, example_inputs=_two_batch(0, b=4)[0])
+                for _ in range(2)]
+    (group,) = [m for m in programs[0].graph.modules() if getattr(m, "dp_comm", None) is not None]
+    assert group.dp_comm.op == f"dp_grad_{exchange}" and group.feature_row_starts == (0, 0, 12, 22)
+    results = recc.launch(_dp_steps_both_backends, cluster, programs, 3)
+    for rank, (cpu, emu) in enumerate(results):
+        for k, a in cpu.items():
+            torch.testing.assert_close(emu[k], a, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {k}")
