@@ -517,6 +517,10 @@ def import_zoo():
     if folder not in sys.path:
         sys.path.insert(0, folder)
     import zoo
+    # Entries kept in their own modules register into zoo.ZOO when imported: shared tables
+    # (DeepFM/DIN/YouTube-DNN sharing embeddings) and modules built in forward (Dice, DIN pooling, MMoE).
+    import zoo_forward  # noqa: F401
+    import zoo_shared  # noqa: F401
 
     return zoo
 
