@@ -51,7 +51,6 @@ import io
 import json
 import os
 import pickle
-import re
 import shutil
 import socket
 import time

@@ -28,6 +28,7 @@ first), so they stay logical and plan-independent.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import multiprocessing.util
@@ -35,7 +36,6 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -246,7 +246,7 @@ class RowStore:
             os.close(self.fd)
             self.fd = None
             if remove:
-                with _suppress_oserror():
+                with contextlib.suppress(OSError):
                     self.path.unlink()
         self._release_lock()
 
@@ -262,14 +262,6 @@ class _DirLock:
 
 _DIR_LOCKS: dict[tuple, _DirLock] = {}
 _DIR_LOCKS_MUTEX = threading.Lock()
-
-
-class _suppress_oserror:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        return kind is not None and issubclass(kind, OSError)
 
 
 class HostStore:
