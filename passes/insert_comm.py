@@ -29,6 +29,11 @@ Marks data-parallel groups' lookups with ``CommSpec(op="dp_grad_allreduce")`` â€
 all-reduces the rows' summed gradients, so all replicas apply one identical update â€” or, for a
 group with more rows than the global batch has bags (``recc.planner.cost_model.dp_exchange``)
 or max pooling, ``op="dp_grad_allgather"``, which gathers every rank's ids and gradients instead.
+A data-parallel group with jagged gathers has a different bag count on every rank by design, so
+its exchange cannot compare the ranks' batches as other groups do (``check_same_batches``): when
+no group of the graph compares them (an unpadded sharded group's input dist, a data-parallel
+group without jagged tables), ``recc.check_batches`` before its lookup compares the batch read
+from the input that carries it (one int64 all-gather), and refuses uneven batches in the same words.
 Ensures every ``*_start`` has exactly one later ``*_wait`` and the output dist's splits add up.
 Must not change what the graph computes (per rank, on its batch slice).
 
@@ -45,6 +50,7 @@ After:
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from recc.graph_utils import rename
@@ -69,6 +75,7 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
         return gm
     everyone = tuple(range(world))
     graph = gm.graph
+    unchecked, checked = [], False   # data-parallel groups that cannot see an uneven batch; one that can
     for lookup in [n for n in graph.nodes if op_of(n.target) is OPS["tbe_lookup"]]:
         group_node, sparse = lookup.args
         group: TableGroup = gm.get_submodule(group_node.target)
@@ -79,6 +86,8 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
                 op = f"dp_grad_{dp_exchange}"
             group.dp_comm = CommSpec(op, everyone, name=f"{op} {suffix}")
             lookup.meta["recc.comm"] = group.dp_comm
+            if any(t.jagged for t in group.tables):
+                unchecked.append(lookup)
             continue
         for k, rank, r0, r1, c0, c1 in group.placements:
             t = group.tables[k]
@@ -99,6 +108,7 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
         in_spec = CommSpec("input_dist", everyone, layout=layout, dims=dims, rows=rows, width=group.dim,
                            name=f"input_dist {suffix}", labels=labels)
         b = sparse.meta["val"].batch_size if "val" in sparse.meta else 0
+        checked = checked or not group.padded   # its input dist compares the ranks' bag counts
         local = sparse
         if group.padded:
             # A different bag count on every rank: pad to the largest (see recc.pad_bags).
@@ -130,4 +140,48 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
         for node, name in ((ids_h, f"ids_{suffix}_h"), (ids, f"ids_{suffix}"), (out_h, f"emb_{suffix}_h"),
                            (out, f"emb_{suffix}")):
             rename(node, name)
+    if unchecked and not checked:
+        _check_batches(gm, ctx, unchecked[0], everyone)
     return gm
+
+
+def _check_batches(gm: fx.GraphModule, ctx: PassContext, lookup: fx.Node, everyone: tuple) -> None:
+    """A data-parallel group with jagged gathers has a different number of bags on every rank by
+    design, so its gradient exchange cannot compare the ranks' batches as other groups do
+    (``runtime.comm.check_same_batches``): when no group of the graph can, ``recc.check_batches``
+    before its lookup compares the batch itself, read from the input that carries it."""
+    source = _batch_input(gm.graph, ctx.batch)
+    if source is None:
+        return
+    group_node, sparse = lookup.args
+    suffix = gm.get_submodule(group_node.target).group_name[4:]
+    comm = CommSpec("batch_sizes", everyone, name=f"batch_sizes {suffix}")
+    with gm.graph.inserting_before(lookup):
+        checked = gm.graph.call_function(OPS["check_batches"], (sparse, source), {"comm": comm})
+    checked.meta["recc.comm"] = comm
+    lookup.replace_input_with(sparse, checked)
+    rename(checked, f"{sparse.name}_checked")
+
+
+def _batch_input(graph: fx.Graph, batch) -> fx.Node | None:
+    """The input whose size is the rank's batch: a TorchRec ``KeyedJaggedTensor`` (its stride),
+    else the first tensor whose leading size is the example's batch and that is not lookup ids
+    (a jagged sequence's ids may have as many as the batch by chance)."""
+    if not batch:
+        return None
+    ids = set()
+    for n in graph.nodes:
+        if op_of(n.target) is OPS["pack_sparse"]:
+            for x in n.args[0]:
+                while isinstance(x, fx.Node) and x.op != "placeholder" and x.args and isinstance(x.args[0], fx.Node):
+                    x = x.args[0]
+                ids.add(x)
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        v = n.meta.get("val")
+        if type(v).__name__ == "KeyedJaggedTensor" and int(v.stride()) == batch:
+            return n
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch and n not in ids:
+            return n
+    return None

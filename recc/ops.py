@@ -795,6 +795,36 @@ def unpad_bags(x, like):
     return x[:like.batch_size]
 
 
+def batch_of(x) -> int:
+    """One rank's batch as its input says it: the leading size of a tensor, the ``stride()`` of a
+    TorchRec ``KeyedJaggedTensor``."""
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0])
+    return int(x.stride())
+
+
+def _check_batches_meta(sparse, batch, *, comm):
+    return sparse
+
+
+@define_op("check_batches", meta=_check_batches_meta)
+def check_batches(sparse, batch, *, comm):
+    """recc.check_batches(sparse, batch: [B, ...] | KeyedJaggedTensor, comm=CommSpec(op='batch_sizes')) -> sparse
+
+    ``sparse`` as it is, once every rank of ``comm.group`` has the same batch (``batch``'s
+    leading size, or a KeyedJaggedTensor's stride; one all-gather of an int64), else a
+    ``ValueError`` on every rank alike. Data-parallel groups compare their bag counts in their
+    gradient exchange, but a group of jagged gathers has a different count on every rank by
+    design, so nothing there tells an uneven batch (whose update would not be the global
+    batch's) from an even one: ``insert_comm`` puts this before such a group's lookup when no
+    other group of the graph checks the batch."""
+    if len(comm.group) != 1:
+        raise RuntimeError(f"recc.check_batches: the CPU reference runs one process; comparing batches over ranks "
+                           f"{list(comm.group)} needs the runtime")
+    batch_of(batch)
+    return sparse
+
+
 def _define_collective(kind: str, layout: str):
     def start_meta(x, *, comm):
         return Handle(_dist_meta(x, comm), None, comm)

@@ -583,11 +583,29 @@ def check_same_batches(label: str, bags: list[int]) -> None:
     a fixed multiple of its batch (groups with a jagged table are not checked: their counts vary).
     Table-wise and row-wise groups refuse the same batches in their input dist."""
     if len(set(bags)) > 1:
-        raise ValueError(
-            f"{label}: the ranks have different bag counts per table ({bags} by rank), so different batch sizes; "
-            f"data-parallel tables train like one process on the global batch only when every rank gets the same "
-            f"share of it: give each rank global_batch / world_size samples (a short last batch padded, as recc's "
-            f"training loop does, or dropped)")
+        raise ValueError(f"{label}: the ranks have different bag counts per table ({bags} by rank), so different "
+                         f"batch sizes; {_SAME_SHARE}")
+
+
+_SAME_SHARE = ("data-parallel tables train like one process on the global batch only when every rank gets the same "
+               "share of it: give each rank global_batch / world_size samples (a short last batch padded, as recc's "
+               "training loop does, or dropped)")
+
+
+def check_world_batches(batch: int, comm, device=None) -> None:
+    """``recc.check_batches``: every rank's batch, one all-gather of an int64; refused, in
+    ``check_same_batches``' words, when they differ (a data-parallel group of jagged gathers,
+    whose bag counts vary by design, cannot tell)."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    mine = torch.tensor([batch], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(world)]
+    st = comm_stats.current()
+    label = comm.name or "batch_sizes"
+    Transfer(label, [dist.all_gather(sizes, mine, group=embedding_group(), async_op=True)], 8 * (world - 1), st,
+             st.cross_node([8] * world, me)).wait()
+    sizes = torch.cat(sizes).tolist()
+    if len(set(sizes)) > 1:
+        raise ValueError(f"{label}: the ranks have different batch sizes ({sizes} by rank); {_SAME_SHARE}")
 
 
 def all_reduce_row_grads(lin: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor, psw, pooling: str,

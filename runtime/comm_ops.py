@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from recc.kernels import codecs
-from recc.ops import OPS, pooled_dtype, register_impl
+from recc.ops import OPS, batch_of, pooled_dtype, register_impl
 from recc.runtime.comm import (Encoded, ReceivedRows, dequantize_received, input_dist_start, input_dist_wait,
-                               output_dist_start, output_dist_wait, pad_to_world_bags)
+                               output_dist_start, output_dist_wait, pad_to_world_bags, check_world_batches)
 
 
 def all_to_all_start_impl(x, *, comm):
@@ -40,6 +40,12 @@ def pad_bags_impl(sparse, *, comm):
     if len(comm.group) == 1:
         return sparse
     return pad_to_world_bags(sparse, comm)
+
+
+def check_batches_impl(sparse, batch, *, comm):
+    if len(comm.group) > 1:
+        check_world_batches(batch_of(batch), comm, sparse.offsets.device)
+    return sparse
 
 
 def quantize_impl(x, *, precision: str, grad_precision: str = "fp32", parts: int = 1):
@@ -72,5 +78,6 @@ for _device in ("cpu", "cuda"):
     register_impl("all_to_all_start", _device)(all_to_all_start_impl)
     register_impl("all_to_all_wait", _device)(all_to_all_wait_impl)
     register_impl("pad_bags", _device)(pad_bags_impl)
+    register_impl("check_batches", _device)(check_batches_impl)
     register_impl("quantize", _device)(quantize_impl)
     register_impl("dequantize", _device)(dequantize_impl)

@@ -305,6 +305,60 @@ def _uneven_job(job: dict) -> dict:
         return {"uneven": f"{type(e).__name__}: {e}", "error": None}
 
 
+class Sequences(nn.Module):
+    """Only jagged gathers: ``nn.Embedding`` over the 1-D ids of variable-length sequences, summed
+    per sample by their lengths (a data-parallel group of them has a different number of bags on
+    every rank by design, so its bag counts cannot tell an uneven batch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.items = nn.Embedding(20, 4)
+        self.top = nn.Linear(3 + 4, 1)
+
+    def forward(self, dense, values, lengths):
+        sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        pooled = torch.zeros(dense.shape[0], 4).index_add(0, sample, self.items(values))
+        return self.top(torch.cat([dense, pooled], dim=1)).squeeze(1)
+
+
+def sequences_args(b: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 4, (b,), generator=g)
+    return {"dense": torch.rand(b, 3, generator=g), "values": torch.randint(0, 20, (int(lengths.sum()),), generator=g),
+            "lengths": lengths}
+
+
+def sequences_slice(args: dict, lo: int, n: int) -> dict:
+    start = int(args["lengths"][:lo].sum())
+    count = int(args["lengths"][lo:lo + n].sum())
+    return {"dense": args["dense"][lo:lo + n], "values": args["values"][start:start + count],
+            "lengths": args["lengths"][lo:lo + n]}
+
+
+def compile_sequences(world: int, exchange: str = "auto") -> recc.Program:
+    program = recc.compile(Sequences(), recc.Cluster.local(world),
+                           example_inputs=list(sequences_slice(sequences_args(B), 0, B // world).values()),
+                           config=recc.CompileConfig(sharding="data_parallel", batch_size=B,
+                                                     pass_options={"insert_comm": {"dp_exchange": exchange}}))
+    assert "jagged" in program.ir
+    return program
+
+
+def _uneven_sequences_job(job: dict) -> dict:
+    """Sequences: an even step (trains), then ranks with 3 and 1 samples (refused)."""
+    rank, world = recc.rank(), recc.world_size()
+    dmodel = job["program"].instantiate()
+    full = sequences_args(B, seed=2)
+    dmodel(*sequences_slice(full, rank * (B // world), B // world).values()).sum().backward()
+    sizes = [3, 1] if world == 2 else [3, 1, 2, 2]
+    try:
+        dmodel(*sequences_slice(full, sum(sizes[:rank]), sizes[rank]).values()).sum().backward()
+        return {"uneven": "trained", "error": None}
+    except Exception as e:
+        return {"uneven": f"{type(e).__name__}: {e}", "error": None}
+
+
 def _jobs(world: int, kinds) -> dict:
     jobs = {}
     for kind in kinds:
@@ -323,6 +377,9 @@ def _jobs(world: int, kinds) -> dict:
                                                          pass_options={"insert_comm": {"dp_exchange": "allreduce"}}))
         assert "dp_grad_allreduce" in program.ir
         jobs["uneven/data_parallel_allreduce"] = {"program": program, "run": _uneven_job}
+        jobs["uneven/jagged_data_parallel_allreduce"] = {"program": compile_sequences(2, "allreduce"),
+                                                         "run": _uneven_sequences_job}
+    jobs["uneven/jagged_data_parallel"] = {"program": compile_sequences(world), "run": _uneven_sequences_job}
     return jobs
 
 
@@ -376,3 +433,25 @@ def test_every_kind_refuses_uneven_batches_alike(worlds, world, kind):
     for r in _results(worlds, world, f"uneven/{kind}"):
         assert r["uneven"].startswith("ValueError"), r["uneven"]
         assert f"the ranks have different bag counts per table ({sizes} by rank)" in r["uneven"], r["uneven"]
+
+
+JAGGED = [(2, "jagged_data_parallel"), (2, "jagged_data_parallel_allreduce"), (4, "jagged_data_parallel")]
+
+
+@pytest.mark.parametrize("world,kind", JAGGED, ids=[f"w{w}-{k}" for w, k in JAGGED])
+def test_data_parallel_jagged_gathers_refuse_uneven_batches(worlds, world, kind):
+    """A data-parallel group of jagged gathers only: its bag counts differ by design, so the batch
+    itself is compared (``recc.check_batches``) and refused in the same words on every rank."""
+    sizes = "[3, 1]" if world == 2 else "[3, 1, 2, 2]"
+    for r in _results(worlds, world, f"uneven/{kind}"):
+        assert r["uneven"].startswith("ValueError"), r["uneven"]
+        assert f"the ranks have different batch sizes ({sizes} by rank); data-parallel tables train like one " \
+               f"process on the global batch only when every rank gets the same share of it" in r["uneven"], r["uneven"]
+
+
+def test_the_batch_check_reads_the_batch_not_the_sequence_ids():
+    """The compared input is the dense one ([B, 3]), never the ids (their count varies); a graph
+    with a group whose bag counts are compared gets no extra check."""
+    line = next(l for l in compile_sequences(2).ir.splitlines() if "recc.check_batches" in l)
+    assert "recc.check_batches[cpu](sparse_g0, dense, comm=batch_sizes)" in line, line
+    assert "recc.check_batches" not in compile_model("lookups", 2, "data_parallel").ir
