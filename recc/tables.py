@@ -359,9 +359,9 @@ class TableGroup(nn.Module):
         if self.materialized:
             cache = getattr(self, "cache", None)
             if cache is not None:
-                # The store's rows (after a flush of the dirty ones): writing into them writes
-                # the store, and the caller must then ``cache.invalidate()``.
-                return cache.logical_parts()[0][self.row_starts[j]:self.row_starts[j + 1]]
+                # A copy of the store's rows, after a flush of the dirty ones (the table need
+                # not fit in memory: ``local_rows`` reads and writes it a chunk at a time).
+                return cache.logical_rows()[0][self.row_starts[j]:self.row_starts[j + 1]].read()
             return self.weights[self.hash_size_cumsum[j]:self.hash_size_cumsum[j + 1]]
         return self.source_block(j)
 

@@ -63,7 +63,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from recc.runtime.table_cache import local_rows, rows_written
+from recc.runtime.table_cache import StoreRows, local_rows, rows_written
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint import save as dcp_save
@@ -354,7 +354,8 @@ def _read_metadata(d: Path, manifest: dict) -> Metadata:
 # ----------------------------------------------------------------------------- blocks as DCP chunks
 
 class _Blocks:
-    """A logical tensor of which this rank holds some blocks (views of its weights or state).
+    """A logical tensor of which this rank holds some blocks (views of its weights or state, or
+    a cached group's ``StoreRows``, read and written a chunk at a time).
 
     ``blocks``: ``(offsets, tensor)`` with the block's position in the logical tensor. Saved as
     chunks cut at multiples of ``grid_rows`` rows (a function of the logical table only)."""
@@ -410,8 +411,10 @@ class _SavePlanner(DefaultSavePlanner):
         key = (write_item.index.fqn, tuple(write_item.index.offset or ()))
         if write_item.index.fqn in self._blocks:
             # A view of the rank's weights: DCP's writer copies it into a chunk-sized tensor
-            # of its own (one file per chunk, so one chunk is alive at a time).
-            return self._views[key].detach()
+            # of its own (one file per chunk, so one chunk is alive at a time). A cached
+            # group's rows are read from its store now, a chunk at a time.
+            view = self._views[key]
+            return view.read() if isinstance(view, StoreRows) else view.detach()
         return super().resolve_data(write_item)
 
 
@@ -422,6 +425,7 @@ class _LoadPlanner(DefaultLoadPlanner):
     def __init__(self):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
         self.loaded: dict[str, Any] = {}
+        self._staged: dict[int, tuple] = {}   # read item -> (StoreRows, the rows read for it)
         self.reader: Optional[_Reader] = None  # set by _dcp_read: names the files in errors
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
@@ -448,10 +452,26 @@ class _LoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         if fqn in self._blocks:
             t = self._blocks[fqn].blocks[read_item.dest_index.index][1]
-            for dim, (o, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            offsets, lengths = list(read_item.dest_offsets), list(read_item.lengths)
+            if isinstance(t, StoreRows):
+                # A cached group's rows live in its store: these rows are read, DCP fills the
+                # item's part of them, ``commit_tensor`` writes them back.
+                rows = t[offsets[0]:offsets[0] + lengths[0]]
+                whole = rows.read()
+                self._staged[id(read_item)] = (rows, whole)
+                t, offsets[0] = whole, 0
+            for dim, (o, n) in enumerate(zip(offsets, lengths)):
                 t = t.narrow(dim, o, n)
             return t
         return super().resolve_tensor(read_item)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        staged = self._staged.pop(id(read_item), None)
+        if staged is not None:
+            rows, whole = staged
+            rows.write(whole)
+            return
+        super().commit_tensor(read_item, tensor)
 
     def load_bytes(self, read_item, value) -> None:
         # The dense optimizer's state_dict: tensors, numbers, strings and containers only.
@@ -581,8 +601,8 @@ def _table_entries(dmodel, *, writing: bool, chunk_bytes: int, with_state: bool)
     per_table: dict[str, dict[str, list]] = {}
     for g in dmodel.table_groups():
         names = g.state_names if with_state else []
-        # Every local row: the group's weights and state, or, for a cached group, views of its
-        # store after a flush (the checkpoint is logical whatever the placement).
+        # Every local row: the group's weights and state, or, for a cached group, its store's
+        # rows after a flush (the checkpoint is logical whatever the placement).
         weights, states = local_rows(g)
         for j, (k, _, r0, r1, c0, c1) in enumerate(g.local):
             if g.data_parallel and writing and g.rank != 0:

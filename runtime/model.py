@@ -350,8 +350,7 @@ class DistributedModel(nn.Module):
             if g.data_parallel and owner != 0:
                 continue  # replicas are identical: rank 0's copy is the table
             if owner == g.rank:
-                # contiguous: a cached group's rows are views of its store's records, strided by
-                # the record (weights + optimizer state); broadcast sent the bytes as if packed
+                # contiguous: broadcast sends a block's bytes as if packed
                 block = g.table_weight(local[(k, r0, c0)]).detach().float().contiguous()
             else:
                 block = torch.empty(r1 - r0, c1 - c0)
@@ -399,11 +398,16 @@ class DistributedModel(nn.Module):
                     if tuple(src.shape) != (spec.rows, spec.dim):
                         raise RuntimeError(f"load_state_dict: {name} has shape {tuple(src.shape)}, "
                                            f"expected {(spec.rows, spec.dim)}")
+                    cache = getattr(g, "cache", None)
                     for j, (kk, _, r0, r1, c0, c1) in enumerate(g.local):
-                        if kk == k:
+                        if kk != k:
+                            continue
+                        if cache is not None:   # the rows are in the store, not in memory
+                            cache.logical_rows()[0][g.row_starts[j]:g.row_starts[j + 1]].write(src[r0:r1, c0:c1])
+                        else:
                             g.table_weight(j).copy_(src[r0:r1, c0:c1])
-                    if getattr(g, "cache", None) is not None:
-                        g.cache.invalidate()   # the store was written behind the cache
+                    if cache is not None:
+                        cache.invalidate()   # the store was written behind the cache
                 else:
                     dst = _get_tensor(self.graph_module, key, self._program.detached_state)
                     if tuple(src.shape) != tuple(dst.shape):

@@ -12,6 +12,8 @@ The graph reaches the cache through three ops (``cache_tables`` puts them there)
 - ``recc.cache_io_start`` / ``recc.cache_io_wait``: the evicted dirty rows are written back and
   the missing rows read, by one I/O thread per group (explicit ``pread``/``pwrite`` of sorted,
   coalesced records, several in flight), FIFO, so a row written back is read again only after.
+  The store is a log (``RowStore``): write-backs are appended, sequential, wherever the rows
+  came from; a fetch reads each row where its newest record is.
 
 Pins: every ``cache_map`` takes a sequence number; a batch is *live* from its ``cache_map`` until
 its backward has applied its update (or, without autograd, until the lookup has read it). A slot
@@ -23,14 +25,16 @@ which the kernel keys on the slot).
 
 The store is scratch space, owned by one run: created (and filled from the initial tables) at
 ``instantiate()``, locked for the run's life (``flock`` with the owner's pid and host), removed at
-exit. Checkpoints and ``state_dict()`` read through it (``logical_rows`` flushes the dirty rows
-first), so they stay logical and plan-independent.
+exit. Checkpoints and ``state_dict()`` read and write it a chunk at a time (``StoreRows``, after
+``logical_rows`` flushed the dirty rows), so they stay logical and plan-independent, and a table
+never has to fit in memory to be saved or loaded.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
+import math
 import multiprocessing.util
 import os
 import socket
@@ -55,6 +59,10 @@ MAGIC = b"RECCSTORE1\n"
 HEADER_BYTES = 4096
 FORMAT_VERSION = 1
 _FILL_BYTES = 32 << 20   # rows written per request while the store is filled at instantiate
+SEGMENT_BYTES = 1 << 20  # the log's unit of cleaning: one sequential read and its live records rewritten
+SPARE = 0.25             # store positions beyond the rows, as a share of them: the log's dead room
+# (cleaning a segment rewrites its live records: with a share s spare, at worst ~1/s of a
+# write-back's bytes again, sequentially; Zipf ids leave the hot rows' segments mostly dead)
 # Requests in flight per batch (the disk's queue depth). The store's random record reads on this
 # machine's disk: 8.6k/s at 1 in flight, 20.7k at 4, 44.8k at 16, 49.0k at 32 (bench/tiered_tables.py's
 # floor replay, 2 GiB file, page cache dropped); each thread holds one 256 KiB run buffer.
@@ -90,8 +98,27 @@ def fingerprint(group: TableGroup, rank: int) -> dict:
 
 
 class RowStore:
-    """One rank's store file for one cached group: a 4 KiB header (magic, JSON) then ``rows``
-    records of ``record`` bytes at ``HEADER_BYTES + row * record``."""
+    """One rank's store file for one cached group, log-structured: a 4 KiB header (magic, JSON)
+    then ``capacity`` record positions at ``HEADER_BYTES + position * record``, in segments of
+    ``segment`` positions.
+
+    Why a log: a written-back row is a record of a few hundred bytes at a random place, and a
+    store write smaller than a page whose page is not in memory is a read-modify-write of the
+    page (a random read, then a random page write) — three random I/Os per miss with the fetch,
+    at the disk's random-I/O rate. So an evicted row is not written at a fixed place: write-backs
+    are appended at the log's head, consecutive positions, large sequential writes, and the
+    row's old position becomes dead. ``loc[row]`` says where each row's record is now,
+    ``owner[position]`` which row a position holds (-1: dead or never written), ``live[segment]``
+    how many of a segment's positions are live. When free segments run short, the segment with
+    the fewest live records is cleaned: its live records read (one sequential read) and appended
+    at the head, the segment freed (a segment whose rows have all moved is freed without I/O).
+    The file holds ``SPARE`` more positions than rows (plus the slots' worth and a few segments),
+    so a segment to clean always has dead records. A fetch reads each row at ``loc[row]``
+    (sorted: rows never moved stay in their initial, row-ordered places and coalesce).
+
+    The bookkeeping is touched by the cache's I/O thread only (its jobs run in order), or by the
+    caller after ``TableCache.drain()``: no lock. The store is scratch: nothing of ``loc``
+    reaches the file, and a store is refilled from the tables at every start."""
 
     def __init__(self, directory, group: TableGroup, rank: int):
         self.directory = Path(directory)
@@ -99,17 +126,46 @@ class RowStore:
         self.layout = _record_parts(group, 1)
         self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in self.layout]
         self.record = sum(b for _, b in self.parts)
+        R = self.rows
+        # A segment: ~SEGMENT_BYTES of records, and at most an eighth of the rows, so a small
+        # table still has segments to clean.
+        self.segment = K = max(1, min(SEGMENT_BYTES // self.record, -(-R // 8)))
+        initial = -(-R // K)
+        # Four segments beyond the rows and the spare: the head, the room a write-back or a
+        # cleaning needs, and dead records to clean even with no spare.
+        self.segments = initial + 4 + math.ceil(SPARE * R / K)
+        self.capacity = self.segments * K
+        if self.capacity >= 2 ** 31:
+            raise StoreError(f"table group {group.group_name}: {self.capacity} store records on rank {rank} are past "
+                             f"the store's int32 positions; split the group (batch_tables{{max_tables_per_group=...}}) "
+                             f"or shard its tables over more ranks")
         self.meta = {"format": "recc-store", "version": FORMAT_VERSION, "rows": self.rows, "record": self.record,
-                     "parts": self.parts, "fingerprint": fingerprint(group, rank)}
+                     "segment": K, "capacity": self.capacity, "parts": self.parts,
+                     "fingerprint": fingerprint(group, rank)}
         self.path = self.directory / f"rank{rank}-{group.group_name}.store"
         self.lock_path = self.directory / f"rank{rank}.lock"
         self.fd: Optional[int] = None
         self._lock_key: Optional[tuple] = None
+        # Rows start in row order (the fill writes them so): the head is the first free segment.
+        self.loc = np.arange(R, dtype=np.int32)
+        self.owner = np.full(self.capacity, -1, dtype=np.int32)
+        self.owner[:R] = self.loc
+        self.live = np.zeros(self.segments, dtype=np.int64)
+        self.live[:initial] = K
+        if R:
+            self.live[initial - 1] = R - (initial - 1) * K
+        self.free = np.zeros(self.segments, dtype=bool)
+        self.free[initial + 1:] = True
+        self.head, self.head_used = initial, 0
+        self._clean_buf: Optional[torch.Tensor] = None
         self._open()
 
     @property
     def nbytes(self) -> int:
-        return HEADER_BYTES + self.rows * self.record
+        return HEADER_BYTES + self.capacity * self.record
+
+    def index_nbytes(self) -> int:
+        return self.loc.nbytes + self.owner.nbytes + self.live.nbytes + self.free.nbytes
 
     def _open(self) -> None:
         d = self.directory
@@ -216,30 +272,124 @@ class RowStore:
                 del _DIR_LOCKS[key]
                 os.close(held.fd)  # releases the flock
 
-    def io(self, *, write: bool, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    # -- I/O
+    def _io(self, write: bool, parts, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Records at ``positions`` (sorted) to or from ``slots`` of ``parts``."""
+        what = "writing" if write else "reading"
         try:
-            kernels.store_io(self.fd, write=write, header=HEADER_BYTES, parts=parts, rows=rows, slots=slots,
+            # A store cut short behind the run's back: an append would grow it again and a read
+            # of the hole would give zeros, so its size is checked first (one fstat).
+            size = os.fstat(self.fd).st_size
+        except OSError as e:
+            raise StoreError(f"store {self.path}: {what} failed ({e.strerror})") from None
+        if size < self.nbytes:
+            raise StoreError(f"store {self.path}: {what} {positions.numel()} records failed: the file is "
+                             f"{size} bytes, its run made it {self.nbytes} (truncated behind the run's back)")
+        try:
+            kernels.store_io(self.fd, write=write, header=HEADER_BYTES, parts=parts, rows=positions, slots=slots,
                              threads=IO_THREADS)
         except OSError as e:
-            what = "writing" if write else "reading"
-            raise StoreError(f"store {self.path}: {what} {rows.numel()} rows failed ({e.strerror})") from None
+            raise StoreError(f"store {self.path}: {what} {positions.numel()} records failed ({e.strerror})") from None
 
-    def mapped(self) -> torch.Tensor:
-        """The records as a ``uint8 [rows, record]`` tensor over a shared mapping of the file
-        (checkpoints and ``state_dict`` stream through it; writes reach the file)."""
-        arr = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=HEADER_BYTES, shape=(self.rows, self.record))
-        return torch.from_numpy(arr)
+    def fill(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write rows in their initial places (``instantiate``: the log starts in row order)."""
+        self._io(True, parts, rows, slots)
 
-    def logical(self) -> list[torch.Tensor]:
-        """Each part of every record as a view of the mapped file: weights ``[rows, D]`` in the
-        stored dtype, each state ``[rows]`` or ``[rows, D]``."""
-        raw = self.mapped()
-        views, at = [], 0
-        for (_, shape, dtype), (_, nbytes) in zip(self.layout, self.parts):
-            v = raw[:, at:at + nbytes].view(dtype)
-            at += nbytes
-            views.append(v if len(shape) > 1 else v.reshape(-1))
-        return views
+    def fetch(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Read the current record of each of ``rows`` into ``slots`` of ``parts``."""
+        if rows.numel() == 0:
+            return
+        pos = torch.from_numpy(self.loc[rows.numpy()].astype(np.int64))
+        pos, order = torch.sort(pos)
+        self._io(False, parts, pos, slots[order])
+
+    def write_back(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> int:
+        """Append the records of ``slots`` (holding ``rows``, distinct) at the log's head; their
+        old records become dead. Returns the bytes cleaning moved to make room."""
+        n, done, cleaned = rows.numel(), 0, 0
+        rows_np = rows.numpy().astype(np.int64)
+        while done < n:
+            # As much as the room allows at once (cleaning between pieces when a flush of
+            # many slots outgrows it), keeping a segment spare for cleaning's own appends.
+            cleaned += self._make_room(min(n - done, self.segment))
+            m = min(n - done, self._room() - self.segment)
+            pos = self._positions(m)
+            self._io(True, parts, torch.from_numpy(pos), slots[done:done + m])
+            self._moved(rows_np[done:done + m], pos)
+            done += m
+        return cleaned
+
+    def read_rows(self, parts, a: int, b: int) -> None:
+        """Rows ``a..b`` into rows ``0..b-a`` of ``parts``."""
+        self.fetch(parts, torch.arange(a, b, dtype=torch.int64), torch.arange(b - a, dtype=torch.int64))
+
+    def write_rows(self, parts, a: int, b: int) -> None:
+        """Rows ``0..b-a`` of ``parts`` over rows ``a..b``' records, where they are (a load
+        rewrites every row once: in place keeps the log as it is)."""
+        pos = torch.from_numpy(self.loc[a:b].astype(np.int64))
+        pos, order = torch.sort(pos)
+        self._io(True, parts, pos, order)
+
+    # -- the log's bookkeeping
+    def _room(self) -> int:
+        return self.segment - self.head_used + int(self.free.sum()) * self.segment
+
+    def _positions(self, n: int) -> np.ndarray:
+        """The next ``n`` positions at the head: the rest of the head segment, then free
+        segments in order (the caller made room)."""
+        K = self.segment
+        out = [np.arange(self.head * K + self.head_used, min((self.head + 1) * K, self.head * K + self.head_used + n))]
+        left = n - out[0].size
+        if left > 0:
+            segs = np.flatnonzero(self.free)[:-(-left // K)]
+            out.append((segs[:, None] * K + np.arange(K)[None, :]).reshape(-1)[:left])
+        return np.concatenate(out)
+
+    def _moved(self, rows: np.ndarray, pos: np.ndarray) -> None:
+        """``rows`` now live at ``pos`` (written): their old positions die, the head advances."""
+        K = self.segment
+        old = self.loc[rows].astype(np.int64)
+        self.owner[old] = -1
+        self.live -= np.bincount(old // K, minlength=self.segments)
+        self.loc[rows] = pos
+        self.owner[pos] = rows
+        segs = pos // K
+        self.live += np.bincount(segs, minlength=self.segments)
+        self.free[segs] = False
+        last = int(pos[-1])
+        self.head, self.head_used = last // K, last % K + 1
+        # Segments whose every row has moved on are free again, without I/O.
+        empty = (self.live == 0) & ~self.free
+        empty[self.head] = False
+        self.free |= empty
+
+    def _make_room(self, n: int) -> int:
+        """Clean segments until ``n`` records and one spare segment fit: the spare is where a
+        cleaning's live records go. Returns the bytes cleaning read (and rewrote)."""
+        K, moved = self.segment, 0
+        while self._room() < n + K:
+            cand = ~self.free
+            cand[self.head] = False
+            live = np.where(cand, self.live, np.iinfo(np.int64).max)
+            victim = int(np.argmin(live))
+            if not cand[victim] or self.live[victim] >= K:
+                raise StoreError(f"store {self.path}: no segment to clean ({self.segments} segments of {K} records, "
+                                 f"{self.rows} rows): the store is smaller than its rows need")
+            pos = np.flatnonzero(self.owner[victim * K:(victim + 1) * K] >= 0) + victim * K
+            if pos.size:
+                if self._clean_buf is None:
+                    self._clean_buf = torch.empty(K, self.record, dtype=torch.uint8)
+                buf = self._clean_buf[:pos.size]
+                rows = self.owner[pos].astype(np.int64)
+                idx = torch.arange(pos.size, dtype=torch.int64)
+                self._io(False, [buf], torch.from_numpy(pos.astype(np.int64)), idx)
+                new = self._positions(pos.size)
+                self._io(True, [buf], torch.from_numpy(new), idx)
+                self._moved(rows, new)
+                moved += pos.size * self.record
+            self.free[victim] = True
+            self.live[victim] = 0
+        return moved
 
     def close(self, remove: bool = True) -> None:
         if self.fd is not None:
@@ -283,7 +433,7 @@ class HostStore:
     def nbytes(self) -> int:
         return self.rows * self.record
 
-    def io(self, *, write: bool, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    def _copy(self, write: bool, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
         if rows.numel() == 0:
             return
         for host, dev in zip(self.host, parts):
@@ -292,8 +442,26 @@ class HostStore:
             else:
                 dev[slots.to(dev.device)] = host[rows].to(dev.device, non_blocking=True)
 
-    def logical(self) -> list[torch.Tensor]:
-        return list(self.host)
+    def fill(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self._copy(True, parts, rows, slots)
+
+    def fetch(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self._copy(False, parts, rows, slots)
+
+    def write_back(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> int:
+        self._copy(True, parts, rows, slots)
+        return 0
+
+    def read_rows(self, parts, a: int, b: int) -> None:
+        for host, dst in zip(self.host, parts):
+            dst[:b - a].copy_(host[a:b])
+
+    def write_rows(self, parts, a: int, b: int) -> None:
+        for host, src in zip(self.host, parts):
+            host[a:b].copy_(src[:b - a])
+
+    def index_nbytes(self) -> int:
+        return 0
 
     def close(self, remove: bool = True) -> None:
         self.host = []
@@ -341,6 +509,7 @@ class CacheCounters:
     waited: int = 0             # batches whose cache_io_wait found the I/O still running
     wait_s: float = 0.0
     io_s: float = 0.0           # time the I/O thread spent on the store
+    cleaned_bytes: int = 0      # read and rewritten by the log's cleaning (each way)
     flushes: int = 0
 
 
@@ -398,7 +567,7 @@ class TableCache:
         return dict(zip(self.part_names[1:], self.parts[1:]))
 
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parts) + self.index.nbytes()
+        return sum(p.numel() * p.element_size() for p in self.parts) + self.index.nbytes() + self.store.index_nbytes()
 
     # -- pins
     def _oldest_live(self) -> int:
@@ -452,19 +621,16 @@ class TableCache:
                          lease=lease, assignment=a)
 
     def _io_job(self, a):
-        """The I/O of one assignment, for the I/O thread: the evicted dirty rows written back,
-        then the missing rows read (sorted, so runs of rows coalesce)."""
-        wb_rows, order = torch.sort(a.writeback_rows)
-        wb_slots = a.writeback_slots[order]
-        f_rows, order = torch.sort(a.fetch_rows)
-        f_slots = a.fetch_slots[order]
+        """The I/O of one assignment, for the I/O thread: the evicted dirty rows written back
+        (appended to the store's log), then the missing rows read (the store sorts them by where
+        they are, so runs coalesce)."""
         submitted = time.perf_counter()
 
         def job():
             start = time.perf_counter()
-            self.store.io(write=True, parts=self.parts, rows=wb_rows, slots=wb_slots)
-            self.store.io(write=False, parts=self.parts, rows=f_rows, slots=f_slots)
-            return submitted, start, time.perf_counter()
+            cleaned = self.store.write_back(self.parts, a.writeback_rows, a.writeback_slots)
+            self.store.fetch(self.parts, a.fetch_rows, a.fetch_slots)
+            return submitted, start, time.perf_counter(), cleaned
         return job
 
     def io_start(self, batch: SlotBatch) -> Future:
@@ -478,7 +644,7 @@ class TableCache:
         c = self.counters
         t0 = time.perf_counter()
         was_running = not fut.done()
-        _, start, end = fut.result()
+        _, start, end, cleaned = fut.result()
         waited = time.perf_counter() - t0
         while self._pending and self._pending[0].done():
             self._pending.popleft()
@@ -487,6 +653,7 @@ class TableCache:
         c.bytes_written += nw * self.store.record
         c.bytes_read += nf * self.store.record
         c.io_s += end - start
+        c.cleaned_bytes += cleaned
         if was_running:
             c.waited += 1
             c.wait_s += waited
@@ -505,8 +672,8 @@ class TableCache:
         dirty = (self.index.dirty != 0) & (self.index.slot_row >= 0)
         slots = dirty.nonzero().flatten()
         if slots.numel():
-            rows, order = torch.sort(self.index.slot_row[slots])
-            self.store.io(write=True, parts=self.parts, rows=rows, slots=slots[order])
+            rows = self.index.slot_row[slots]
+            self.counters.cleaned_bytes += self.store.write_back(self.parts, rows, slots)
             self.counters.bytes_written += rows.numel() * self.store.record
             self.index.dirty[slots] = 0
         self.counters.flushes += 1
@@ -524,13 +691,26 @@ class TableCache:
         self.index.dirty.zero_()
         self.index.pin.fill_(-1)
 
-    def logical_parts(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Every row of the rank's shards as views of the store file (weights ``[rows, D]`` in the
-        stored dtype, each state ``[rows]`` or ``[rows, D]``), after a flush. Writing into them
-        writes the store: call ``invalidate()`` afterwards."""
+    def logical_rows(self) -> tuple["StoreRows", dict[str, "StoreRows"]]:
+        """Every row of the rank's shards, read and written on demand through the store after a
+        flush: weights ``[rows, D]`` in the stored dtype, each state ``[rows]`` or ``[rows, D]``.
+        Writing them writes the store: call ``invalidate()`` afterwards."""
         self.flush()
-        views = self.store.logical()
-        return views[0], dict(zip(self.part_names[1:], views[1:]))
+        rows = [StoreRows(self, k, 0, self.index.rows) for k in range(len(self.parts))]
+        return rows[0], dict(zip(self.part_names[1:], rows[1:]))
+
+    def read_rows(self, a: int, b: int) -> list[torch.Tensor]:
+        """Rows ``a..b`` of every part, as CPU tensors (a copy)."""
+        self.drain()
+        out = [torch.empty((b - a,) + tuple(p.shape[1:]), dtype=p.dtype) for p in self.parts]
+        self.store.read_rows(out, a, b)
+        return out
+
+    def write_rows(self, a: int, b: int, parts: list[torch.Tensor]) -> None:
+        """Every part of rows ``a..b`` over the store's (no cached slot may hold them: flush
+        before, ``invalidate()`` after)."""
+        self.drain()
+        self.store.write_rows([p.contiguous() for p in parts], a, b)
 
     def close(self) -> None:
         self._finalizer()
@@ -566,20 +746,53 @@ def materialize_cached(group: TableGroup, rank: int, device: torch.device, cache
             n = b - a
             staging[0][:n].copy_(fill(j, a, b))
             rows = torch.arange(r0 + a, r0 + b, dtype=torch.int64)
-            cache.store.io(write=True, parts=[p[:n] if p.dim() == 1 else p[:n] for p in staging],
-                           rows=rows, slots=torch.arange(n, dtype=torch.int64))
+            cache.store.fill([p[:n] for p in staging], rows, torch.arange(n, dtype=torch.int64))
     group.weights = nn.Parameter(cache.weights, requires_grad=True)
     group.cache = cache
     return cache
 
 
-def local_rows(group: TableGroup) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+class StoreRows:
+    """Rows ``a..b`` of one part (the weights, or one optimizer state) of a cached group, in its
+    store: the tables need not fit in memory, so checkpoints and state dicts move them a chunk
+    at a time. Sliced by rows like a tensor (``rows[i:j]``: another ``StoreRows``); ``read()``
+    gives the rows as a tensor, ``write(t)`` puts ``t`` over them (the group's other parts
+    unchanged; call ``rows_written`` when done)."""
+
+    def __init__(self, cache: TableCache, part: int, a: int, b: int):
+        self.cache, self.part, self.a, self.b = cache, part, a, b
+        p = cache.parts[part]
+        self.shape = torch.Size((b - a,) + tuple(p.shape[1:]))
+        self.dtype = p.dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.b - self.a
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("StoreRows: only row slices (rows[i:j])")
+        i, j, _ = key.indices(self.b - self.a)
+        return StoreRows(self.cache, self.part, self.a + i, self.a + max(i, j))
+
+    def read(self) -> torch.Tensor:
+        return self.cache.read_rows(self.a, self.b)[self.part]
+
+    def write(self, t: torch.Tensor) -> None:
+        parts = self.cache.read_rows(self.a, self.b)
+        parts[self.part].copy_(t)
+        self.cache.write_rows(self.a, self.b, parts)
+
+
+def local_rows(group: TableGroup) -> tuple:
     """Every row of ``group``'s local shards, ``(weights, {state name: state})``: the group's own
-    tensors when resident; for a cached group, views of its store after a flush (writing into
-    them writes the store: call ``rows_written`` afterwards)."""
+    tensors when resident; for a cached group, ``StoreRows`` read and written through its store
+    after a flush (writing them writes the store: call ``rows_written`` afterwards)."""
     cache = getattr(group, "cache", None)
     if cache is not None:
-        return cache.logical_parts()
+        return cache.logical_rows()
     return group.weights.detach(), {n: getattr(group, n) for n in group.state_names}
 
 
@@ -612,6 +825,7 @@ class CacheReport:
                         "hit_rate": c.hits / c.ids if c.ids else 1.0,
                         "prefetched": c.prefetched, "written_back": c.written_back,
                         "read_bytes_per_step": c.bytes_read / steps, "written_bytes_per_step": c.bytes_written / steps,
+                        "cleaned_bytes_per_step": c.cleaned_bytes / steps,
                         "waited_steps": c.waited, "wait_ms": c.wait_s * 1e3,
                         "io_ms_per_step": c.io_s * 1e3 / steps})
         return out

@@ -298,6 +298,11 @@ def assert_evictions(report_rows):
         assert r["misses"] > r["slots"] and r["written_back"] > 0, r
 
 
+def assert_cleaned(report_rows):
+    """The stores' logs cleaned segments (live records moved) during the run."""
+    assert sum(r["cleaned_bytes_per_step"] for r in report_rows) > 0, report_rows
+
+
 # (model, optimizer, table dtype, train_pipeline): every optimizer on fp32 tables pipelined (bit
 # for bit), two not pipelined, each half dtype once, and the ModuleDict model.
 EXACT_CASES = [("user", opt, None, True) for opt in ("sgd", "rowwise_adagrad", "adagrad", "adam")] + [
@@ -306,12 +311,21 @@ EXACT_CASES = [("user", opt, None, True) for opt in ("sgd", "rowwise_adagrad", "
     ("dict", "sgd", None, False)]
 
 
+@pytest.fixture
+def tight_log(monkeypatch):
+    """Stores of segments of a few records and no spare room: the log cleans a segment every
+    few write-backs, so the exact tests cover cleaning too."""
+    monkeypatch.setattr(runtime_cache, "SEGMENT_BYTES", 256)
+    monkeypatch.setattr(runtime_cache, "SPARE", 0.0)
+
+
 @pytest.mark.parametrize("kind,optimizer,table_dtype,pipeline", EXACT_CASES,
                          ids=[f"{k}-{o}-{d or 'fp32'}-{'pipelined' if p else 'plain'}" for k, o, d, p in EXACT_CASES])
-def test_cached_training_equals_resident(tmp_path, kind, optimizer, table_dtype, pipeline):
+def test_cached_training_equals_resident(tmp_path, tight_log, kind, optimizer, table_dtype, pipeline):
     """Caches as small as training allows (one batch's rows per shard, two batches' under
     train_pipeline) give the all-resident parameters: bit for bit with fp32 tables, for every
-    optimizer (the same per-row math on slots; state travels with its row)."""
+    optimizer (the same per-row math on slots; state travels with its row), with the store's
+    log cleaning segments all along."""
     key = (kind, optimizer, table_dtype)
     resident, cached, placement, data = cs.compile_pair(kind, 1, optimizer, STEPS, tmp_path, pipeline=pipeline,
                                                         resident=key not in _RESIDENT, table_dtype=table_dtype)
@@ -319,6 +333,7 @@ def test_cached_training_equals_resident(tmp_path, kind, optimizer, table_dtype,
     dm = cached.instantiate()
     reports = cs.train(dm, data, pipeline)
     assert_evictions(reports[-1])
+    assert_cleaned(reports[-1])
     got = dm.state_dict()
     assert list(got) == list(want)
     if table_dtype is None:
@@ -357,6 +372,52 @@ def test_state_dict_mid_training_keeps_training_exact(tmp_path):
     got = dm.state_dict()
     for k in want:
         assert torch.equal(got[k], want[k]), f"{k} differs from the all-resident run"
+
+
+def test_checkpoints_cross_between_cached_and_resident(tmp_path, tight_log):
+    """A cached run's checkpoint (its rows read from the store's log a chunk at a time) loads
+    into a resident run, a resident run's into a cached one (written into the store through its
+    log), and training on from either ends at the all-resident parameters, bit for bit, with
+    the optimizer state (row-wise Adagrad) carried across."""
+    steps, half = 6, 3
+    key = ("user", "rowwise_adagrad", None, steps)
+    # a program instantiates once (it hands its tables over): one pair per run
+    resident_a, cached_a, _, data = cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "a")
+    resident_b, cached_b, _, _ = cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "b")
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    if key not in _RESIDENT:
+        _resident_state(key, cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "c")[0], data)
+    want = _RESIDENT[key]
+    # resident for half the steps, saved; cached likewise
+    r = resident_a.instantiate()
+    cs.train(r, data[:half], pipeline=True)
+    r_ckpt = recc.save_checkpoint(r, None, str(tmp_path / "r_ckpt"), step=half)
+    c = cached_a.instantiate()
+    cs.train(c, data[:half], pipeline=True)
+    assert_cleaned(c.cache_report().rows())
+    c_ckpt = recc.save_checkpoint(c, None, str(tmp_path / "c_ckpt"), step=half)
+    _close(c)
+    # cached -> resident, resident -> cached, each trained on to the end
+    r2 = resident_b.instantiate()
+    recc.load_checkpoint(r2, None, str(c_ckpt))
+    cs.train(r2, data[half:], pipeline=True)
+    c2 = cached_b.instantiate()
+    recc.load_checkpoint(c2, None, str(r_ckpt))
+    cs.train(c2, data[half:], pipeline=True)
+    try:
+        for name, dm in (("cached -> resident", r2), ("resident -> cached", c2)):
+            got = dm.state_dict()
+            for k in want:
+                assert torch.equal(got[k], want[k]), f"{name}: {k} differs from the all-resident run"
+        # load_state_dict writes a cached group's rows into its store too
+        half_state = r.state_dict()
+        c2.load_state_dict(half_state)
+        got = c2.state_dict()
+        for k in half_state:
+            assert torch.equal(got[k], half_state[k]), f"load_state_dict into the cached run: {k}"
+    finally:
+        _close(c2)
 
 
 # ============================================================================= the IR
@@ -705,13 +766,14 @@ def test_symlink_at_the_store_path(tmp_path, live_store):
 
 
 def test_store_damaged_under_a_live_run(tmp_path):
-    """A store truncated behind the run's back: the next fetch fails naming the store."""
+    """A store truncated behind the run's back: the next I/O fails naming the store (an append
+    would grow the file again and reading its hole would give zeros: the size is checked)."""
     dm = _one_bag_program(tmp_path, {"emb.0": {"cache_rows": 8}}).instantiate()
     dm(*_ids(torch.arange(8))).sum().backward()
     os.truncate(_store_file(tmp_path), HEADER_BYTES)
     with pytest.raises(StoreError) as e:
         dm(*_ids(torch.arange(50, 58))).sum().backward()
-    assert str(_store_file(tmp_path)) in _one_line(e) and "reading" in str(e.value)
+    assert str(_store_file(tmp_path)) in _one_line(e) and "truncated" in str(e.value)
 
 
 def test_two_groups_of_one_run_share_the_directory(tmp_path):
@@ -876,3 +938,61 @@ def test_a_killed_run_leaves_its_last_checkpoint_loadable(killed_run, resident_t
     got = fresh.state_dict()
     for k in resident_two_steps:
         assert torch.equal(got[k], resident_two_steps[k]), k
+
+
+# ============================================================================= the store's log
+
+def _check_log(store, when: str):
+    """``loc`` and ``owner`` are inverse, ``live`` counts each segment's live records, a free
+    segment holds none, and the head is not free."""
+    import numpy as np
+    K = store.segment
+    assert np.array_equal(store.owner[store.loc], np.arange(store.rows)), f"{when}: owner[loc[r]] != r"
+    assert int((store.owner >= 0).sum()) == store.rows, f"{when}: a dead record still owned"
+    live = np.bincount(np.flatnonzero(store.owner >= 0) // K, minlength=store.segments)
+    assert np.array_equal(live, store.live), f"{when}: live counts"
+    assert not live[store.free].any(), f"{when}: a free segment holds live records"
+    assert not store.free[store.head], f"{when}: the head is free"
+
+
+def test_store_log_appends_cleans_and_reads_back(tmp_path):
+    """Write-backs go to consecutive positions at the log's head (sequential writes, not each
+    row's fixed place); cleaning frees segments by moving their live records, never losing
+    one; every fetch reads each row's newest record. Checked against a dict of each row's
+    last written values over 300 random write-backs, many times the store's spare room."""
+    import numpy as np
+    dm = _one_bag_program(tmp_path, {"emb.0": {"cache_rows": 8}}, optimizer="rowwise_adagrad").instantiate()
+    try:
+        (g,) = [g for g in dm.table_groups() if getattr(g, "cache", None)]
+        store, R = g.cache.store, g.cache.index.rows
+        K = store.segment
+        assert store.segments * K >= R + K, "the store must hold more positions than rows"
+        want = g.cache.read_rows(0, R)            # every row's record, as the fill wrote it
+        gen = torch.Generator().manual_seed(3)
+        S = 24
+        parts = [torch.empty((S,) + tuple(p.shape[1:]), dtype=p.dtype) for p in want]
+        cleaned = 0
+        for step in range(300):
+            n = int(torch.randint(1, S + 1, (1,), generator=gen))
+            rows = torch.randperm(R, generator=gen)[:n]
+            slots = torch.randperm(S, generator=gen)[:n]
+            for p in parts:
+                p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype))
+            head = store.head * K + store.head_used
+            cleaned += store.write_back(parts, rows, slots)
+            pos = store.loc[rows.numpy()].astype(np.int64)
+            if cleaned == 0:   # no cleaning ran yet: the rows went exactly to the head's next positions
+                assert np.array_equal(np.sort(pos), head + np.arange(n)), f"step {step}: not appended at the head"
+            for w, p in zip(want, parts):
+                w[rows] = p[slots]
+            _check_log(store, f"step {step}")
+            check = torch.randperm(R, generator=gen)[:S]
+            got = [torch.zeros_like(p) for p in parts]
+            store.fetch(got, check, torch.arange(S))
+            for w, p in zip(want, got):
+                assert torch.equal(p.view(torch.uint8), w[check].view(torch.uint8)), f"step {step}: a stale record"
+        assert cleaned > 0, "the test must make the log clean segments"
+        for w, p in zip(want, g.cache.read_rows(0, R)):
+            assert torch.equal(w, p)
+    finally:
+        _close(dm)
