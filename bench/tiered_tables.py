@@ -31,7 +31,8 @@ OS cannot hold the tables in memory behind the cap. The page cache is dropped be
 - ``cached on demand``: the same cache, plain ``dm(...)`` calls (the rows fetched inside the step).
 
 The cache's rows are what the cap leaves after ``--reserve-mib`` (the process: python, torch, recc,
-the dense model, a step's activations), the cache index (4 bytes per row and 18 per slot) and
+the dense model, a step's activations), the cache index (per row 4 bytes of slot map and 9 of the
+log's positions, 18 per slot: ``recc.planner.cost_model``) and
 ``--headroom`` of the cap.
 
 Each configuration trains ``--warmup`` untimed steps then ``--steps`` timed ones (each configuration
@@ -42,8 +43,9 @@ The slow tier's floor is measured in the same run, after the configurations: a f
 size in the bench's directory, written once, page cache dropped, then each cached configuration's
 per-step pattern replayed with the cache's own I/O kernel (``recc.kernels.cpu.table_cache.store_io``,
 ``IO_THREADS`` requests in flight, records of the store's size, sorted and coalesced as the cache
-sends them): the step's misses read at random rows, its evicted dirty rows written at random rows
-(a record smaller than a page not in memory is a read-modify-write, as in the cache), with an
+sends them): the step's evicted dirty rows appended at a head moving through the file, the
+records the log's cleaning moved that step read from consecutive positions and appended too (the
+store is a log: ``RowStore``), and the step's misses read at random positions, with an
 ``fdatasync`` at the end inside the timing. floor = that time per step. Target: a cached step <=
 1.25x max(resident step, floor); cached samples/s >= 3x mmap's.
 
@@ -104,12 +106,23 @@ def table_bytes(cfg: dict) -> int:
     return sum(cfg["num_embeddings"]) * record_bytes(cfg)
 
 
+def store_positions(cfg: dict) -> int:
+    """Record positions of the tables' stores (the log's spare included: ``RowStore``)."""
+    from recc.planner.cost_model import STORE_SPARE
+    return int(sum(cfg["num_embeddings"]) * (1 + STORE_SPARE))
+
+
+def index_bytes(cfg: dict, slots: int) -> int:
+    """The caches' index (``map`` and the log's ``loc`` and ``owner`` per row, per slot 8+1+8+1)."""
+    from recc.planner.cost_model import CACHE_ROW_MAP_BYTES, CACHE_SLOT_BYTES, STORE_ROW_BYTES
+    return int(sum(cfg["num_embeddings"]) * (CACHE_ROW_MAP_BYTES + STORE_ROW_BYTES) + slots * CACHE_SLOT_BYTES)
+
+
 def cache_rows(cfg: dict, cap: int, reserve: int, headroom: float) -> int:
     """Rows per table the cache may hold under ``cap``: what is left after the process's own
-    memory, the index (``map``: 4 bytes per row; per slot 8+1+8+1) and the headroom."""
-    rows = sum(cfg["num_embeddings"])
-    left = cap * (1 - headroom) - reserve - 4 * rows
-    slots = int(left // (record_bytes(cfg) + 18))
+    memory, the index and the headroom."""
+    left = cap * (1 - headroom) - reserve - index_bytes(cfg, 0)
+    slots = int(left // (record_bytes(cfg) + index_bytes(cfg, 1) - index_bytes(cfg, 0)))
     per_table = slots // len(cfg["num_embeddings"])
     if per_table < 1:
         raise SystemExit(f"tiered_tables: a cap of {cap / MIB:.0f} MiB leaves no room for a cache after "
@@ -361,27 +374,41 @@ def write_probe_file(path: str, size: int, block: int = 8 * MIB) -> None:
 
 
 def replay_io(path: str, rows_total: int, record: int, read_rows: int, write_rows: int, reps: int,
-              max_s: float, seed: int) -> dict:
-    """Seconds per step of ``read_rows`` random record reads then ``write_rows`` random record
-    writes through the cache's own kernel, ``IO_THREADS`` in flight, fdatasync at the end."""
+              max_s: float, seed: int, cleaned_rows: int = 0) -> dict:
+    """Seconds per step of the store's pattern through the cache's own kernel, ``IO_THREADS`` in
+    flight, fdatasync at the end: ``write_rows`` records appended at a head that moves through
+    the file (the log's write-backs), ``cleaned_rows`` records read from consecutive positions
+    elsewhere and appended too (its cleaning), then ``read_rows`` random record reads."""
     import torch
     from recc.kernels.cpu import table_cache as kernels
     from recc.runtime.table_cache import HEADER_BYTES, IO_THREADS
     g = torch.Generator().manual_seed(seed)
-    n = max(read_rows, write_rows, 1)
+    n = max(read_rows, write_rows, cleaned_rows, 1)
     buf = torch.zeros(n, record, dtype=torch.uint8)
     slots = torch.arange(n, dtype=torch.int64)
+    head = [rows_total // 2]
+
+    def run(k: int) -> torch.Tensor:   # the next k positions at the head, wrapping around the file
+        pos = (head[0] + torch.arange(k, dtype=torch.int64)) % rows_total
+        head[0] = (head[0] + k) % rows_total
+        return torch.sort(pos).values
+
     fd = os.open(path, os.O_RDWR)
     try:
         done, t_read, t_write = 0, 0.0, 0.0
         t_start = time.perf_counter()
         while done < reps and (done < 3 or time.perf_counter() - t_start < max_s):
             r = torch.sort(torch.randperm(rows_total, generator=g)[:read_rows]).values if read_rows else None
-            w = torch.sort(torch.randperm(rows_total, generator=g)[:write_rows]).values if write_rows else None
             t0 = time.perf_counter()
-            if w is not None:   # the cache writes the evicted rows back first, then reads
-                kernels.store_io(fd, write=True, header=HEADER_BYTES, parts=[buf[:write_rows]], rows=w,
+            if write_rows:   # the cache writes the evicted rows back first (appended), then reads
+                kernels.store_io(fd, write=True, header=HEADER_BYTES, parts=[buf[:write_rows]], rows=run(write_rows),
                                  slots=slots[:write_rows], threads=IO_THREADS)
+            if cleaned_rows:
+                src = (int(torch.randint(rows_total, (1,), generator=g)) + torch.arange(cleaned_rows)) % rows_total
+                kernels.store_io(fd, write=False, header=HEADER_BYTES, parts=[buf[:cleaned_rows]],
+                                 rows=torch.sort(src).values, slots=slots[:cleaned_rows], threads=IO_THREADS)
+                kernels.store_io(fd, write=True, header=HEADER_BYTES, parts=[buf[:cleaned_rows]],
+                                 rows=run(cleaned_rows), slots=slots[:cleaned_rows], threads=IO_THREADS)
             t1 = time.perf_counter()
             if r is not None:
                 kernels.store_io(fd, write=False, header=HEADER_BYTES, parts=[buf[:read_rows]], rows=r,
@@ -397,6 +424,7 @@ def replay_io(path: str, rows_total: int, record: int, read_rows: int, write_row
         os.close(fd)
     per = (t_read + t_write) / done
     return {"seconds": per, "read_s": t_read / done, "write_s": t_write / done, "reps": done,
+            "cleaned_rows": cleaned_rows,
             "read_bw": read_rows * record * done / t_read if t_read else float("nan"),
             "write_bw": write_rows * record * done / t_write if t_write else float("nan"),
             "io_threads": IO_THREADS}
@@ -479,10 +507,11 @@ def main(argv=None) -> int:
           f"{cfg['top']}; batch {args.batch_size}, bag {args.bag_size}, Zipf {args.zipf}")
     print(f"# cap {cap / GIB:.2f} GiB (tables = {tb / cap:.1f}x the cap); cache {per_table:,} rows per table = "
           f"{per_table * args.tables * record_bytes(cfg) / MIB:.0f} MiB ({per_table * args.tables / rows:.1%} of the "
-          f"rows), index {(4 * rows + 18 * per_table * args.tables) / MIB:.0f} MiB")
+          f"rows), index {index_bytes(cfg, per_table * args.tables) / MIB:.0f} MiB")
 
-    need = tb * (1 if "cached+pipeline" in configs or "cached on demand" in configs else 0) + \
-        tb * (1 if set(MMAPS) & set(configs) else 0) + tb
+    store = store_positions(cfg) * record_bytes(cfg)
+    need = store * (1 if "cached+pipeline" in configs or "cached on demand" in configs else 0) + \
+        tb * (1 if set(MMAPS) & set(configs) else 0) + store
     free = shutil.disk_usage(args.dir).free
     if need > free * 0.95:
         print(f"tiered_tables: needs about {need / GIB:.1f} GiB free under {args.dir}, which has {free / GIB:.1f}",
@@ -542,15 +571,17 @@ def main(argv=None) -> int:
         if cached:
             probe = os.path.join(workdir, "probe.bin")
             from recc.runtime.table_cache import HEADER_BYTES
-            write_probe_file(probe, HEADER_BYTES + tb)
+            positions = store_positions(cfg)
+            write_probe_file(probe, HEADER_BYTES + positions * record_bytes(cfg))
             for c in cached:
                 rep = results[c]["report"]
                 read_rows = int(round(sum(r["read_bytes_per_step"] for r in rep) / record_bytes(cfg)))
                 write_rows = int(round(sum(r["written_bytes_per_step"] for r in rep) / record_bytes(cfg)))
+                cleaned_rows = int(round(sum(r["cleaned_bytes_per_step"] for r in rep) / record_bytes(cfg)))
                 drop_page_cache()
-                probes[c] = replay_io(probe, rows, record_bytes(cfg), read_rows, write_rows, reps=max(5, args.steps),
-                                      max_s=10.0, seed=args.seed + 1) | {"read_rows": read_rows,
-                                                                         "write_rows": write_rows}
+                probes[c] = replay_io(probe, positions, record_bytes(cfg), read_rows, write_rows,
+                                      reps=max(5, args.steps), max_s=10.0, seed=args.seed + 1,
+                                      cleaned_rows=cleaned_rows) | {"read_rows": read_rows, "write_rows": write_rows}
             os.unlink(probe)
         limits.append(machine_limits(cfg, limit_batches))
     finally:
@@ -632,7 +663,8 @@ def render(cfg, args, results, probes, limits, memsw_note) -> str:
                 x = med[m] / med[c]
                 lines.append(f"# target {c} >= 3x {m}'s samples/s: {x:.2f}x, {'met' if x >= 3 else 'NOT met'}")
     for c, pr in probes.items():
-        lines.append(f"# floor of {c}: {pr['read_rows']:,} rows read + {pr['write_rows']:,} written per step "
+        lines.append(f"# floor of {c}: {pr['read_rows']:,} rows read at random + {pr['write_rows']:,} appended "
+                     f"+ {pr['cleaned_rows']:,} cleaned (read and appended) per step "
                      f"({record_bytes(cfg)} B records, {pr['io_threads']} in flight, page cache dropped, "
                      f"{pr['reps']} steps replayed): read {pr['read_s'] * 1e3:.1f} ms "
                      f"({pr['read_bw'] / 1e6:.0f} MB/s), write+fdatasync {pr['write_s'] * 1e3:.1f} ms "

@@ -95,6 +95,11 @@ class StorageSpec:
         """Seconds one random write-back of a row of ``row_bytes`` costs."""
         return self._access_s(row_bytes, self.write_iops, self.write_gbps)
 
+    def row_append_s(self, row_bytes: float) -> float:
+        """Seconds one row written sequentially costs (a disk store is a log: write-backs are
+        appended, ``runtime/table_cache.py`` ``RowStore``)."""
+        return row_bytes / (self.write_gbps * 1e9)
+
     def _access_s(self, row_bytes: float, iops, gbps: float) -> float:
         n = -(-row_bytes // self.access_bytes)
         t = n * self.access_bytes / (gbps * 1e9)

@@ -53,6 +53,7 @@ import torch.nn as nn
 from recc.kernels.cpu import table_cache as kernels
 from recc.kernels import linearize_indices, optimizer_state_shapes
 from recc.ops import Handle, SlotBatch, SparseBatch, register_impl
+from recc.planner.cost_model import STORE_SPARE
 from recc.tables import TableGroup
 
 MAGIC = b"RECCSTORE1\n"
@@ -60,9 +61,9 @@ HEADER_BYTES = 4096
 FORMAT_VERSION = 1
 _FILL_BYTES = 32 << 20   # rows written per request while the store is filled at instantiate
 SEGMENT_BYTES = 1 << 20  # the log's unit of cleaning: one sequential read and its live records rewritten
-SPARE = 0.25             # store positions beyond the rows, as a share of them: the log's dead room
-# (cleaning a segment rewrites its live records: with a share s spare, at worst ~1/s of a
-# write-back's bytes again, sequentially; Zipf ids leave the hot rows' segments mostly dead)
+# Store positions beyond the rows, as a share of them: the log's dead room (cleaning a segment
+# rewrites its live records: the more spare, the fewer; the planner counts the index it costs).
+SPARE = STORE_SPARE
 # Requests in flight per batch (the disk's queue depth). The store's random record reads on this
 # machine's disk: 8.6k/s at 1 in flight, 20.7k at 4, 44.8k at 16, 49.0k at 32 (bench/tiered_tables.py's
 # floor replay, 2 GiB file, page cache dropped); each thread holds one 256 KiB run buffer.
@@ -112,7 +113,7 @@ class RowStore:
     how many of a segment's positions are live. When free segments run short, the segment with
     the fewest live records is cleaned: its live records read (one sequential read) and appended
     at the head, the segment freed (a segment whose rows have all moved is freed without I/O).
-    The file holds ``SPARE`` more positions than rows (plus the slots' worth and a few segments),
+    The file holds ``SPARE`` more positions than rows (and four segments more),
     so a segment to clean always has dead records. A fetch reads each row at ``loc[row]``
     (sorted: rows never moved stay in their initial, row-ordered places and coalesce).
 

@@ -33,7 +33,8 @@ def test_tables_and_cache_are_sized_from_the_flags(tiered):
     assert abs(tiered.table_bytes(cfg) - (1 << 30)) < 4 * 260
     cap, reserve = 256 << 20, 100 << 20
     per = tiered.cache_rows(cfg, cap, reserve, 0.1)
-    used = reserve + 4 * sum(cfg["num_embeddings"]) + 4 * per * (260 + 18)
+    # per row of the tables: a 4-byte slot map, the log's int32 position and 1.25 int32 owners
+    used = reserve + (4 + 4 + 5) * sum(cfg["num_embeddings"]) + 4 * per * (260 + 18)
     assert used <= cap * 0.9 < used + 4 * (260 + 18)        # as many rows as fit, no more
     with pytest.raises(SystemExit, match="no room"):
         tiered.cache_rows(cfg, 64 << 20, 100 << 20, 0.1)
@@ -63,8 +64,8 @@ def test_mmap_tables_live_in_files(tiered, tmp_path):
 def test_the_floor_replays_the_rows_it_is_given(tiered, tmp_path):
     path = tmp_path / "probe.bin"
     tiered.write_probe_file(str(path), 4096 + 1000 * 36)
-    r = tiered.replay_io(str(path), 1000, 36, read_rows=50, write_rows=20, reps=3, max_s=5.0, seed=0)
-    assert r["reps"] == 3 and r["seconds"] > 0
+    r = tiered.replay_io(str(path), 1000, 36, read_rows=50, write_rows=20, reps=3, max_s=5.0, seed=0, cleaned_rows=7)
+    assert r["reps"] == 3 and r["seconds"] > 0 and r["cleaned_rows"] == 7
     assert r["read_bw"] == pytest.approx(50 * 36 / r["read_s"])   # bytes per step over seconds per step
 
 
@@ -82,9 +83,10 @@ def test_targets_compare_the_right_numbers(tiered):
     results = {"resident": res(0.010), "mmap": res(0.300), "cached+pipeline": res(0.060, [rep]),
                "cached on demand": res(0.200, [rep])}
     probes = {"cached+pipeline": {"seconds": 0.050, "read_s": 0.04, "write_s": 0.01, "read_bw": 1e6, "write_bw": 1e6,
-                                  "reps": 3, "io_threads": 4, "read_rows": 4, "write_rows": 2},
+                                  "reps": 3, "io_threads": 4, "read_rows": 4, "write_rows": 2, "cleaned_rows": 1},
               "cached on demand": {"seconds": 0.050, "read_s": 0.04, "write_s": 0.01, "read_bw": 1e6,
-                                   "write_bw": 1e6, "reps": 3, "io_threads": 4, "read_rows": 4, "write_rows": 2}}
+                                   "write_bw": 1e6, "reps": 3, "io_threads": 4, "read_rows": 4, "write_rows": 2,
+                                   "cleaned_rows": 1}}
     out = tiered.render(cfg, _args(), results, probes, [lim], "")
     line = {ln.split()[0] + ("" if ln.split()[1][0].isdigit() else " " + ln.split()[1] + " " + ln.split()[2]): ln
             for ln in out.splitlines() if ln.startswith(("resident", "mmap", "cached"))}

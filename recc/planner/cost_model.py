@@ -94,10 +94,17 @@ DP_GATHER_PHASES = 6                     # lengths, ids, gradients: each a size 
 GIB = 2 ** 30
 # A cached shard's index as runtime/table_cache.py keeps it (kernels/cpu/table_cache.py
 # CacheIndex): per slot its row and newest pinning batch (int64 each) and CLOCK's reference and
-# dirty bytes; per row of the shard an int32 row -> slot map. Its store I/O reads and writes the
-# slots in place; filling the store at start stages at most _FILL_BYTES (32 MiB) of rows.
+# dirty bytes; per row of the shard an int32 row -> slot map and, for a disk store (a log,
+# RowStore), an int32 row -> position and an int32 position -> row over (1 + STORE_SPARE) positions
+# per row. Its store I/O reads and writes the slots in place; filling the store at start stages
+# at most _FILL_BYTES (32 MiB) of rows, cleaning one segment (SEGMENT_BYTES, 1 MiB).
+STORE_SPARE = 0.25   # a disk store's positions beyond its rows, as a share of them (RowStore)
+# Bytes the log's cleaning moves (read, and written again) per byte written back, assumed for
+# the plan: bench/tiered_tables.py measures it (its "cleaned" column).
+LOG_CLEANING = 1.0
 CACHE_SLOT_BYTES = 18
 CACHE_ROW_MAP_BYTES = 4
+STORE_ROW_BYTES = 4 + 4 * (1 + STORE_SPARE)
 CACHE_IO_BUFFER_BYTES = 32 * 2 ** 20
 
 
@@ -230,16 +237,29 @@ class CostModel:
         the backward's slot map (the lookup runs on slots), and the index's per-slot entries."""
         return self.resident_bytes(p, slots, cols) + slots * CACHE_SLOT_BYTES
 
+    def store_bytes(self, p: Profile, rows: int, cols: int) -> float:
+        """What a cached shard's store holds in the storage tier: every row, and on disk the
+        log's spare positions (``STORE_SPARE``; its four extra segments, 4 MiB, not counted)."""
+        spare = STORE_SPARE if self.cluster.storage.kind == "disk" else 0.0
+        return self.table_bytes(p, rows, cols) * (1 + spare)
+
     def cache_fixed_bytes(self, p: Profile, shard_rows: int, cols: int) -> float:
         """What a cached shard holds whatever its slots: the index's row -> slot map (one int32
-        per row of the shard) and the staging of its store I/O (bounded, not the table)."""
-        return shard_rows * CACHE_ROW_MAP_BYTES + min(CACHE_IO_BUFFER_BYTES, self.table_bytes(p, shard_rows, cols))
+        per row of the shard), a disk store's log index, and the staging of its store I/O
+        (bounded, not the table)."""
+        per_row = CACHE_ROW_MAP_BYTES + (STORE_ROW_BYTES if self.cluster.storage.kind == "disk" else 0)
+        return shard_rows * per_row + min(CACHE_IO_BUFFER_BYTES, self.table_bytes(p, shard_rows, cols))
 
     def tier_row_s(self, row_bytes: float) -> float:
         """Seconds the storage tier takes to fetch one missing row of ``row_bytes`` (weights and
-        state) and write back the dirty row it evicts."""
+        state) and write back the dirty row it evicts: a random read, and, on disk, a sequential
+        append to the store's log plus the cleaning it brings (``LOG_CLEANING`` of it read and
+        written again); host memory writes the row in place."""
         st = self.cluster.storage
-        return st.row_read_s(row_bytes) + st.row_write_s(row_bytes)
+        if st.kind != "disk":
+            return st.row_read_s(row_bytes) + st.row_write_s(row_bytes)
+        return (st.row_read_s(row_bytes) + st.row_append_s(row_bytes) * (1 + LOG_CLEANING)
+                + LOG_CLEANING * row_bytes / (st.read_gbps * 1e9))
 
     def cache_map_s(self, n_ids: float) -> float:
         """Mapping ``n_ids`` ids to slots: a hash probe per id (an access granule read) and its

@@ -287,7 +287,7 @@ class _Cand:
         for r, r0, r1, c0, c1 in spec.shards:
             self.shards.setdefault(r, []).append((r1 - r0, c1 - c0))
         self.resident = {r: sum(model.resident_bytes(p, n, c) for n, c in sh) for r, sh in self.shards.items()}
-        self.store = {r: sum(model.table_bytes(p, n, c) for n, c in sh) for r, sh in self.shards.items()}
+        self.store = {r: sum(model.store_bytes(p, n, c) for n, c in sh) for r, sh in self.shards.items()}
         # the smallest table budget that gives every shard its in-flight batches' rows
         self.min_rows = max(-(-PIPELINE_BATCHES * min(n, int(math.ceil(self.m))) * t.rows // n)
                             for sh in self.shards.values() for n, _ in sh)
@@ -467,7 +467,7 @@ def _share_rank(r: int, group: list[_Cand], set_rows, reasons: dict[str, str]) -
     a step's misses fall fastest. Each cache then sits where its I/O saved per byte, ``k (-dM/dC)``
     (``k``: a miss's I/O time per byte of slot), crosses a common price found by bisection so the
     caches use what they used before. Misses are convex in the cache size, so this is the least
-    I/O for that memory (up to the curves' grid, whose leftover goes to the cache saving most)."""
+    I/O for that memory (up to the curves' grid, whose leftover goes to the caches saving most)."""
     if len(group) < 2:
         return
     budget = sum(c.memory(c.rows)[r] for c in group)
@@ -504,9 +504,12 @@ def _share_rank(r: int, group: list[_Cand], set_rows, reasons: dict[str, str]) -
     spare = budget - used(rows) - sum(len(c.shards[r]) * ps for c, ps in zip(group, per_slot))
     gain = [kk * float(np.interp(n, C, slope)) if n < c.t.rows else -1.0
             for (C, slope), kk, n, c in zip(grids, k, rows, group)]
-    i = int(np.argmax(gain))
-    if spare > 0 and gain[i] > 0:
-        rows[i] = min(group[i].t.rows, rows[i] + int(spare // per_slot[i]))
+    top = max(gain)
+    if spare > 0 and top > 0:
+        # shared equally by the caches whose next row saves the most (identical tables tie)
+        best = [i for i, g in enumerate(gain) if g >= top * (1 - 1e-9)]
+        for i in best:
+            rows[i] = min(group[i].t.rows, rows[i] + int(spare / len(best) // per_slot[i]))
     for c, n in zip(group, rows):
         set_rows(c, max(c.min_rows, n))
         reasons[c.t.name] += f", sized with rank {r}'s other caches"
