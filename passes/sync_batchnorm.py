@@ -19,15 +19,25 @@ nothing. Ensures, with ``mode="sync"`` (``CompileConfig(batchnorm=)``), every ``
 ``2d``/``3d``/``nn.SyncBatchNorm`` module call becomes the four nodes below, the module itself
 still holding the parameters and running statistics (so ``state_dict``, DDP and ``.eval()`` see it
 as before); in eval mode the nodes send nothing and the layer uses its running statistics, as
-eager does. With ``mode="local"`` the graph is left as it is, each layer noted as normalising by
+eager does; and every functional ``F.batch_norm(training=True)`` call becomes the same four nodes
+(below). With ``mode="local"`` the graph is left as it is, each layer noted as normalising by
 its rank's statistics (DDP's behaviour; the plan says so too). The plan's notes give the cost:
 bytes each rank sends per step and the collectives' latency (``CostModel.batchnorm_sync``).
 
 Layers whose training output depends on the whole batch, and what recc does with each:
 - ``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm`` (exactly these classes): handled here.
-- ``F.batch_norm``/``torch.batch_norm`` called in ``forward``, and subclasses of ``_BatchNorm``
-  captured as a call of their own: a warning naming the node — they normalise by each rank's
-  statistics (write the layer as an ``nn.BatchNorm*`` module to have it synchronised).
+- ``F.batch_norm(..., training=True)``/``torch.batch_norm`` called in ``forward`` (as some
+  libraries write BatchNorm): handled here too, on the tensors the call names —
+  ``recc.functional_batchnorm_sums`` (about the running mean when it is a tensor of the model, the
+  same on every rank), the same all-reduce, ``recc.functional_sync_batch_norm`` (the running
+  statistics given updated in place as ATen does: momentum, unbiased variance, no batch counter).
+  Its IR note names the call's file and line (``trace`` records it). ``training=True`` normalises
+  by the batch in eval mode too, as eager does, so such a layer all-reduces then as well.
+  ``training=False`` is per sample: nothing to do. A call whose ``training``/``momentum``/``eps``
+  is not a compile-time constant, or whose input's channels are unknown, is refused naming the line.
+- subclasses of ``_BatchNorm`` captured as a call of their own: a warning naming the node — they
+  normalise by each rank's statistics (write the layer as an ``nn.BatchNorm*`` module to have it
+  synchronised).
 - ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.InstanceNorm*``: per sample, nothing to do.
 - ``nn.Dropout`` with ``p > 0``: per sample, but each rank draws its slice's mask from its own
   RNG stream, so W ranks equal one process in distribution only, not mask for mask: a plan note.
@@ -57,6 +67,7 @@ from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.planner.cost_model import CostModel
 from recc.specs import CommSpec
+from recc.trace import SITE
 
 # Modules whose forward is torch's _BatchNorm.forward (SyncBatchNorm's too, when it is not in a
 # process group of its own): what recc.sync_batch_norm reproduces.
@@ -86,10 +97,29 @@ def batch_statistics_layers(gm: fx.GraphModule) -> tuple[list, list, list]:
             elif isinstance(mod, nn.modules.dropout._DropoutNd) and mod.p > 0:
                 dropouts.append(n)
         elif n.op == "call_function" and n.target in BATCH_NORM_FUNCTIONS:
-            training = n.kwargs.get("training", n.args[5] if len(n.args) > 5 else False)
-            if training is not False:
-                unsynced.append(n)
+            if functional_arguments(n)["training"] is not False:
+                synced.append(n)
     return synced, unsynced, dropouts
+
+
+_F_BATCH_NORM = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_TORCH_BATCH_NORM = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
+                     "cudnn_enabled")
+
+
+def functional_arguments(n: fx.Node) -> dict:
+    """An ``F.batch_norm``/``torch.batch_norm`` call's arguments by ``F.batch_norm``'s names, with
+    its defaults."""
+    names = _F_BATCH_NORM if n.target is F.batch_norm else _TORCH_BATCH_NORM
+    got = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "training": False,
+           "momentum": 0.1, "eps": 1e-5}
+    got.update(zip(names, n.args))
+    got.update(n.kwargs)
+    return got
+
+
+def _site(n: fx.Node) -> str:
+    return n.meta.get(SITE) or f"node {n.name}"
 
 
 def needs_sync_batchnorm(gm: fx.GraphModule) -> bool:
@@ -102,7 +132,11 @@ def needs_sync_batchnorm(gm: fx.GraphModule) -> bool:
 def _describe(gm, n: fx.Node) -> str:
     if n.op == "call_module":
         return f"{n.target} ({type(_module(gm, n)).__name__})"
-    return f"{n.name} ({getattr(n.target, '__name__', n.target)}, training=True)"
+    return f"{n.name} ({_call_name(n)}, training=True)"
+
+
+def _call_name(n: fx.Node) -> str:
+    return "F.batch_norm" if n.target is F.batch_norm else "torch.batch_norm"
 
 
 @register_pass(after=("shard_tables",), from_config={"mode": "batchnorm"})
@@ -125,6 +159,9 @@ def sync_batchnorm(gm: fx.GraphModule, ctx: PassContext, *, mode: str = "sync") 
     model = CostModel(ctx.cluster, ctx.config.batch_size or 8 * world, ctx.config.optimizer)
     layers = []
     for n in synced:
+        if n.op == "call_function":
+            _sync_functional(gm, n, mode, group, model, layers)
+            continue
         bn = _module(gm, n)
         channels = bn.num_features
         layers.append((n.target, channels))
@@ -159,6 +196,56 @@ def sync_batchnorm(gm: fx.GraphModule, ctx: PassContext, *, mode: str = "sync") 
         rename(stats, f"{name}_stats")
     _report(ctx, model, mode, layers, unsynced, dropouts, gm)
     return gm
+
+
+def _sync_functional(gm: fx.GraphModule, n: fx.Node, mode: str, group: tuple, model: CostModel, layers: list) -> None:
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum, eps)``
+    (or ``torch.batch_norm``): the module rewrite's four nodes on the tensors the call names.
+    ``training=True`` normalises by the batch in eval mode too, as eager does; running statistics
+    are shifted about when they are the model's tensors (the same on every rank)."""
+    a = functional_arguments(n)
+    x = a["input"]
+    site = _site(n)
+    for key in ("training", "momentum", "eps"):
+        if isinstance(a[key], fx.Node) or not isinstance(a[key], (bool, int, float)):
+            raise ValueError(f"sync_batchnorm: {site}: {_call_name(n)}'s {key}={a[key]} is not a constant known at "
+                             f"compile time, so recc cannot make its statistics the global batch's; pass a Python "
+                             f"number, or compile with CompileConfig(batchnorm='local') to keep each rank's")
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if val is None or len(val.shape) < 2:
+        raise ValueError(f"sync_batchnorm: {site}: {_call_name(n)} of an input whose channels are unknown cannot be "
+                         f"synchronised; compile with CompileConfig(batchnorm='local') to keep each rank's statistics")
+    channels = int(val.shape[1])
+    layers.append((f"{n.name} ({_call_name(n)} at {site.split(': ')[0]})", channels))
+    if mode == "local":
+        n.meta.setdefault("recc.notes", []).append(
+            "batchnorm=local: normalises by this rank's slice's statistics (DDP's behaviour)")
+        return
+    rm = a["running_mean"]
+    shift = rm if isinstance(rm, fx.Node) and rm.op == "get_attr" else None
+    name = n.name
+    comm = CommSpec(op="batchnorm_stats", group=group, name=f"batchnorm {name}")
+    g = gm.graph
+    with g.inserting_before(n):
+        shifted = {} if shift is None else {"shift": shift}
+        sums = g.call_function(OPS["functional_batchnorm_sums"], (x,), shifted)
+        handle = g.call_function(OPS["batchnorm_stats_start"], (sums,), {"comm": comm})
+        stats = g.call_function(OPS["batchnorm_stats_wait"], (handle,))
+        out = g.call_function(OPS["functional_sync_batch_norm"],
+                              (x, stats, a["running_mean"], a["running_var"], a["weight"], a["bias"]),
+                              {"momentum": float(a["momentum"]), "eps": float(a["eps"]), **shifted})
+    sent, _, _ = model.batchnorm_sync(channels)
+    handle.meta["recc.comm"] = comm
+    handle.meta["recc.notes"] = [f"all-reduce (sum) of {2 * channels + 1} fp32 forward, {2 * channels} "
+                                 f"backward: {sent:.0f} B sent per rank per step"]
+    out.meta.update({k: v for k, v in n.meta.items() if k not in ("recc.pass",)})
+    out.meta.setdefault("recc.notes", []).append(f"{_call_name(n)} at {site.split(': ')[0]}: global batch statistics")
+    n.replace_all_uses_with(out)
+    g.erase_node(n)
+    rename(out, name)
+    rename(sums, f"{name}_sums")
+    rename(handle, f"{name}_h")
+    rename(stats, f"{name}_stats")
 
 
 def _report(ctx: PassContext, model: CostModel, mode: str, layers, unsynced, dropouts, gm) -> None:

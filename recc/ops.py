@@ -1020,3 +1020,65 @@ def sync_batch_norm(bn, x, stats):
             bn.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
             bn.running_var.mul_(1 - factor).add_(var.detach() * (nf / (nf - 1)), alpha=factor)
     return y.to(x.dtype)
+
+
+# ``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum, eps)`` called
+# in ``forward``: the same statistics from the tensors the call names (no module to read them from).
+
+def _functional_batchnorm_sums_meta(x, *, shift=None):
+    return _meta_like((2 * x.shape[1] + 1,))
+
+
+@define_op("functional_batchnorm_sums", meta=_functional_batchnorm_sums_meta)
+def functional_batchnorm_sums(x, *, shift=None):
+    """recc.functional_batchnorm_sums(x: [N, C, *], shift=running_mean | None) -> f32[2C+1]
+
+    ``recc.batchnorm_sums`` of an ``F.batch_norm(training=True)`` call: per channel ``sum(x - s)``,
+    ``sum((x - s)^2)``, then the count, with ``s`` the call's running mean when it is a tensor of
+    the model (the same on every rank), else 0. Such a call normalises by the batch in eval mode
+    too, so the sums are never empty."""
+    dims = [0] + list(range(2, x.dim()))
+    xs = x.float()
+    if shift is not None:
+        xs = xs - shift.detach().float().view([1, -1] + [1] * (x.dim() - 2))
+    count = x.numel() // x.shape[1]
+    return torch.cat([xs.sum(dims), (xs * xs).sum(dims), xs.new_full((1,), float(count))])
+
+
+def _functional_sync_batch_norm_meta(x, stats, running_mean, running_var, weight, bias, *, momentum, eps,
+                                     shift=None):
+    return _meta_like(tuple(x.shape), x.dtype)
+
+
+@define_op("functional_sync_batch_norm", meta=_functional_sync_batch_norm_meta)
+def functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias, *, momentum, eps, shift=None):
+    """recc.functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias, momentum=, eps=,
+    shift=) -> [N, C, *]
+
+    ``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum, eps)`` with
+    the batch statistics in ``stats`` (every rank's ``recc.functional_batchnorm_sums`` added):
+    mean ``s + S1/n``, biased variance ``S2/n - (S1/n)^2`` normalise ``x``; the running statistics
+    given update in place as ATen's does (``(1 - momentum) * r + momentum * stat``, the variance
+    unbiased ``* n/(n-1)``; no batch counter), with ``n`` the global count — the same on every rank."""
+    c = x.shape[1]
+    n = stats[2 * c]
+    if float(n.detach()) <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{[int(n)] + list(x.shape[1:])} (the global batch)")
+    shifted_mean = stats[:c] / n
+    var = (stats[c:2 * c] / n - shifted_mean * shifted_mean).clamp_min(0.0)
+    mean = shifted_mean if shift is None else shifted_mean + shift.detach().float()
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight
+    y = (x.float() - mean.view(shape)) * scale.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    with torch.no_grad():
+        nf = float(n.detach())
+        if running_mean is not None:
+            running_mean.mul_(1 - momentum).add_(mean.detach().to(running_mean.dtype), alpha=momentum)
+        if running_var is not None:
+            running_var.mul_(1 - momentum).add_((var.detach() * (nf / (nf - 1))).to(running_var.dtype), alpha=momentum)
+    return y.to(x.dtype)

@@ -261,6 +261,8 @@ class _CaptureTracer(fx.Tracer):
             p.node.meta[AUTOCAST] = autocast
             if is_matrix_product(self.root, p.node):   # the line an error about it names
                 p.node.meta[AUTOCAST_SITE] = _user_site()
+        if kind == "call_function" and target in BATCH_NORM_FUNCTIONS:
+            p.node.meta[SITE] = _user_site()   # the line sync_batchnorm names about it
         if kind != "output":
             self.value(p.node)
         return p
@@ -520,6 +522,8 @@ def _recording_factories(tracer: "_CaptureTracer"):
 
 AUTOCAST = "recc.autocast"            # node.meta: {device type: dtype} of the autocast it was traced under
 AUTOCAST_SITE = "recc.autocast_site"  # node.meta: the user's line that recorded it
+SITE = "recc.site"                    # node.meta: the user's line of a functional batch norm
+BATCH_NORM_FUNCTIONS = (torch.nn.functional.batch_norm, torch.batch_norm)
 
 
 def autocast_of(gm: fx.GraphModule, device_type: str) -> tuple[dict, list]:

@@ -73,3 +73,5 @@ for _device in ("cpu", "cuda"):
     register_impl("batchnorm_stats_wait", _device)(batchnorm_stats_wait_impl)
     register_impl("batchnorm_sums", _device)(OPS["batchnorm_sums"].reference)
     register_impl("sync_batch_norm", _device)(OPS["sync_batch_norm"].reference)
+    register_impl("functional_batchnorm_sums", _device)(OPS["functional_batchnorm_sums"].reference)
+    register_impl("functional_sync_batch_norm", _device)(OPS["functional_sync_batch_norm"].reference)

@@ -3,7 +3,10 @@
 The models are written as CTR libraries write them (DeepCTR / pytorch-fm): MLP blocks of
 ``nn.Sequential(Linear, BatchNorm1d, ReLU, Dropout(0))``, one BatchNorm with ``momentum=None``
 (the cumulative average), and a ``BatchNorm1d`` over the stacked field embeddings ``[B, F, D]``
-(channels = fields), so the gradient of the batch statistics reaches the embedding tables.
+(channels = fields), so the gradient of the batch statistics reaches the embedding tables; and
+the head's input normalised by a functional ``F.batch_norm(..., training=True)`` on the model's
+own parameters and buffers, as some libraries write BatchNorm (it normalises by the batch in eval
+mode too, as eager does).
 """
 from __future__ import annotations
 
@@ -43,12 +46,18 @@ class BNCTR(nn.Module):
         self.bottom = dnn([13, 8], momentum=None)
         self.top = dnn([8 + len(ROWS) * DIM, 16, 8])
         self.head = nn.Linear(8, 1)
+        self.head_w = nn.Parameter(torch.empty(8).uniform_(0.5, 1.5))
+        self.head_b = nn.Parameter(torch.empty(8).uniform_(-0.2, 0.2))
+        self.register_buffer("head_mean", torch.empty(8).uniform_(-0.5, 0.5))
+        self.register_buffer("head_var", torch.empty(8).uniform_(0.5, 1.5))
 
     def forward(self, dense_x, lS_o, lS_i):
         fields = torch.stack([e(i, o) for e, i, o in zip(self.emb, lS_i, lS_o)], dim=1)   # [B, F, D]
         fields = self.field_bn(fields)
         x = torch.cat([self.bottom(dense_x), fields.flatten(1)], dim=1)
-        return torch.sigmoid(self.head(self.top(x)))
+        h = F.batch_norm(self.top(x), self.head_mean, self.head_var, self.head_w, self.head_b, training=True,
+                         momentum=0.3, eps=1e-4)
+        return torch.sigmoid(self.head(h))
 
 
 def make_model() -> nn.Module:
@@ -122,7 +131,8 @@ def eager_per_rank(world: int) -> tuple[list[dict], list]:
     """What DDP computes (``broadcast_buffers=False``, as recc's DDP runs): ``world`` replicas,
     each normalising its own slice by its own statistics, their gradients averaged (tables'
     too: each replica's mean loss, the sum of the sparse gradients divided by ``world``), the
-    same update on every replica. Returns each replica's state_dict and the outputs per step."""
+    same update on every replica; then each replica's eval forward on its slice, as ``run_bn_job``
+    ends. Returns each replica's state_dict and the outputs per step."""
     base = make_model()
     replicas = [copy.deepcopy(base) for _ in range(world)]
     outs = []
@@ -141,4 +151,9 @@ def eager_per_rank(world: int) -> tuple[list[dict], list]:
                 for p in group:
                     p -= LR * g
                     p.grad = None
+    for r, m in enumerate(replicas):   # the eval forward run_bn_job ends with (F.batch_norm(training=True) updates)
+        m.eval()
+        with torch.no_grad():
+            dense_x, lS_o, lS_i, _ = slice_batch(data().batch(STEPS), r, world)
+            m(dense_x, lS_o, lS_i)
     return [m.state_dict() for m in replicas], outs

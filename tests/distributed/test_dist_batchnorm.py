@@ -57,17 +57,21 @@ def test_batchnorm_statistics_are_the_global_batchs(bn_worlds, eager, world, kin
     for rank, r in enumerate(results):
         assert_same_state(r["state"], want_state, atol=1e-5, rtol=1e-5)
         assert int(r["state"]["field_bn.num_batches_tracked"]) == STEPS
+        assert {"head_mean", "head_var", "head_w", "head_b"} <= set(r["state"])   # F.batch_norm's, compared too
     torch.testing.assert_close(torch.cat([r["eval"] for r in results]), want_eval, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_batchnorm_collectives_are_counted(bn_worlds, world):
     """Each synced layer all-reduces its sums forward and their gradient backward, every
-    training step, and nothing in eval mode: the bytes in the comm report are the ring's
-    ``2 (W-1)/W`` of ``(2C+1)`` and ``2C`` fp32 per step (the eval forward adds none)."""
+    training step, and nothing in eval mode (but the functional one, which eager too normalises by
+    the batch there): the bytes in the comm report are the ring's ``2 (W-1)/W`` of ``(2C+1)``
+    and ``2C`` fp32 per step."""
     comm = _results(bn_worlds, world, "sync/table_wise")[0]["comm"]
-    for layer, c in (("field_bn", 3), ("bottom.1", 8), ("top.1", 16), ("top.5", 8)):
-        assert comm[f"batchnorm {layer} fwd"] == pytest.approx(2 * (world - 1) * (2 * c + 1) * 4 // world)
+    for layer, c in (("field_bn", 3), ("bottom.1", 8), ("top.1", 16), ("top.5", 8), ("batch_norm", 8)):
+        # F.batch_norm(training=True) normalises by the batch in eval mode too: its eval forward adds one more
+        forwards = (STEPS + 1) / STEPS if layer == "batch_norm" else 1
+        assert comm[f"batchnorm {layer} fwd"] == pytest.approx(2 * (world - 1) * (2 * c + 1) * 4 // world * forwards)
         assert comm[f"batchnorm {layer} bwd"] == pytest.approx(2 * (world - 1) * 2 * c * 4 // world)
     assert not any(k.startswith("batchnorm") for k in _results(bn_worlds, world, "local")[0]["comm"])
 

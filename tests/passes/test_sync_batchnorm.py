@@ -139,20 +139,54 @@ def test_bad_mode_is_refused():
         recc.CompileConfig(batchnorm="global")
 
 
-def test_functional_batch_norm_and_dropout_are_named():
-    """F.batch_norm(training=True) is not synchronised: a warning names it, and the plan lists
-    it; dropout with p > 0 is noted (each rank's RNG draws its slice's masks)."""
-    with pytest.warns(UserWarning, match=r"batch_norm \(batch_norm, training=True\) normalises by batch statistics "
-                                         r"that recc does not synchronise"):
-        program = compile_ctr(2, model=CTR(functional=True, dropout=0.5))
-    line = next(l for l in program.stages["sync_batchnorm"].text.splitlines() if l.startswith("batch_norm "))
-    assert line.endswith("# batch statistics of this rank's slice: not synchronised")
-    notes = "\n".join(program.plan.notes)
-    assert "batch statistics NOT synchronised (each rank's slice's): batch_norm" in notes
-    assert "dropout (mlp.3): each rank draws its slice's masks from its own RNG stream" in notes
+EXPECTED_FUNCTIONAL = """\
+batch_norm_sums : f32[17]      = recc.functional_batchnorm_sums(mlp_1, shift=rm)  # @sync_batchnorm
+batch_norm_h : handle       = recc.batchnorm_stats_start(batch_norm_sums, comm=batchnorm_stats)  # comm batchnorm_stats over [0, 1]; all-reduce (sum) of 17 fp32 forward, 16 backward: 132 B sent per rank per step; @sync_batchnorm
+batch_norm_stats : f32[17]      = recc.batchnorm_stats_wait(batch_norm_h)  # @sync_batchnorm
+batch_norm : f32[4,8]     = recc.functional_sync_batch_norm(mlp_1, batch_norm_stats, rm, rv, None, None, momentum=0.1, eps=1e-05, shift=rm)  # F.batch_norm at {file}:{line}: global batch statistics; @sync_batchnorm"""
+
+
+def test_functional_batch_norm_is_synchronised_and_dropout_named():
+    """F.batch_norm(training=True) in forward gets the module's four nodes on the tensors it names
+    (the IR names the call's line), is in the plan's cost; dropout with p > 0 is noted (each
+    rank's RNG draws its slice's masks). Nothing is warned about."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compile_ctr(2)   # the modules alone: nothing to warn about
+        program = compile_ctr(2, model=CTR(functional=True, dropout=0.5))
+    import inspect
+    line = next(i for i, l in enumerate(inspect.getsource(CTR).splitlines()) if "F.batch_norm(" in l)
+    site = (__file__, inspect.getsourcelines(CTR)[1] + line)
+    text = program.stages["sync_batchnorm"].text
+    assert _excerpt(text, "batch_norm_sums ", "batch_norm ") == EXPECTED_FUNCTIONAL.format(file=site[0], line=site[1])
+    assert "torch.nn.functional.batch_norm" not in program.stages["lower"].text
+    notes = "\n".join(program.plan.notes)
+    assert "batchnorm=sync: 2 BatchNorm layer(s) (mlp.1 C=8, batch_norm (F.batch_norm at " in notes
+    assert "NOT synchronised" not in notes
+    assert "dropout (mlp.3): each rank draws its slice's masks from its own RNG stream" in notes
+    local = compile_ctr(2, model=CTR(functional=True), batchnorm="local")
+    line = next(l for l in local.stages["sync_batchnorm"].text.splitlines() if l.startswith("batch_norm "))
+    assert line.endswith("# batchnorm=local: normalises by this rank's slice's statistics (DDP's behaviour)")
+
+
+class TorchBatchNorm(nn.Module):
+    """``torch.batch_norm``'s own argument order (weight and bias first), no running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+        self.lin = nn.Linear(7, 8)
+        self.w = nn.Parameter(torch.rand(8) + 0.5)
+        self.b = nn.Parameter(torch.rand(8))
+
+    def forward(self, x, off, ids):
+        h = self.lin(torch.cat([x, self.emb(ids, off)], 1))
+        return torch.batch_norm(h, self.w, self.b, None, None, True, 0.2, 1e-3, False).sum(1)
+
+
+def test_torch_batch_norm_arguments_are_read_in_its_order():
+    line = next(l for l in compile_ctr(2, model=TorchBatchNorm()).stages["sync_batchnorm"].text.splitlines()
+                if l.startswith("batch_norm "))
+    assert "recc.functional_sync_batch_norm(lin, batch_norm_stats, None, None, w, b, momentum=0.2, eps=0.001)" in line
 
 
 # ----------------------------------------------------------------------------- the ops' math
@@ -207,3 +241,39 @@ def test_ops_equal_torch_batchnorm(make, shape):
 def test_a_global_batch_of_one_is_refused_as_eager_refuses_it():
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         _one_rank(nn.BatchNorm1d(3), torch.randn(1, 3))
+
+
+def _one_rank_functional(x, rm, rv, w, b, momentum, eps, shift):
+    sums = OPS["functional_batchnorm_sums"](x, shift=shift)
+    comm = CommSpec(op="batchnorm_stats", group=(0,))
+    stats = OPS["batchnorm_stats_wait"](OPS["batchnorm_stats_start"](sums, comm=comm))
+    return OPS["functional_sync_batch_norm"](x, stats, rm, rv, w, b, momentum=momentum, eps=eps, shift=shift)
+
+
+@pytest.mark.parametrize("shape, stats, affine, shift", [
+    ((6, 5), True, True, True), ((6, 5, 3), True, False, False), ((4, 3, 2, 5), False, True, False),
+])
+def test_functional_ops_equal_f_batch_norm(shape, stats, affine, shift):
+    """Outputs, input and affine gradients and the running statistics after three steps, as
+    F.batch_norm(training=True) computes them (shifted by the running mean or not)."""
+    torch.manual_seed(2)
+    c = shape[1]
+    rm, rv = (torch.rand(c) - 0.5, torch.rand(c) + 0.5) if stats else (None, None)
+    w, b = (torch.rand(c) + 0.5, torch.rand(c) - 0.5) if affine else (None, None)
+    ref = [t.clone().requires_grad_(t is w or t is b) if t is not None else None for t in (rm, rv, w, b)]
+    ours = [t.clone().requires_grad_(t is w or t is b) if t is not None else None for t in (rm, rv, w, b)]
+    for step in range(3):
+        x = (torch.randn(shape) * 3 + 2).requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        g = torch.randn(shape)
+        want = F.batch_norm(x, *ref, training=True, momentum=0.3, eps=1e-4)
+        got = _one_rank_functional(x2, *ours, 0.3, 1e-4, ours[0] if shift else None)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        want.backward(g)
+        got.backward(g)
+        torch.testing.assert_close(x2.grad, x.grad, atol=1e-5, rtol=1e-5)
+        for p, q in zip(ref, ours):
+            if p is not None:
+                torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5)
+                if p.requires_grad:
+                    torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-5)
