@@ -76,6 +76,8 @@ def _fusable(gm: fx.GraphModule, lookup: fx.Node) -> bool:
         return False  # a table split into blocks on this rank keeps the generic lookup
     if psw is not None or any(o is not None for o in offsets) or group.pooling != "sum" or group.weighted:
         return False
+    if sparse.kwargs.get("stack"):
+        return False  # a stacked feature's rows are split per lookup by recc.split_bags, not gathered apart
     if any(t.pooling != "none" for t in group.tables) or tuple(sparse.kwargs["tables"]) != group.feature_names:
         return False
     shapes = [i.meta.get("val") for i in ids]

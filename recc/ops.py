@@ -311,11 +311,54 @@ def pad_table_bags(indices, offsets):
                   for f, o in zip(flat, offs)]
 
 
-def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
+def stack_table_bags(indices, offsets, per_sample_weights, stack, tables, rows):
+    """Per kernel feature, one table's lookups with their bags one after another: ``stack[k]``
+    consecutive inputs (ids with start offsets, or ``[B, L]``/``[N, 1]`` ids without) become one
+    1-D ids tensor and its start offsets (and per-sample weights, when given). A table looked up
+    with different bag counts (a bag per sample, a ``[B, L]`` gather) is then one feature of
+    ``sum B_f`` bags: no padding, and each lookup's rows are its own block (``recc.split_bags``).
+    Each lookup's ids and offsets are checked on their own first (``tables``/``rows``: per
+    feature): once stacked, an offset past its lookup's ids would read the next lookup's."""
+    if sum(stack) != len(indices) or len(offsets) != len(indices) or len(stack) != len(tables):
+        raise ValueError(f"pack_sparse: stack={tuple(stack)} takes {sum(stack)} lookups of {len(stack)} features, got "
+                         f"{len(indices)} index and {len(offsets)} offset tensors for tables {tuple(tables)}")
+    flat, offs, psw, i = [], [], [] if per_sample_weights is not None else None, 0
+    for k, n in enumerate(stack):
+        ids_k, off_k, base = [], [], 0
+        for j in range(i, i + n):
+            ids, off = indices[j], offsets[j]
+            check_bags(tables[k], ids, off, rows[k], None if psw is None else per_sample_weights[j])
+            f, o = bag_offsets(ids, off)
+            ids_k.append(f)
+            off_k.append(o[:-1].to(torch.int64) + base)
+            base += f.numel()
+        flat.append(torch.cat(ids_k) if n > 1 else ids_k[0])
+        offs.append(torch.cat(off_k) if n > 1 else off_k[0])
+        if psw is not None:
+            psw.append(torch.cat([w.reshape(-1) for w in per_sample_weights[i:i + n]]))
+        i += n
+    return flat, offs, psw
+
+
+def stacked_names(tables, stack) -> tuple:
+    """Each input's table name when ``stack[k]`` inputs make feature k (``tables``: per feature)."""
+    if stack is None:
+        return tuple(tables)
+    return tuple(name for name, n in zip(tables, stack) for _ in range(n))
+
+
+def _pack_sparse_meta(indices, offsets, per_sample_weights, *, tables, rows, pad=False, stack=None):
     if pad:
         b = max(_batch_of(i, o) for i, o in zip(indices, offsets))
         return SparseBatch(tuple(tables), _meta_like((sum(i.numel() for i in indices),), torch.int64),
                            _meta_like((len(tables) * b + 1,), torch.int64), None, b)
+    if stack is not None:
+        # A stacked feature's bags: its lookups' bags, one after another.
+        b = sum(_batch_of(i, o) for i, o in zip(indices[:stack[0]], offsets[:stack[0]]))
+        n = sum(i.numel() for i in indices)
+        psw = None if per_sample_weights is None else _meta_like((n,))
+        return SparseBatch(tuple(tables), _meta_like((n,), torch.int64),
+                           _meta_like((len(tables) * b + 1,), torch.int64), psw, b)
     b = _batch_of(indices[0], offsets[0])
     n = sum(i.numel() for i in indices)
     psw = None if per_sample_weights is None else _meta_like((n,))
@@ -328,8 +371,8 @@ def _batch_of(indices, offsets) -> int:
 
 
 @define_op("pack_sparse", meta=_pack_sparse_meta)
-def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
-    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=, pad=False) -> kjt
+def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pad=False, stack=None):
+    """recc.pack_sparse([ids_t...], [offsets_t...], [psw_t...] | None, tables=, rows=, pad=False, stack=None) -> kjt
 
     Packs the per-table inputs of one table group into a ``SparseBatch`` (FBGEMM layout: ids
     table-major, offsets of length T*B+1). Validates every table's ids and offsets first, so a
@@ -337,12 +380,18 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pad=False
     work is a fixed handful of tensor ops whatever the number of tables: a model with 26
     one-id tables must not pay 26 times the per-op overhead. ``pad``: the tables' bag counts may
     differ (jagged gathers); each is padded with empty bags to the largest
-    (``pad_table_bags``).
+    (``pad_table_bags``). ``stack``: one count per feature (``tables``/``rows`` are then per
+    feature too): feature k is the next ``stack[k]`` inputs, lookups of one table whose bag counts
+    differ, their bags one after another (``stack_table_bags``); every feature's bag total must
+    be the same.
     """
     tables = tuple(tables)
-    check_id_dtypes(tables, indices, offsets)
+    check_id_dtypes(stacked_names(tables, stack), indices, offsets)
     if pad:
         indices, offsets = pad_table_bags(indices, offsets)
+    if stack is not None:
+        indices, offsets, per_sample_weights = stack_table_bags(indices, offsets, per_sample_weights, stack, tables,
+                                                                rows)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
     _check_packed(tables, rows, ids, off, counts)
     return packed_batch(tables, ids, off, counts, psw, batch)
@@ -649,6 +698,27 @@ def own_bags(rows, indices, offsets):
     """
     b = _batch_of(indices, offsets)
     return rows if rows.shape[0] == b else rows[:b]
+
+
+def bag_counts(indices, offsets) -> list[int]:
+    """Each lookup's bag count: its offsets' length, or its ids' first dim (``[B, L]``, ``[N, 1]``)."""
+    return [_batch_of(i, o) for i, o in zip(indices, offsets)]
+
+
+def _split_bags_meta(x, indices, offsets):
+    return tuple(_meta_like((n, x.shape[1]), x.dtype) for n in bag_counts(indices, offsets))
+
+
+@define_op("split_bags", meta=_split_bags_meta)
+def split_bags(x, indices, offsets):
+    """recc.split_bags(x: f32[sum B_f, D], [ids_f...], [offsets_f...]) -> tuple of x's row blocks
+
+    A stacked feature's rows (``pack_sparse(stack=)``: one table's lookups with different bag
+    counts, their bags one after another) given back to its lookups: block f is lookup f's B_f
+    bags (``offsets_f``' length, or ids_f's first dim without offsets), in order. Views; the
+    gradient of x is the blocks' gradients one after another (zeros for a block not used).
+    """
+    return torch.split(x, bag_counts(indices, offsets), dim=0)
 
 
 def _split_cols_meta(x, sizes):

@@ -7,10 +7,12 @@ weights are never read twice and no sparse gradient tensor is built.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from recc.ops import (SlotBatch, SparseBatch, check_id_dtypes, get_op, pad_table_bags, pooled_dtype, register_impl,
-                      use_references)
+from recc.ops import (SlotBatch, SparseBatch, bag_counts, check_id_dtypes, get_op, pad_table_bags, pooled_dtype,
+                      register_impl, stacked_names, use_references)
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch, same_batches
 from recc.runtime.loss_scale import update_scale
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
@@ -19,16 +21,28 @@ from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gat
 
 
 @register_impl("pack_sparse", "cpu")
-def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
+def pack_sparse_cpu(indices, offsets, per_sample_weights, *, tables, rows, pad=False, stack=None):
     """1-D ids with start offsets (or [B, L] ids) and no per-sample weights: packed and checked
     in one C pass. Everything else, and a batch the C checks reject, goes through the reference,
-    which packs it or raises naming the table and the bag or id at fault."""
-    check_id_dtypes(tables, indices, offsets)   # eager's rule, before padding adds offsets
+    which packs it or raises naming the table and the bag or id at fault. A stacked group
+    (``stack=``) is the same pass over its lookups: each lookup's bags written after the previous
+    one's is exactly a stacked feature's layout."""
+    check_id_dtypes(stacked_names(tables, stack), indices, offsets)   # eager's rule, before padding adds offsets
     if pad:
         indices, offsets = pad_table_bags(indices, offsets)
-    packed = pack_bags(indices, offsets, rows) if per_sample_weights is None else None
+    packed = None
+    if per_sample_weights is None:
+        if stack is None:
+            packed = pack_bags(indices, offsets, rows)
+        elif len(indices) == sum(stack) and len(stack) == len(tables):
+            bags = bag_counts(indices, offsets)
+            totals = {sum(bags[i - n:i]) for i, n in zip(itertools.accumulate(stack), stack)}
+            if len(totals) == 1:   # else the reference names the feature whose total differs
+                packed = pack_bags(indices, offsets, [r for r, n in zip(rows, stack) for _ in range(n)],
+                                   same_count=False)
     if packed is None:
-        return get_op("pack_sparse").reference(indices, offsets, per_sample_weights, tables=tables, rows=rows)
+        return get_op("pack_sparse").reference(indices, offsets, per_sample_weights, tables=tables, rows=rows,
+                                               stack=stack)
     ids, combined = packed
     return SparseBatch(tuple(tables), ids, combined, None, (combined.numel() - 1) // len(tables))
 

@@ -15,7 +15,8 @@ import torch
 from recc.kernels import cuda as cuda_kernels
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.runtime.cpu_backend import check_max_unchanged
-from recc.ops import OPS, SlotBatch, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl, use_references
+from recc.ops import (OPS, SlotBatch, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl,
+                      stack_table_bags, stacked_names, use_references)
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch, same_batches
 from recc.runtime.loss_scale import update_scale
 
@@ -146,15 +147,19 @@ def tbe_lookup_cuda(group, sparse, *, dtype="fp32"):
 
 
 @register_impl("pack_sparse", "cuda")
-def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=False):
+def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=False, stack=None):
     """``recc.pack_sparse`` on the device: the reference's packing, validated with one sync.
 
     A bad batch is re-validated by the CPU reference on host copies, which raises the same
-    error (table and position) the CPU backend would."""
+    error (table and position) the CPU backend would. A stacked group (``stack=``) is stacked by
+    the reference's ``stack_table_bags`` first (which checks each lookup on its own)."""
     tables = tuple(tables)
-    check_id_dtypes(tables, indices, offsets)   # eager's rule, before padding adds offsets
+    check_id_dtypes(stacked_names(tables, stack), indices, offsets)   # eager's rule, before padding adds offsets
     if pad:
         indices, offsets = pad_table_bags(indices, offsets)
+    if stack is not None:
+        indices, offsets, per_sample_weights = stack_table_bags(indices, offsets, per_sample_weights, stack, tables,
+                                                                rows)
     ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
     dev, n = ids.device, ids.numel()
     bad = torch.zeros((), dtype=torch.bool, device=dev)

@@ -2,8 +2,10 @@
  * The sparse inputs' bookkeeping before a table-batched lookup, one pass each (plain C, no
  * torch headers; sparse.py loads it with ctypes):
  *  - recc_pack_bags: T tables' ids (each int64 or int32) and per-table start offsets
- *    (nn.EmbeddingBag's [B] convention) -> one int64 id array, tables back to back, and the
- *    feature-major offsets [T*B+1], checking each table's offsets and ids on the way.
+ *    (nn.EmbeddingBag's [B_t] convention) -> one int64 id array, tables back to back, and the
+ *    feature-major offsets [sum B_t + 1] (T*B+1 when every B_t is B), checking each table's
+ *    offsets and ids on the way. Tables of different bag counts are what a stacked kernel
+ *    feature is made of: one table's lookups, their bags one after another.
  *  - recc_linearize: local ids (int64 or int32) -> rows of the group's concatenated weight,
  *    id + hash_size_cumsum[t] for the ids of table t.
  *  - recc_input_dist_pack / recc_input_dist_unpack: the input dist's int32 payload built from
@@ -14,19 +16,19 @@
 /* Returns 0, or 1 + t for the first table whose offsets (not starting at 0, decreasing, past
  * the table's ids) or ids (outside [0, rows[t])) are bad; the output is then incomplete and
  * the caller diagnoses the table. */
-int recc_pack_bags(int64_t T, int64_t B, const void* const* ids, const int32_t* ids_is32,
+int recc_pack_bags(int64_t T, const int64_t* B, const void* const* ids, const int32_t* ids_is32,
                    const int64_t* n_ids, const int64_t* const* offsets, const int64_t* rows,
                    int64_t* ids_out, int64_t* off_out) {
-    int64_t base = 0;
+    int64_t base = 0, pos = 0;
     for (int64_t t = 0; t < T; ++t) {
-        const int64_t n = n_ids[t];
+        const int64_t n = n_ids[t], bags = B[t];
         const int64_t* restrict o = offsets[t];
-        if (B > 0 && o[0] != 0) return (int)(1 + t);
+        if (bags > 0 && o[0] != 0) return (int)(1 + t);
         int bad = 0;
-        for (int64_t b = 0; b < B; ++b) {
-            const int64_t next = b + 1 < B ? o[b + 1] : n;
+        for (int64_t b = 0; b < bags; ++b) {
+            const int64_t next = b + 1 < bags ? o[b + 1] : n;
             bad |= o[b] > next;
-            off_out[t * B + b] = base + o[b];
+            off_out[pos + b] = base + o[b];
         }
         if (bad) return (int)(1 + t);
         const uint64_t limit = (uint64_t)rows[t];
@@ -49,8 +51,9 @@ int recc_pack_bags(int64_t T, int64_t B, const void* const* ids, const int32_t* 
         }
         if (out_of_range) return (int)(1 + t);
         base += n;
+        pos += bags;
     }
-    off_out[T * B] = base;
+    off_out[pos] = base;
     return 0;
 }
 

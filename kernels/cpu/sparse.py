@@ -21,7 +21,7 @@ from . import native
 def _declare(lib) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.recc_pack_bags.restype = ctypes.c_int
-    lib.recc_pack_bags.argtypes = [i64, i64, p, p, p, p, p, p, p]
+    lib.recc_pack_bags.argtypes = [i64, p, p, p, p, p, p, p, p]
     lib.recc_linearize.restype = ctypes.c_int
     lib.recc_linearize.argtypes = [p, i32, p, i64, i64, p, i64, p]
     lib.recc_input_dist_pack.restype = None
@@ -34,13 +34,15 @@ _KERNELS = native.KernelLibrary(Path(__file__).with_name("sparse.c"), _declare, 
 _ID_DTYPES = (torch.int64, torch.int32)
 
 
-def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def pack_bags(indices, offsets, rows, *, same_count: bool = True) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """``(ids [N] int64, offsets [T*B+1] int64)`` of per-table CPU ids (int64/int32) and start
     offsets (int64 ``[B]``, the same B > 0 for every table; ``[B, L]`` ids come without offsets:
     B bags of L, as ``nn.EmbeddingBag`` takes them and gathers arrive), checked like the
     reference: offsets start at 0, never decrease, stay within the table's ids; ids in
     ``[0, rows[t])``. None when the inputs are outside that case or fail a check (the caller's
-    reference then packs them or raises naming what is wrong)."""
+    reference then packs them or raises naming what is wrong). ``same_count=False`` lets the
+    tables' bag counts B_t differ (each > 0): the offsets are then ``[sum B_t + 1]``, every
+    table's bags after the previous table's (a stacked feature's lookups, ``pack_sparse(stack=)``)."""
     t = len(indices)
     if t == 0 or len(offsets) != t or len(rows) != t:
         return None
@@ -58,21 +60,21 @@ def pack_bags(indices, offsets, rows) -> Optional[tuple[torch.Tensor, torch.Tens
                 and ids.device.type == off.device.type == "cpu"):
             return None
         b = off.numel() if b is None else b
-        if off.numel() != b:
+        if not off.numel() or same_count and off.numel() != b:
             return None
         flat.append(ids.reshape(-1).contiguous())
         offs.append(off.contiguous())
-    if not b:
-        return None
+    bags = [o.numel() for o in offs]
     counts = [f.numel() for f in flat]
     ids_out = torch.empty(sum(counts), dtype=torch.int64)
-    off_out = torch.empty(t * b + 1, dtype=torch.int64)
+    off_out = torch.empty(sum(bags) + 1, dtype=torch.int64)
     ptrs = (ctypes.c_void_p * t)(*[f.data_ptr() for f in flat])
     is32 = (ctypes.c_int32 * t)(*[int(f.dtype == torch.int32) for f in flat])
     n_ids = (ctypes.c_int64 * t)(*counts)
     off_ptrs = (ctypes.c_void_p * t)(*[o.data_ptr() for o in offs])
     limits = (ctypes.c_int64 * t)(*[int(r) for r in rows])
-    rc = lib.recc_pack_bags(t, b, ptrs, is32, n_ids, off_ptrs, limits, ids_out.data_ptr(), off_out.data_ptr())
+    n_bags = (ctypes.c_int64 * t)(*bags)
+    rc = lib.recc_pack_bags(t, n_bags, ptrs, is32, n_ids, off_ptrs, limits, ids_out.data_ptr(), off_out.data_ptr())
     return (ids_out, off_out) if rc == 0 else None
 
 

@@ -571,8 +571,14 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
 
     /* 1. First-seen slots for the unit's rows; count each slot's ids. */
     int64_t n = 0, U = 0;
-    for (int64_t j = u->bag_lo; j < u->bag_hi; ++j) {
-        const int64_t t = j / B, b = j - t * B;
+    /* Bag j = t*B + b, advanced without a 64-bit division per bag (for one-id bags of a small
+     * dim that division was a large share of the pass). */
+    int64_t t = u->bag_lo / B, b = u->bag_lo - (u->bag_lo / B) * B;
+    for (int64_t j = u->bag_lo; j < u->bag_hi; ++j, ++b) {
+        if (b == B) {
+            b = 0;
+            ++t;
+        }
         const int32_t go_row = (int32_t)(b * T + t);
         const int64_t lo = offsets[j], hi = offsets[j + 1];
         const float inv_len = (mean && hi > lo) ? gs / (float)(hi - lo) : gs;
@@ -724,6 +730,9 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
     static void process_unit_##DV(const bwd_t* c, const unit_t* u, workspace_t* ws) { \
         process_unit(c, u, ws, DV);                                                    \
     }
+/* 4 and 8: the zoo's and many small models' dims; a constant D makes each row one vector op. */
+UNIT_FN(4)
+UNIT_FN(8)
 UNIT_FN(16)
 UNIT_FN(32)
 UNIT_FN(64)
@@ -819,12 +828,21 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
     int bad = 0;
     interval_t* sorted = malloc((size_t)(S > 0 ? S : 1) * sizeof(interval_t));
     unit_t* units = NULL;
+    interval_t* seg_iv = NULL;
     int rc = RC_OK;
     if (!sorted) {
         rc = RC_NO_MEMORY;
         goto done;
     }
     int64_t n_nonempty = 0;
+    /* Each segment's row interval (lo > hi: no ids), and the whole batch's: they bound how many
+     * parts a unit can usefully be split into (below). */
+    seg_iv = malloc((size_t)(S > 0 ? S : 1) * sizeof(interval_t));
+    interval_t all_iv = {INT64_MAX, INT64_MIN};
+    if (!seg_iv) {
+        rc = RC_NO_MEMORY;
+        goto done;
+    }
     for (int64_t t = 0; t < S; ++t) {
         int64_t mn = INT64_MAX, mx = INT64_MIN;
         for (int k = 0; k < team; ++k) {
@@ -835,6 +853,10 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
             if (iv[k * S + t].lo < mn) mn = iv[k * S + t].lo;
             if (iv[k * S + t].hi > mx) mx = iv[k * S + t].hi;
         }
+        seg_iv[t].lo = mn;
+        seg_iv[t].hi = mx;
+        if (mn < all_iv.lo) all_iv.lo = mn;
+        if (mx > all_iv.hi) all_iv.hi = mx;
         if (mn <= mx) {
             if (mn < 0 || mx >= R) bad = 1;
             sorted[n_nonempty].lo = mn;
@@ -865,7 +887,14 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
         if (count == 0) continue;
         int64_t parts = (count + target - 1) / target;
         if (parts > max_parts) parts = max_parts;
-        if (parts < 1) parts = 1;
+        /* Every part scans all of the unit's ids and keeps its rows' (row_part hashes blocks of
+         * 16 rows), so a part only pays where threads share the work and there are blocks to
+         * share: one thread, or a unit over a few blocks (a 50-row table has 4), gets one part —
+         * two or four parts there rescanned every id for nothing (youtube_dnn's items group). */
+        const interval_t span = disjoint ? seg_iv[t] : all_iv;
+        const int64_t blocks = span.hi >= span.lo ? (span.hi >> 4) - (span.lo >> 4) + 1 : 1;
+        if (parts > blocks) parts = blocks;
+        if (nthreads == 1 || parts < 1) parts = 1;
         if (count > max_unit_ids) max_unit_ids = count;
         for (int64_t p = 0; p < parts; ++p) {
             units[n_units].bag_lo = bag_lo;
@@ -886,7 +915,9 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
                        psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled,
                        slot_map};
     void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
-        D == 16 ? process_unit_16
+        D == 4 ? process_unit_4
+        : D == 8 ? process_unit_8
+        : D == 16 ? process_unit_16
         : D == 32 ? process_unit_32
         : D == 64 ? process_unit_64
         : D == 128 ? process_unit_128
@@ -913,6 +944,7 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
 done:
     free(iv);
     free(sorted);
+    free(seg_iv);
     free(units);
     free(own_segs);
     return rc;
@@ -940,8 +972,14 @@ static inline __attribute__((always_inline)) int pool_range(
     const int64_t i_end = offsets[j1];
     float wtmp[wt == W_F32 || vec ? 1 : D] __attribute__((aligned(64)));  /* a half row, in fp32 */
     float orow[out_bf16 ? D : 1] __attribute__((aligned(64)));     /* a bf16 bag, summed in fp32 */
-    for (int64_t j = j0; j < j1; ++j) {
-        const int64_t t = j / B, b = j - t * B;
+    /* Bag j = t*B + b, advanced without a 64-bit division per bag (for one-id bags of a small
+     * dim that division was a large share of the forward). */
+    int64_t t = j0 / B, b = j0 - (j0 / B) * B;
+    for (int64_t j = j0; j < j1; ++j, ++b) {
+        if (b == B) {
+            b = 0;
+            ++t;
+        }
         float* restrict o = out_bf16 ? orow : (float*)out + b * TD + t * D;
         uint16_t* restrict oh = out_bf16 ? (uint16_t*)out + b * TD + t * D : NULL;
         const int64_t lo = offsets[j], hi = offsets[j + 1];
@@ -1017,6 +1055,8 @@ static inline __attribute__((always_inline)) int pool_range(
         (void)D;                                                                             \
         return pool_range(w, wt, R, lin, off, T, B, psw, mean, out, ob, j0, j1, DV);         \
     }
+POOL_FN(4)
+POOL_FN(8)
 POOL_FN(16)
 POOL_FN(32)
 POOL_FN(64)
@@ -1056,7 +1096,9 @@ int recc_tbe_forward(const void* weights, int wt, int64_t R, int64_t D, const in
     if (nthreads < 1) nthreads = 1;
     int (*fn)(const void*, int, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
               const float*, int, void*, int, int64_t, int64_t, int64_t) =
-        D == 16 ? pool_range_16
+        D == 4 ? pool_range_4
+        : D == 8 ? pool_range_8
+        : D == 16 ? pool_range_16
         : D == 32 ? pool_range_32
         : D == 64 ? pool_range_64
         : D == 128 ? pool_range_128

@@ -81,11 +81,18 @@ def test_each_table_is_one_table_with_its_lookups(name):
     assert not program.stats["dense_lookups"]
     assert len(program.stats["tables"]) == ZOO[name].n_tables
     assert {t: len(s) for t, s in program.stats["table_lookups"].items()} == EXPECTED_LOOKUPS[name]
-    groups = [m for n, m in program.graph.named_modules() if n.startswith("tbe_g")]
-    # Every lookup of a table is a feature of the table's one group.
+    stage = program.stages["batch_tables"].graph
+    groups = [m for n, m in stage.named_modules() if n.startswith("tbe_g")]
+    # Every lookup of a table reads the table's one group: a feature each, or — lookups of
+    # different bag counts (youtube_dnn's bag and gathers) — one stacked feature reading them all.
+    read = {}
+    for n in stage.graph.nodes:
+        if n.op == "call_function" and "pack_sparse" in str(n.target):
+            for table, k in zip(n.kwargs["tables"], n.kwargs.get("stack") or (1,) * len(n.kwargs["tables"])):
+                read[table] = read.get(table, 0) + k
     for table, count in EXPECTED_LOOKUPS[name].items():
         (g,) = [g for g in groups if table in g.logical_names]
-        assert g.feature_names.count(table) == count
+        assert table in g.feature_names and read[table] == count
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
@@ -124,8 +131,8 @@ def test_world4_matches_eager(shared_world4, name, kind):
 
 class Shared(nn.Module):
     """One item table read as a candidate ([B] ids), as a history ([B, L] ids) and as a sum bag
-    (B bags: a padded group, the bag's rows cut back by recc.own_bags); one user bag table read
-    twice with the same bag count."""
+    (B bags: one stacked feature of B + B + B*L bags, given back to each lookup by
+    recc.split_bags); one user bag table read twice with the same bag count."""
 
     def __init__(self):
         super().__init__()
@@ -146,14 +153,15 @@ def _shared_batch(step: int, b: int = 8, length: int = 3):
 
 
 EXPECTED_BATCH_TABLES = """\
-tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t0,t0] dim=4 sum sgd(lr=0.1); @batch_tables
-sparse_g0  : kjt[t=3,b=24] = recc.pack_sparse([flip, item_ids, item_1_ids], [None, None, None], None, tables=('item', 'item', 'item'), rows=(30, 30, 30), pad=True)  # @batch_tables
-pooled_g0  : f32[24,12]   = recc.tbe_lookup(tbe_g0, sparse_g0)  # @batch_tables
-tables_g0  : tuple[3x f32[24,4]] = recc.split_cols(pooled_g0, (4, 4, 4))  # @batch_tables
-embedding_bag_padded : f32[24,4]    = getitem(tables_g0, 0)  # table t0=item[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
-embedding_bag : f32[8,4]     = recc.own_bags(embedding_bag_padded, flip, None)  # @batch_tables
-item_rows  : f32[24,4]    = getitem(tables_g0, 1)  # table t0=item[30x4,none]; shard=tw@r0[0:30,0:4]; @batch_tables
-item_1_rows : f32[24,4]    = getitem(tables_g0, 2)  # table t0=item[30x4,none]; shard=tw@r0[0:30,0:4]; @batch_tables
+tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0] dim=4 sum sgd(lr=0.1); @batch_tables
+sparse_g0  : kjt[t=1,b=40] = recc.pack_sparse([flip, item_ids, item_1_ids], [None, None, None], None, tables=('item',), rows=(30,), stack=(3,))  # @batch_tables
+pooled_g0  : f32[40,4]    = recc.tbe_lookup(tbe_g0, sparse_g0)  # @batch_tables
+tables_g0  : tuple[1x f32[40,4]] = recc.split_cols(pooled_g0, (4,))  # @batch_tables
+item_stacked : f32[40,4]    = getitem(tables_g0, 0)  # @batch_tables
+item_stacked_bags : tuple[f32[8,4], f32[8,4], f32[24,4]] = recc.split_bags(item_stacked, [flip, item_ids, item_1_ids], [None, None, None])  # @batch_tables
+embedding_bag : f32[8,4]     = getitem(item_stacked_bags, 0)  # table t0=item[30x4,sum]; shard=tw@r0[0:30,0:4]; @batch_tables
+item_rows  : f32[8,4]     = getitem(item_stacked_bags, 1)  # table t0=item[30x4,none]; shard=tw@r0[0:30,0:4]; @batch_tables
+item_1_rows : f32[24,4]    = getitem(item_stacked_bags, 2)  # table t0=item[30x4,none]; shard=tw@r0[0:30,0:4]; @batch_tables
 item_1     : f32[8,3,4]   = recc.rows_like(item_1_rows, hist)  # @discover_tables
 sum_1      : f32[8,4]     = item_1.sum(1)
 flip_1     : i64[16]      = u.flip(0)
@@ -174,45 +182,47 @@ def _lines(text: str, first: str, last: str) -> str:
 
 
 def test_shared_lookups_ir_after_batch_tables():
-    """One group per table, one feature per lookup (``tbe_g0=[t0,t0]``), each lookup its own column
-    block; the candidate and the history have different bag counts, so their group is padded."""
+    """One group per table. The user table's two lookups have one bag count: a feature each
+    (``tbe_g1=[t1,t1]``), each its own column block. The item table's bag, candidate and history
+    have different bag counts: one stacked feature (``tbe_g0=[t0]``, ``stack=(3,)``) of
+    8 + 8 + 24 bags — no padding to 3 x 24 — and each lookup its own rows of it."""
     program = recc.compile(Shared(), recc.Cluster.local(1), example_inputs=_shared_batch(0)[0],
                            config=recc.CompileConfig(optimizer="sgd", lr=0.1))
     assert _lines(program.stages["batch_tables"].ir, "tbe_g0 ", "user_1 ") == EXPECTED_BATCH_TABLES
 
 
 EXPECTED_INSERT_COMM_G0 = """\
-tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0,t0,t0] dim=4 sum sgd(lr=0.1) | r0:t0[0:15,0:4] r1:t0[15:30,0:4]; @batch_tables
-sparse_g0  : kjt[t=3,b=12] = recc.pack_sparse([flip, item_ids, item_1_ids], [None, None, None], None, tables=('item', 'item', 'item'), rows=(30, 30, 30), pad=True)  # @batch_tables
-sparse_g0_padded : kjt[t=3,b=12] = recc.pad_bags(sparse_g0, comm=bag_count_max)  # comm bag_count_max over [0, 1]; @insert_comm
-ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0_padded, comm=input_dist)  # comm input_dist over [0, 1]: t0[0:15]->r0 t0[0:15]->r0 t0[0:15]->r0 t0[15:30]->r1 t0[15:30]->r1 t0[15:30]->r1; @insert_comm
-ids_g0     : kjt[t=3,b=24] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
-pooled_g0  : f32[24,12]   = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
-emb_g0_h   : handle       = recc.all_to_all_start(pooled_g0, comm=output_dist)  # comm output_dist over [0, 1] splits=[12, 12]: t0[0:15]->r0 t0[0:15]->r0 t0[0:15]->r0 t0[15:30]->r1 t0[15:30]->r1 t0[15:30]->r1; @insert_comm
-emb_g0     : f32[12,12]   = recc.all_to_all_wait(emb_g0_h)  # @insert_comm
-emb_g0_own : f32[12,12]   = recc.unpad_bags(emb_g0, sparse_g0)  # @insert_comm
-tables_g0  : tuple[3x f32[12,4]] = recc.split_cols(emb_g0_own, (4, 4, 4))  # @batch_tables
-embedding_bag_padded : f32[12,4]    = getitem(tables_g0, 0)  # table t0=item[30x4,sum]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
-embedding_bag : f32[4,4]     = recc.own_bags(embedding_bag_padded, flip, None)  # @batch_tables
-item_rows  : f32[12,4]    = getitem(tables_g0, 1)  # table t0=item[30x4,none]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
-item_1_rows : f32[12,4]    = getitem(tables_g0, 2)  # table t0=item[30x4,none]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
+tbe_g0     : module       = get_attr tbe_g0  # tbe_g0=[t0] dim=4 sum sgd(lr=0.1) | r0:t0[0:15,0:4] r1:t0[15:30,0:4]; @batch_tables
+sparse_g0  : kjt[t=1,b=20] = recc.pack_sparse([flip, item_ids, item_1_ids], [None, None, None], None, tables=('item',), rows=(30,), stack=(3,))  # @batch_tables
+ids_g0_h   : handle       = recc.all_to_all_start(sparse_g0, comm=input_dist)  # comm input_dist over [0, 1]: t0[0:15]->r0 t0[15:30]->r1; @insert_comm
+ids_g0     : kjt[t=1,b=40] = recc.all_to_all_wait(ids_g0_h)  # @insert_comm
+pooled_g0  : f32[40,4]    = recc.tbe_lookup(tbe_g0, ids_g0)  # @batch_tables
+emb_g0_h   : handle       = recc.all_to_all_start(pooled_g0, comm=output_dist)  # comm output_dist over [0, 1] splits=[20, 20]: t0[0:15]->r0 t0[15:30]->r1; @insert_comm
+emb_g0     : f32[20,4]    = recc.all_to_all_wait(emb_g0_h)  # @insert_comm
+tables_g0  : tuple[1x f32[20,4]] = recc.split_cols(emb_g0, (4,))  # @batch_tables
+item_stacked : f32[20,4]    = getitem(tables_g0, 0)  # @batch_tables
+item_stacked_bags : tuple[f32[4,4], f32[4,4], f32[12,4]] = recc.split_bags(item_stacked, [flip, item_ids, item_1_ids], [None, None, None])  # @batch_tables
+embedding_bag : f32[4,4]     = getitem(item_stacked_bags, 0)  # table t0=item[30x4,sum]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
+item_rows  : f32[4,4]     = getitem(item_stacked_bags, 1)  # table t0=item[30x4,none]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
+item_1_rows : f32[12,4]    = getitem(item_stacked_bags, 2)  # table t0=item[30x4,none]; shard=rw@r0[0:15,0:4]+r1[15:30,0:4]; @batch_tables
 """
 
 
 def test_shared_lookups_ir_after_insert_comm_row_wise():
-    """Row-wise on two ranks: each feature's ids go to both row blocks of its table (the layout
-    lists the table's blocks once per feature); a rank's kernel reads its one block for all three;
-    the padded group pads its bags to one count over the ranks and cuts them back."""
+    """Row-wise on two ranks: the stacked feature's ids (all three lookups' bags, 4 + 4 + 12 a
+    rank) go to both row blocks of the table like any feature's; a rank's kernel reads its one
+    block for the 2 x 20 bags of both ranks; each rank's 20 rows come back and are split per
+    lookup. No padding, so no bag-count exchange."""
     example = _shared_batch(0, b=4)[0]
     program = recc.compile(Shared(), recc.Cluster.local(2), example_inputs=example,
                            config=recc.CompileConfig(optimizer="sgd", lr=0.1, sharding="row_wise", batch_size=8))
     got = _lines(program.stages["insert_comm"].ir, "tbe_g0 ", "item_1_rows ")
     assert got == EXPECTED_INSERT_COMM_G0
     group = program.stages["insert_comm"].graph.tbe_g0
-    assert group.features == (0, 0, 0) and group.padded
-    assert group.feature_row_starts == (0, 0, 0, 15)   # the three features of rank 0 read rows [0, 15)
+    assert group.features == (0,) and not group.padded
+    assert group.feature_row_starts == (0, 15)   # the stacked feature of rank 0 reads rows [0, 15)
     group.set_rank(1)
-    assert group.feature_row_starts == (0, 0, 0, 15) and group.local_features[0][2:4] == (15, 30)
+    assert group.feature_row_starts == (0, 15) and group.local_features[0][2:4] == (15, 30)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,8 +298,8 @@ def test_a_shared_table_placed_cached_trains_as_resident(tmp_path):
 def test_shared_tables_train_through_the_cuda_ops_like_the_cpu_backend(optimizer, one_thread):
     """The CUDA backend linearizes a shared group's ids with the features' row bases and runs the
     kernels over one table of every row (their per-table bounds cannot express features sharing
-    rows): it trains the padded three-feature item group and the two-feature user group as the
-    CPU backend does."""
+    rows): it trains the stacked item group (three lookups of different bag counts, one feature,
+    packed by ``pack_sparse[cuda]``) and the two-feature user group as the CPU backend does."""
     import contextlib
     import sys
     from pathlib import Path

@@ -100,7 +100,7 @@ def new_state(opt, weights):
 # ----------------------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("D", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("D", [1, 3, 4, 8, 17, 64, 300])   # 4 and 8: the C kernels' small-dim paths
 @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
 def test_forward_matches_embedding_bag(impl, D, mode):
     c = Case(D=D, seed=D)
@@ -357,7 +357,7 @@ def test_hashed_row_map_is_bit_identical_to_the_direct_one(optimizer, monkeypatc
 
 @needs_gcc
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("D", [1, 16, 32, 64, 128, 13])
+@pytest.mark.parametrize("D", [1, 4, 8, 16, 32, 64, 128, 13])
 def test_native_matches_reference(optimizer, D, row_map):
     c = Case(T=4, B=16, D=D, rows=(100, 7, 300, 64), max_len=12, seed=20 + D, dup_pool=9)
     for pooling, psw in (("sum", None), ("mean", None), ("sum", c.psw)):
@@ -378,6 +378,25 @@ def test_native_rows_shared_across_tables(row_map):
         torch.testing.assert_close(wn, wr, rtol=1e-5, atol=1e-6)
         for k in sn:
             torch.testing.assert_close(sn[k], sr[k], rtol=1e-5, atol=1e-6)
+
+
+@needs_gcc
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_small_tables_split_into_few_parts(threads, row_map):
+    """Tables of a few 16-row blocks (50 and 7 rows, one-id bags as gathers stack them, plus bags)
+    get at most one work part per block and one part on one thread: every row still updated
+    once with its summed gradient, as the reference does, whatever the thread count."""
+    c = Case(T=2, B=600, D=8, rows=(50, 7), max_len=3, seed=33, dup_pool=40)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for optimizer in ("sgd", "rowwise_adagrad"):
+            (wn, sn), (wr, sr) = _both(c, optimizer)
+            torch.testing.assert_close(wn, wr, rtol=1e-5, atol=1e-6)
+            for k in sn:
+                torch.testing.assert_close(sn[k], sr[k], rtol=1e-5, atol=1e-6)
+    finally:
+        torch.set_num_threads(old)
 
 
 @needs_gcc
