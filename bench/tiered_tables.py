@@ -31,8 +31,8 @@ OS cannot hold the tables in memory behind the cap. The page cache is dropped be
 - ``cached on demand``: the same cache, plain ``dm(...)`` calls (the rows fetched inside the step).
 
 The cache's rows are what the cap leaves after ``--reserve-mib`` (the process: python, torch, recc,
-the dense model, a step's activations), the cache index (per row 4 bytes of slot map and 9 of the
-log's positions, 18 per slot: ``recc.planner.cost_model``) and
+the dense model, a step's activations), the cache index (per row 4 bytes of slot map and 4 of the
+log's position, 18 per slot: ``recc.planner.cost_model``) and
 ``--headroom`` of the cap.
 
 Each configuration trains ``--warmup`` untimed steps then ``--steps`` timed ones (each configuration
@@ -107,13 +107,19 @@ def table_bytes(cfg: dict) -> int:
 
 
 def store_positions(cfg: dict) -> int:
-    """Record positions of the tables' stores (the log's spare included: ``RowStore``)."""
+    """Record positions of the tables' stores (the log's spare included: ``RowStore``); each
+    record is ``store_record_bytes``."""
     from recc.planner.cost_model import STORE_SPARE
     return int(sum(cfg["num_embeddings"]) * (1 + STORE_SPARE))
 
 
+def store_record_bytes(cfg: dict) -> int:
+    from recc.planner.cost_model import STORE_ROW_ID_BYTES
+    return record_bytes(cfg) + STORE_ROW_ID_BYTES
+
+
 def index_bytes(cfg: dict, slots: int) -> int:
-    """The caches' index (``map`` and the log's ``loc`` and ``owner`` per row, per slot 8+1+8+1)."""
+    """The caches' index (``map`` and the log's ``loc`` per row, per slot 8+1+8+1)."""
     from recc.planner.cost_model import CACHE_ROW_MAP_BYTES, CACHE_SLOT_BYTES, STORE_ROW_BYTES
     return int(sum(cfg["num_embeddings"]) * (CACHE_ROW_MAP_BYTES + STORE_ROW_BYTES) + slots * CACHE_SLOT_BYTES)
 
@@ -509,7 +515,7 @@ def main(argv=None) -> int:
           f"{per_table * args.tables * record_bytes(cfg) / MIB:.0f} MiB ({per_table * args.tables / rows:.1%} of the "
           f"rows), index {index_bytes(cfg, per_table * args.tables) / MIB:.0f} MiB")
 
-    store = store_positions(cfg) * record_bytes(cfg)
+    store = store_positions(cfg) * store_record_bytes(cfg)
     need = store * (1 if "cached+pipeline" in configs or "cached on demand" in configs else 0) + \
         tb * (1 if set(MMAPS) & set(configs) else 0) + store
     free = shutil.disk_usage(args.dir).free
@@ -572,14 +578,14 @@ def main(argv=None) -> int:
             probe = os.path.join(workdir, "probe.bin")
             from recc.runtime.table_cache import HEADER_BYTES
             positions = store_positions(cfg)
-            write_probe_file(probe, HEADER_BYTES + positions * record_bytes(cfg))
+            write_probe_file(probe, HEADER_BYTES + positions * store_record_bytes(cfg))
             for c in cached:
                 rep = results[c]["report"]
-                read_rows = int(round(sum(r["read_bytes_per_step"] for r in rep) / record_bytes(cfg)))
-                write_rows = int(round(sum(r["written_bytes_per_step"] for r in rep) / record_bytes(cfg)))
-                cleaned_rows = int(round(sum(r["cleaned_bytes_per_step"] for r in rep) / record_bytes(cfg)))
+                read_rows = int(round(sum(r["read_bytes_per_step"] for r in rep) / store_record_bytes(cfg)))
+                write_rows = int(round(sum(r["written_bytes_per_step"] for r in rep) / store_record_bytes(cfg)))
+                cleaned_rows = int(round(sum(r["cleaned_bytes_per_step"] for r in rep) / store_record_bytes(cfg)))
                 drop_page_cache()
-                probes[c] = replay_io(probe, positions, record_bytes(cfg), read_rows, write_rows,
+                probes[c] = replay_io(probe, positions, store_record_bytes(cfg), read_rows, write_rows,
                                       reps=max(5, args.steps), max_s=10.0, seed=args.seed + 1,
                                       cleaned_rows=cleaned_rows) | {"read_rows": read_rows, "write_rows": write_rows}
             os.unlink(probe)
@@ -665,7 +671,7 @@ def render(cfg, args, results, probes, limits, memsw_note) -> str:
     for c, pr in probes.items():
         lines.append(f"# floor of {c}: {pr['read_rows']:,} rows read at random + {pr['write_rows']:,} appended "
                      f"+ {pr['cleaned_rows']:,} cleaned (read and appended) per step "
-                     f"({record_bytes(cfg)} B records, {pr['io_threads']} in flight, page cache dropped, "
+                     f"({store_record_bytes(cfg)} B records, {pr['io_threads']} in flight, page cache dropped, "
                      f"{pr['reps']} steps replayed): read {pr['read_s'] * 1e3:.1f} ms "
                      f"({pr['read_bw'] / 1e6:.0f} MB/s), write+fdatasync {pr['write_s'] * 1e3:.1f} ms "
                      f"({pr['write_bw'] / 1e6:.0f} MB/s)")

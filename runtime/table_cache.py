@@ -53,7 +53,7 @@ import torch.nn as nn
 from recc.kernels.cpu import table_cache as kernels
 from recc.kernels import linearize_indices, optimizer_state_shapes
 from recc.ops import Handle, SlotBatch, SparseBatch, register_impl
-from recc.planner.cost_model import STORE_SPARE
+from recc.planner.cost_model import STORE_ROW_ID_BYTES, STORE_SPARE
 from recc.tables import TableGroup
 
 MAGIC = b"RECCSTORE1\n"
@@ -61,6 +61,7 @@ HEADER_BYTES = 4096
 FORMAT_VERSION = 1
 _FILL_BYTES = 32 << 20   # rows written per request while the store is filled at instantiate
 SEGMENT_BYTES = 1 << 20  # the log's unit of cleaning: one sequential read and its live records rewritten
+ROW_ID_BYTES = STORE_ROW_ID_BYTES   # each store record ends with its row's id (int64)
 # Store positions beyond the rows, as a share of them: the log's dead room (cleaning a segment
 # rewrites its live records: the more spare, the fewer; the planner counts the index it costs).
 SPARE = STORE_SPARE
@@ -108,11 +109,13 @@ class RowStore:
     page (a random read, then a random page write) — three random I/Os per miss with the fetch,
     at the disk's random-I/O rate. So an evicted row is not written at a fixed place: write-backs
     are appended at the log's head, consecutive positions, large sequential writes, and the
-    row's old position becomes dead. ``loc[row]`` says where each row's record is now,
-    ``owner[position]`` which row a position holds (-1: dead or never written), ``live[segment]``
-    how many of a segment's positions are live. When free segments run short, the segment with
-    the fewest live records is cleaned: its live records read (one sequential read) and appended
-    at the head, the segment freed (a segment whose rows have all moved is freed without I/O).
+    row's old position becomes dead. ``loc[row]`` says where each row's record is now (the only
+    per-row memory the log costs), ``live[segment]`` how many of a segment's positions are live.
+    Each record ends with its row's id (int64): when free segments run short, the segment with
+    the fewest live records is cleaned — read whole (one sequential read), its records whose
+    ``loc[id]`` is their own position appended at the head, the segment freed (a segment whose
+    rows have all moved is freed without I/O). A fetch checks the ids it reads against the rows
+    it asked for, so a store changed behind the run's back is an error, not wrong rows.
     The file holds ``SPARE`` more positions than rows (and four segments more),
     so a segment to clean always has dead records. A fetch reads each row at ``loc[row]``
     (sorted: rows never moved stay in their initial, row-ordered places and coalesce).
@@ -125,7 +128,7 @@ class RowStore:
         self.directory = Path(directory)
         self.rows = group.total_rows
         self.layout = _record_parts(group, 1)
-        self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in self.layout]
+        self.parts = [(n, _part_bytes(shape, dt)) for n, shape, dt in self.layout] + [("row", ROW_ID_BYTES)]
         self.record = sum(b for _, b in self.parts)
         R = self.rows
         # A segment: ~SEGMENT_BYTES of records, and at most an eighth of the rows, so a small
@@ -149,8 +152,6 @@ class RowStore:
         self._lock_key: Optional[tuple] = None
         # Rows start in row order (the fill writes them so): the head is the first free segment.
         self.loc = np.arange(R, dtype=np.int32)
-        self.owner = np.full(self.capacity, -1, dtype=np.int32)
-        self.owner[:R] = self.loc
         self.live = np.zeros(self.segments, dtype=np.int64)
         self.live[:initial] = K
         if R:
@@ -159,6 +160,7 @@ class RowStore:
         self.free[initial + 1:] = True
         self.head, self.head_used = initial, 0
         self._clean_buf: Optional[torch.Tensor] = None
+        self._ids = torch.empty(0, dtype=torch.int64)   # the records' row ids, one per slot of an I/O
         self._open()
 
     @property
@@ -166,7 +168,7 @@ class RowStore:
         return HEADER_BYTES + self.capacity * self.record
 
     def index_nbytes(self) -> int:
-        return self.loc.nbytes + self.owner.nbytes + self.live.nbytes + self.free.nbytes
+        return self.loc.nbytes + self.live.nbytes + self.free.nbytes + self._ids.nbytes
 
     def _open(self) -> None:
         d = self.directory
@@ -292,9 +294,20 @@ class RowStore:
         except OSError as e:
             raise StoreError(f"store {self.path}: {what} {positions.numel()} records failed ({e.strerror})") from None
 
+    def _with_ids(self, parts, slots: torch.Tensor, rows: Optional[torch.Tensor] = None) -> list:
+        """``parts`` and a last part of row ids, one per slot (``rows`` put in ``slots``' entries
+        for a write; a read fills them)."""
+        n = parts[0].shape[0]
+        if self._ids.numel() < n:
+            self._ids = torch.empty(n, dtype=torch.int64)
+        ids = self._ids[:n]
+        if rows is not None:
+            ids[slots] = rows
+        return list(parts) + [ids]
+
     def fill(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write rows in their initial places (``instantiate``: the log starts in row order)."""
-        self._io(True, parts, rows, slots)
+        self._io(True, self._with_ids(parts, slots, rows), rows, slots)
 
     def fetch(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Read the current record of each of ``rows`` into ``slots`` of ``parts``."""
@@ -302,7 +315,14 @@ class RowStore:
             return
         pos = torch.from_numpy(self.loc[rows.numpy()].astype(np.int64))
         pos, order = torch.sort(pos)
-        self._io(False, parts, pos, slots[order])
+        slots = slots[order]
+        with_ids = self._with_ids(parts, slots)
+        self._io(False, with_ids, pos, slots)
+        got, want = with_ids[-1][slots], rows[order]
+        if not torch.equal(got, want):
+            i = int((got != want).nonzero()[0])
+            raise StoreError(f"store {self.path}: the record at position {int(pos[i])} holds row {int(got[i])}, not "
+                             f"row {int(want[i])} (the file was changed behind the run's back)")
 
     def write_back(self, parts, rows: torch.Tensor, slots: torch.Tensor) -> int:
         """Append the records of ``slots`` (holding ``rows``, distinct) at the log's head; their
@@ -315,7 +335,8 @@ class RowStore:
             cleaned += self._make_room(min(n - done, self.segment))
             m = min(n - done, self._room() - self.segment)
             pos = self._positions(m)
-            self._io(True, parts, torch.from_numpy(pos), slots[done:done + m])
+            s = slots[done:done + m]
+            self._io(True, self._with_ids(parts, s, rows[done:done + m]), torch.from_numpy(pos), s)
             self._moved(rows_np[done:done + m], pos)
             done += m
         return cleaned
@@ -329,7 +350,7 @@ class RowStore:
         rewrites every row once: in place keeps the log as it is)."""
         pos = torch.from_numpy(self.loc[a:b].astype(np.int64))
         pos, order = torch.sort(pos)
-        self._io(True, parts, pos, order)
+        self._io(True, self._with_ids(parts, order, torch.arange(a, b)[order]), pos, order)
 
     # -- the log's bookkeeping
     def _room(self) -> int:
@@ -350,10 +371,8 @@ class RowStore:
         """``rows`` now live at ``pos`` (written): their old positions die, the head advances."""
         K = self.segment
         old = self.loc[rows].astype(np.int64)
-        self.owner[old] = -1
         self.live -= np.bincount(old // K, minlength=self.segments)
         self.loc[rows] = pos
-        self.owner[pos] = rows
         segs = pos // K
         self.live += np.bincount(segs, minlength=self.segments)
         self.free[segs] = False
@@ -376,18 +395,24 @@ class RowStore:
             if not cand[victim] or self.live[victim] >= K:
                 raise StoreError(f"store {self.path}: no segment to clean ({self.segments} segments of {K} records, "
                                  f"{self.rows} rows): the store is smaller than its rows need")
-            pos = np.flatnonzero(self.owner[victim * K:(victim + 1) * K] >= 0) + victim * K
-            if pos.size:
+            if self.live[victim]:
                 if self._clean_buf is None:
                     self._clean_buf = torch.empty(K, self.record, dtype=torch.uint8)
-                buf = self._clean_buf[:pos.size]
-                rows = self.owner[pos].astype(np.int64)
-                idx = torch.arange(pos.size, dtype=torch.int64)
-                self._io(False, [buf], torch.from_numpy(pos.astype(np.int64)), idx)
-                new = self._positions(pos.size)
-                self._io(True, [buf], torch.from_numpy(new), idx)
-                self._moved(rows, new)
-                moved += pos.size * self.record
+                buf = self._clean_buf
+                seg = np.arange(victim * K, (victim + 1) * K, dtype=np.int64)
+                self._io(False, [buf], torch.from_numpy(seg), torch.arange(K))
+                ids = buf[:, -ROW_ID_BYTES:].contiguous().view(torch.int64).reshape(-1).numpy()
+                # live: a record whose row's newest place is here (a dead or never-written
+                # position holds an older id, or none)
+                ok = (ids >= 0) & (ids < self.rows)
+                live = np.flatnonzero(ok & (self.loc[np.where(ok, ids, 0)] == seg))
+                if live.size != self.live[victim]:
+                    raise StoreError(f"store {self.path}: segment {victim} holds {live.size} live records, the run "
+                                     f"wrote {int(self.live[victim])} (the file was changed behind the run's back)")
+                new = self._positions(live.size)
+                self._io(True, [buf], torch.from_numpy(new), torch.from_numpy(live))
+                self._moved(ids[live].astype(np.int64), new)
+                moved += live.size * self.record
             self.free[victim] = True
             self.live[victim] = 0
         return moved

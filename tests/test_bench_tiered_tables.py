@@ -33,8 +33,8 @@ def test_tables_and_cache_are_sized_from_the_flags(tiered):
     assert abs(tiered.table_bytes(cfg) - (1 << 30)) < 4 * 260
     cap, reserve = 256 << 20, 100 << 20
     per = tiered.cache_rows(cfg, cap, reserve, 0.1)
-    # per row of the tables: a 4-byte slot map, the log's int32 position and 1.25 int32 owners
-    used = reserve + (4 + 4 + 5) * sum(cfg["num_embeddings"]) + 4 * per * (260 + 18)
+    # per row of the tables: a 4-byte slot map and the log's int32 position
+    used = reserve + (4 + 4) * sum(cfg["num_embeddings"]) + 4 * per * (260 + 18)
     assert used <= cap * 0.9 < used + 4 * (260 + 18)        # as many rows as fit, no more
     with pytest.raises(SystemExit, match="no room"):
         tiered.cache_rows(cfg, 64 << 20, 100 << 20, 0.1)

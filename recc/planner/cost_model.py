@@ -95,8 +95,8 @@ GIB = 2 ** 30
 # A cached shard's index as runtime/table_cache.py keeps it (kernels/cpu/table_cache.py
 # CacheIndex): per slot its row and newest pinning batch (int64 each) and CLOCK's reference and
 # dirty bytes; per row of the shard an int32 row -> slot map and, for a disk store (a log,
-# RowStore), an int32 row -> position and an int32 position -> row over (1 + STORE_SPARE) positions
-# per row. Its store I/O reads and writes the slots in place; filling the store at start stages
+# RowStore), an int32 row -> position (each record on disk ends with its row's id instead of an
+# in-memory position -> row map: STORE_ROW_ID_BYTES). Its store I/O reads and writes the slots in place; filling the store at start stages
 # at most _FILL_BYTES (32 MiB) of rows, cleaning one segment (SEGMENT_BYTES, 1 MiB).
 STORE_SPARE = 0.25   # a disk store's positions beyond its rows, as a share of them (RowStore)
 # Bytes the log's cleaning moves (read, and written again) per byte written back, assumed for
@@ -104,7 +104,8 @@ STORE_SPARE = 0.25   # a disk store's positions beyond its rows, as a share of t
 LOG_CLEANING = 1.0
 CACHE_SLOT_BYTES = 18
 CACHE_ROW_MAP_BYTES = 4
-STORE_ROW_BYTES = 4 + 4 * (1 + STORE_SPARE)
+STORE_ROW_BYTES = 4
+STORE_ROW_ID_BYTES = 8
 CACHE_IO_BUFFER_BYTES = 32 * 2 ** 20
 
 
@@ -238,10 +239,12 @@ class CostModel:
         return self.resident_bytes(p, slots, cols) + slots * CACHE_SLOT_BYTES
 
     def store_bytes(self, p: Profile, rows: int, cols: int) -> float:
-        """What a cached shard's store holds in the storage tier: every row, and on disk the
-        log's spare positions (``STORE_SPARE``; its four extra segments, 4 MiB, not counted)."""
-        spare = STORE_SPARE if self.cluster.storage.kind == "disk" else 0.0
-        return self.table_bytes(p, rows, cols) * (1 + spare)
+        """What a cached shard's store holds in the storage tier: every row, and on disk each
+        record's row id and the log's spare positions (``STORE_SPARE``; its four extra
+        segments, 4 MiB, not counted)."""
+        if self.cluster.storage.kind != "disk":
+            return self.table_bytes(p, rows, cols)
+        return (self.table_bytes(p, rows, cols) + rows * STORE_ROW_ID_BYTES) * (1 + STORE_SPARE)
 
     def cache_fixed_bytes(self, p: Profile, shard_rows: int, cols: int) -> float:
         """What a cached shard holds whatever its slots: the index's row -> slot map (one int32

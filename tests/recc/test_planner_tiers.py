@@ -129,7 +129,7 @@ def test_a_ranks_caches_share_its_memory_for_the_least_io():
     leave the first at its minimum and give the rest to the last; sharing gives them equal caches
     (the least total I/O for convex miss curves)."""
     tables = tables_of(*(T(f"t{i}", 3_000_000) for i in range(3)))
-    plan = plan_tables(tables, one_rank(memory_gb=0.35), batch_size=1024)
+    plan = plan_tables(tables, one_rank(memory_gb=0.25), batch_size=1024)
     rows = [plan.tier(n).cache_rows for n in tables]
     assert all(plan.tier(n).cached for n in tables)
     assert max(rows) <= 1.05 * min(rows), rows
@@ -139,9 +139,9 @@ def test_a_ranks_caches_share_its_memory_for_the_least_io():
 
 def test_the_memory_estimate_counts_the_cache_its_index_and_its_staging():
     """A cached table's memory on its rank, written out: slots x (weights + state + the
-    backward's slot map + 18 index bytes) + per table row an int32 slot map and the log's index
-    (an int32 position, and an int32 owner per position: 1.25 positions a row) + min(32 MiB,
-    store). The store on disk holds 1.25 records a row."""
+    backward's slot map + 18 index bytes) + per table row an int32 slot map and the log's int32
+    position + min(32 MiB, store). The store on disk holds 1.25 records a row, each with its row's
+    8-byte id."""
     rows, dim = 6_000_000, 16
     tables = tables_of(T("big", rows, dim), T("small", 1000, dim))
     cluster = one_rank(memory_gb=0.25)
@@ -151,10 +151,10 @@ def test_the_memory_estimate_counts_the_cache_its_index_and_its_staging():
     assert plan.tier("big").cached and not plan.tier("small").cached
     slots = plan.tier("big").cache_rows
     row = dim * 4 + 4                        # fp32 weights + one rowwise state
-    cache = slots * (row + 4 + 18) + rows * (4 + 4 + 4 * 1.25) + min(32 * 2 ** 20, rows * row)
+    cache = slots * (row + 4 + 18) + rows * (4 + 4) + min(32 * 2 ** 20, rows * row)
     want = resident.rank_estimates[0].memory_bytes - rows * (row + 4) + cache
     assert plan.rank_estimates[0].memory_bytes == pytest.approx(want, rel=1e-12)
-    assert plan.rank_estimates[0].store_bytes == rows * row * 1.25
+    assert plan.rank_estimates[0].store_bytes == rows * (row + 8) * 1.25
     assert plan.rank_estimates[0].weight_bytes == resident.rank_estimates[0].weight_bytes  # logical weights
 
 
@@ -215,7 +215,7 @@ def test_when_even_the_disk_cannot_hold_the_stores_the_error_names_the_table_and
     with pytest.raises(ValueError) as e:
         plan_tables(tables, one_rank(memory_gb=1, storage=small_disk), batch_size=1024, optimizer="adam")
     msg = str(e.value)
-    store = 40_000_000 * 32 * 4 * 3 * 1.25 / GIB  # weights + adam's two moments, 1.25 positions a row (the log)
+    store = 40_000_000 * (32 * 4 * 3 + 8) * 1.25 / GIB  # weights + adam's two moments + the row id, 1.25 a row
     assert msg.startswith("plan_tables: the tables do not fit even on the disk tier: rank 0 must cache 1 table(s)")
     assert f"their stores need {store:.2f} GiB of its 2 GiB (storage.capacity_gb), {store - 2:.2f} GiB over; " \
            f"the largest is table big (40000000x32, adam: {store:.2f} GiB on rank 0)" in msg
@@ -329,7 +329,7 @@ def test_the_plan_prints_each_tables_tier_cache_hit_and_reason_and_each_ranks_st
                      r"writes/s of 4096 B; 1 of 2 tables cached$", text, re.M)
     assert re.search(r"^# per step on rank 0: \d+ rows fetched and as many written back \([\d.]+ MB read, [\d.]+ MB "
                      r"written\), tier I/O [\d.e+]+ ms", text, re.M)
-    store = 6_000_000 * 64 * 1.25 / GIB   # every row, and the log's spare positions
+    store = 6_000_000 * (64 + 8) * 1.25 / GIB   # every row and its id, and the log's spare positions
     assert re.search(rf"^rank 0: table weights [\d.]+ MiB, memory 0\.2\d / 0\.23 GiB, store {store:.2f} GiB, est "
                      rf"[\d.e+]+ ms \(lookup [\d.e+-]+, comm 0, tier I/O [\d.e+]+\)  <- slowest$", text, re.M)
     assert re.search(r"^# step estimate \(slowest rank 0\): .* \+ tier I/O [\d.e+]+ ms = ", text, re.M)

@@ -531,7 +531,7 @@ def test_cache_report_counts(tmp_path):
         for r in rows:
             name, g = r["group"], groups[r["group"]]
             record = g.cache.store.record
-            assert record == g.dim * 4 + g.dim * 4   # an fp32 weights row + Adagrad's per-element state
+            assert record == g.dim * 4 + g.dim * 4 + 8   # an fp32 weights row + Adagrad's per-element state + the row id
             unique = _group_rows(data[step], r["tables"])
             d = {k: r[k] - before[name][k] for k in keys}
             assert d["hits"] + d["misses"] == unique, (step, r)
@@ -943,13 +943,13 @@ def test_a_killed_run_leaves_its_last_checkpoint_loadable(killed_run, resident_t
 # ============================================================================= the store's log
 
 def _check_log(store, when: str):
-    """``loc`` and ``owner`` are inverse, ``live`` counts each segment's live records, a free
-    segment holds none, and the head is not free."""
+    """Every row has a position of its own, ``live`` counts each segment's rows, a free segment
+    holds none, and the head is not free."""
     import numpy as np
     K = store.segment
-    assert np.array_equal(store.owner[store.loc], np.arange(store.rows)), f"{when}: owner[loc[r]] != r"
-    assert int((store.owner >= 0).sum()) == store.rows, f"{when}: a dead record still owned"
-    live = np.bincount(np.flatnonzero(store.owner >= 0) // K, minlength=store.segments)
+    pos = store.loc.astype(np.int64)
+    assert np.unique(pos).size == store.rows, f"{when}: two rows at one position"
+    live = np.bincount(pos // K, minlength=store.segments)
     assert np.array_equal(live, store.live), f"{when}: live counts"
     assert not live[store.free].any(), f"{when}: a free segment holds live records"
     assert not store.free[store.head], f"{when}: the head is free"
@@ -994,5 +994,11 @@ def test_store_log_appends_cleans_and_reads_back(tmp_path):
         assert cleaned > 0, "the test must make the log clean segments"
         for w, p in zip(want, g.cache.read_rows(0, R)):
             assert torch.equal(w, p)
+        # a record whose row id was changed behind the run's back is refused, not read
+        r = 17
+        at = HEADER_BYTES + int(store.loc[r]) * store.record + store.record - 8
+        os.pwrite(store.fd, (r + 1).to_bytes(8, "little"), at)
+        with pytest.raises(StoreError, match=f"holds row {r + 1}, not row {r}"):
+            store.fetch(parts, torch.tensor([r]), torch.tensor([0]))
     finally:
         _close(dm)
