@@ -98,9 +98,13 @@ GIB = 2 ** 30
 # RowStore), an int32 row -> position (each record on disk ends with its row's id instead of an
 # in-memory position -> row map: STORE_ROW_ID_BYTES). Its store I/O reads and writes the slots in place; filling the store at start stages
 # at most _FILL_BYTES (32 MiB) of rows, cleaning one segment (SEGMENT_BYTES, 1 MiB).
-STORE_SPARE = 0.25   # a disk store's positions beyond its rows, as a share of them (RowStore)
-# Bytes the log's cleaning moves (read, and written again) per byte written back, assumed for
-# the plan: bench/tiered_tables.py measures it (its "cleaned" column).
+# A disk store's positions beyond its rows, as a share of them (RowStore), and the bytes its
+# cleaning then moves (read, and written again) per byte written back. Evictions are spread over
+# the cold rows, so the log's segments die slowly and evenly: replaying bench/tiered_tables.py's
+# write-back stream (Zipf 1.05, a 1.7% cache) through the log's bookkeeping, cleaning settles at
+# ~1.9x the written bytes with 25% spare, ~0.8-1.0x with 50%, ~0.45x with 100% (separating the
+# cleaned records from the written-back ones changed nothing: the stream has no hot set left).
+STORE_SPARE = 0.5
 LOG_CLEANING = 1.0
 CACHE_SLOT_BYTES = 18
 CACHE_ROW_MAP_BYTES = 4
@@ -294,14 +298,17 @@ class CostModel:
             c, peer, m = self.tw_terms(p, cols, optimizer)
             per_node = [0] * self.N
             for r in owners:
+                per_node[self.node[r]] += 1
+            k = len(owners)
+            # A rank's traffic depends only on its node and whether it owns a block: one value
+            # per node for the others, one for owners (the same expression, so the same floats).
+            others = [peer * (per_node[n] * self.ii + (k - per_node[n]) * self.ie) for n in range(self.N)]
+            comm = [others[n] for n in self.node]
+            for r in owners:
+                n = self.node[r]
                 comp[r] += c
                 mem[r] += m
-                comm[r] += peer * self.S
-                per_node[self.node[r]] += 1
-            k, owned = len(owners), set(owners)
-            for q in range(W):
-                same = per_node[self.node[q]] - (1 if q in owned else 0)
-                comm[q] += peer * (same * self.ii + (k - per_node[self.node[q]]) * self.ie)
+                comm[r] = peer * self.S + peer * ((per_node[n] - 1) * self.ii + (k - per_node[n]) * self.ie)
         elif kind in (RW, TWRW):
             parts = W if kind == RW else self.G
             base = 0 if kind == RW else placement[1] * self.G

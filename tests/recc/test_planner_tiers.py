@@ -140,7 +140,7 @@ def test_a_ranks_caches_share_its_memory_for_the_least_io():
 def test_the_memory_estimate_counts_the_cache_its_index_and_its_staging():
     """A cached table's memory on its rank, written out: slots x (weights + state + the
     backward's slot map + 18 index bytes) + per table row an int32 slot map and the log's int32
-    position + min(32 MiB, store). The store on disk holds 1.25 records a row, each with its row's
+    position + min(32 MiB, store). The store on disk holds 1.5 records a row, each with its row's
     8-byte id."""
     rows, dim = 6_000_000, 16
     tables = tables_of(T("big", rows, dim), T("small", 1000, dim))
@@ -154,7 +154,7 @@ def test_the_memory_estimate_counts_the_cache_its_index_and_its_staging():
     cache = slots * (row + 4 + 18) + rows * (4 + 4) + min(32 * 2 ** 20, rows * row)
     want = resident.rank_estimates[0].memory_bytes - rows * (row + 4) + cache
     assert plan.rank_estimates[0].memory_bytes == pytest.approx(want, rel=1e-12)
-    assert plan.rank_estimates[0].store_bytes == rows * (row + 8) * 1.25
+    assert plan.rank_estimates[0].store_bytes == rows * (row + 8) * 1.5
     assert plan.rank_estimates[0].weight_bytes == resident.rank_estimates[0].weight_bytes  # logical weights
 
 
@@ -215,7 +215,7 @@ def test_when_even_the_disk_cannot_hold_the_stores_the_error_names_the_table_and
     with pytest.raises(ValueError) as e:
         plan_tables(tables, one_rank(memory_gb=1, storage=small_disk), batch_size=1024, optimizer="adam")
     msg = str(e.value)
-    store = 40_000_000 * (32 * 4 * 3 + 8) * 1.25 / GIB  # weights + adam's two moments + the row id, 1.25 a row
+    store = 40_000_000 * (32 * 4 * 3 + 8) * 1.5 / GIB  # weights + adam's two moments + the row id, 1.5 a row
     assert msg.startswith("plan_tables: the tables do not fit even on the disk tier: rank 0 must cache 1 table(s)")
     assert f"their stores need {store:.2f} GiB of its 2 GiB (storage.capacity_gb), {store - 2:.2f} GiB over; " \
            f"the largest is table big (40000000x32, adam: {store:.2f} GiB on rank 0)" in msg
@@ -329,7 +329,7 @@ def test_the_plan_prints_each_tables_tier_cache_hit_and_reason_and_each_ranks_st
                      r"writes/s of 4096 B; 1 of 2 tables cached$", text, re.M)
     assert re.search(r"^# per step on rank 0: \d+ rows fetched and as many written back \([\d.]+ MB read, [\d.]+ MB "
                      r"written\), tier I/O [\d.e+]+ ms", text, re.M)
-    store = 6_000_000 * (64 + 8) * 1.25 / GIB   # every row and its id, and the log's spare positions
+    store = 6_000_000 * (64 + 8) * 1.5 / GIB   # every row and its id, and the log's spare positions
     assert re.search(rf"^rank 0: table weights [\d.]+ MiB, memory 0\.2\d / 0\.23 GiB, store {store:.2f} GiB, est "
                      rf"[\d.e+]+ ms \(lookup [\d.e+-]+, comm 0, tier I/O [\d.e+]+\)  <- slowest$", text, re.M)
     assert re.search(r"^# step estimate \(slowest rank 0\): .* \+ tier I/O [\d.e+]+ ms = ", text, re.M)
