@@ -988,6 +988,18 @@ def dequantize(x, *, dtype: str = "fp32"):
 # ``sync_batchnorm`` rewrites a training-mode BatchNorm into these four nodes, so the global
 # batch's statistics are a collective the IR shows (see passes/sync_batchnorm.py).
 
+def _global_moments(stats: torch.Tensor, x: torch.Tensor):
+    """``(n, mean about the shift, biased variance)`` per channel from the all-reduced sums
+    ``[S1 (C), S2 (C), n]``; eager's error when the global batch has one value per channel."""
+    c = x.shape[1]
+    n = stats[2 * c]
+    if float(n.detach()) <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{[int(n)] + list(x.shape[1:])} (the global batch)")
+    shifted_mean = stats[:c] / n
+    return n, shifted_mean, (stats[c:2 * c] / n - shifted_mean * shifted_mean).clamp_min(0.0)
+
+
 def batch_statistics_used(bn) -> bool:
     """Whether ``bn`` normalises by the batch's statistics now (as torch's ``_BatchNorm.forward``
     decides: in training, or always when it keeps no running statistics)."""
@@ -1064,12 +1076,7 @@ def sync_batch_norm(bn, x, stats):
     if not batch_statistics_used(bn):
         return F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
     c = x.shape[1]
-    n = stats[2 * c]
-    if float(n.detach()) <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
-                         f"{[int(n)] + list(x.shape[1:])} (the global batch)")
-    shifted_mean = stats[:c] / n
-    var = (stats[c:2 * c] / n - shifted_mean * shifted_mean).clamp_min(0.0)
+    n, shifted_mean, var = _global_moments(stats, x)
     mean = shifted_mean if bn.running_mean is None else shifted_mean + bn.running_mean.detach()
     shape = [1, -1] + [1] * (x.dim() - 2)
     # (x - mean) * scale, as eager's kernel does: folding the mean into a shift would cancel.
@@ -1131,12 +1138,7 @@ def functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias
     given update in place as ATen's does (``(1 - momentum) * r + momentum * stat``, the variance
     unbiased ``* n/(n-1)``; no batch counter), with ``n`` the global count — the same on every rank."""
     c = x.shape[1]
-    n = stats[2 * c]
-    if float(n.detach()) <= 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
-                         f"{[int(n)] + list(x.shape[1:])} (the global batch)")
-    shifted_mean = stats[:c] / n
-    var = (stats[c:2 * c] / n - shifted_mean * shifted_mean).clamp_min(0.0)
+    n, shifted_mean, var = _global_moments(stats, x)
     mean = shifted_mean if shift is None else shifted_mean + shift.detach().float()
     shape = [1, -1] + [1] * (x.dim() - 2)
     scale = torch.rsqrt(var + eps)
