@@ -20,7 +20,10 @@ to the server.  See README.md in this folder for the design; in short:
 - **Exact buffers.**  Each tensor argument (overlapping views merged) is copied into its own
   heap allocation of exactly its bytes, at its offset modulo 256 from a 256-byte aligned start
   (as in a CUDA allocation), so a read or write one element past a tensor is an ASan error and a
-  misaligned vector load is a UBSan error.  After the launch every buffer is copied back.
+  misaligned vector load is a UBSan error.  After the launch the bytes the kernel changed are
+  copied back (only those: a GPU kernel leaves the rest of a tensor alone, so another host
+  thread may write other rows of it meanwhile — the embedding cache's I/O thread fetching the
+  next batch's rows into other slots while this batch's update runs).
 - **Exact types.**  Scalars must be numpy scalars; each is checked against the kernel's C
   parameter type (``np.int64`` for ``long long``, ...), and each tensor's dtype against the
   pointer's element type (a uint8 tensor passes as raw bytes), so a wrong argument is an error
@@ -402,9 +405,11 @@ def launch(source: str | Path, kernel: str, grid, block, args, shared_mem: int =
     out.append(struct.pack("<I", len(name)) + name)
     out.append(struct.pack("<6IQQ", *grid3, *block3, int(shared_mem), _launch_seed(cfg)))
     out.append(struct.pack("<I", len(buffers)))
+    before = {}
     for lo, hi, head in buffers:
         out.append(struct.pack("<QI", hi - lo, head))
-        out.append(ctypes.string_at(lo, hi - lo))
+        before[(lo, hi)] = ctypes.string_at(lo, hi - lo)
+        out.append(before[(lo, hi)])
     out.append(struct.pack("<I", len(args)))
     for a in args:
         if a is None or (isinstance(a, torch.Tensor) and a.numel() == 0):
@@ -420,8 +425,23 @@ def launch(source: str | Path, kernel: str, grid, block, args, shared_mem: int =
         out.append(struct.pack("<4IQI", tag, kind, size, buf, value, len(d)) + d)
     replies = _server(Path(source)).request(b"".join(out), [hi - lo for lo, hi, _ in buffers])
     for (lo, hi, _), data in zip(buffers, replies):
-        ctypes.memmove(lo, data, hi - lo)
+        _copy_back(lo, before[(lo, hi)], data)
     launches[kernel] += 1
+
+
+def _copy_back(lo: int, sent: bytes, got: bytes) -> None:
+    """Writes the runs of bytes where ``got`` (the buffer after the kernel) differs from ``sent``
+    (as the launch copied it) back at address ``lo``: what the kernel wrote, nothing else."""
+    if got == sent:
+        return
+    import numpy as np
+    changed = np.flatnonzero(np.frombuffer(sent, np.uint8) != np.frombuffer(got, np.uint8))
+    cut = np.flatnonzero(np.diff(changed) > 1)
+    starts = changed[np.concatenate(([0], cut + 1))]
+    ends = changed[np.concatenate((cut, [changed.size - 1]))] + 1
+    view = memoryview(got)
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        ctypes.memmove(lo + a, bytes(view[a:b]), b - a)
 
 
 def kernels_of(source: str | Path) -> list[str]:
