@@ -116,11 +116,15 @@ def _apply_update(group, lin, offsets, grad, t, b, pooling, psw=None, winners=No
         group.step -= 1
         return
     o = group.optimizer
+    # A cached group's weights hold slots: its slot -> group row map keys each slot's stochastic
+    # rounding (half tables) on the row it holds, so it rounds as the resident row would.
+    cache = getattr(group, "cache", None)
     tbe_backward_update(group.weights.detach(), group.optimizer_state(), lin, offsets, grad,
                         T=t, B=b, pooling=pooling, per_sample_weights=psw,
                         optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
                         weight_decay=o.weight_decay, step=group.step, grad_scale=scale,
-                        weight_decay_mode=o.weight_decay_mode, winners=winners, segments=segments)
+                        weight_decay_mode=o.weight_decay_mode, winners=winners, segments=segments,
+                        key_rows=None if cache is None else cache.index.slot_row)
 
 
 class GatherRows(torch.autograd.Function):

@@ -109,10 +109,29 @@ class TBELookupCUDA(torch.autograd.Function):
                 group.weights.detach(), group.optimizer_state(), ids, offsets, hsc, grad.contiguous(),
                 T=t, B=b, pooling=pooling, per_sample_weights=psw, optimizer=o.name, lr=o.lr,
                 eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay, step=group.step,
-                table_names=names, checked=checked, weight_decay_mode=o.weight_decay_mode)
+                table_names=names, checked=checked, weight_decay_mode=o.weight_decay_mode,
+                key_rows=_slot_key_rows(group, ctx.sparse))
         if isinstance(ctx.sparse, SlotBatch):
             ctx.sparse.lease.release()   # its rows are updated: the cache may evict them now
         return None, None, None
+
+
+def _slot_key_rows(group, sparse):
+    """A cached half group's key map for the fused update, on the device: entry s the group row
+    that slot s holds (``cache.index.slot_row[s]``, on the host), so each slot's stochastic
+    rounding is keyed as its row's is when resident. Only this batch's slots are read by the
+    kernel, so only theirs are filled: the rows of its ids' slots (gathered on the host, where
+    ``cache_map`` left the slots, and sent over like the slots themselves: N values, not the
+    cache's S). The batch's slots are pinned until its backward has run, so ``slot_row`` still
+    holds their rows. None for a resident group and for fp32 weights (nothing is rounded)."""
+    cache = getattr(group, "cache", None)
+    weights = group.weights
+    if cache is None or not isinstance(sparse, SlotBatch) or weights.dtype == torch.float32:
+        return None
+    keys = torch.empty(weights.shape[0], dtype=torch.int64, device=weights.device)
+    rows = cache.index.slot_row[sparse.assignment.slots]
+    keys[sparse.indices] = rows.to(weights.device)
+    return keys
 
 
 def _from_slot_bags(out: torch.Tensor, ctx) -> torch.Tensor:

@@ -19,9 +19,11 @@ Pins: every ``cache_map`` takes a sequence number; a batch is *live* from its ``
 its backward has applied its update (or, without autograd, until the lookup has read it). A slot
 whose newest user is live is never evicted, which is what lets ``train_pipeline`` map and fetch
 batch i+1 while batch i's backward is still to run. The cache is transparent: the same rows are
-updated with the same math as when resident (the kernels see slots for rows; fp32 tables give
-bit-identical parameters, half tables differ only in the stochastic rounding's random bits,
-which the kernel keys on the slot).
+updated with the same math as when resident (the kernels see slots for rows), and fp32 and half
+tables alike give bit-identical parameters: the fused update keys a half slot's stochastic
+rounding on the group row it holds (``index.slot_row``, passed as the kernels' ``key_rows``), not
+on the slot. (Except on CUDA for a row with more ids in one batch than ``long_run_segment(D)``:
+its gradient is summed in segments cut at positions that move with the numbering of rows.)
 
 The store is scratch space, owned by one run: created (and filled from the initial tables) at
 ``instantiate()``, locked for the run's life (``flock`` with the owner's pid and host), removed at

@@ -295,6 +295,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p, i32, p, i32, f32,          # grad_output, it is bf16 (else fp32), per_sample_weights, mean, grad_scale
         i32, f32, f32, f32, f32, f32, i32, f32, f32,  # optimizer, lr, eps, b1, b2, wd, decoupled, bc1, bc2
         p, p, i64, i32,               # slot_map (or NULL: hashed), segments (or NULL), their count, nthreads
+        p,                            # key_rows (or NULL): the row number keying each row's rounding
     ]
     lib.recc_tbe_forward.restype = ctypes.c_int
     lib.recc_tbe_forward.argtypes = [p, i32, i64, i64, p, p, i64, i64, p, i32, p, i32, i32]  # out, out is bf16, threads

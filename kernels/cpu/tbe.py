@@ -348,6 +348,17 @@ def _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mod
                          f"(B, T*D) = ({B}, {T * D})")
 
 
+def _check_key_rows(weights: torch.Tensor, key_rows: torch.Tensor | None) -> None:
+    if key_rows is None:
+        return
+    R = weights.shape[0]
+    if key_rows.dtype != torch.int64 or key_rows.dim() != 1 or key_rows.numel() != R:
+        raise ValueError(f"key_rows must be a 1-D int64 tensor of one entry per weight row ({R}), got "
+                         f"{key_rows.dtype} {tuple(key_rows.shape)}")
+    if key_rows.device != weights.device:
+        raise ValueError(f"key_rows is on {key_rows.device}, weights on {weights.device}")
+
+
 def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.Tensor],
                                   lin_indices: torch.Tensor, offsets: torch.Tensor,
                                   grad_output: torch.Tensor, *, T: int, B: int,
@@ -357,11 +368,13 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                                   beta1: float = 0.9, beta2: float = 0.999,
                                   weight_decay: float = 0.0, step: int = 1,
                                   grad_scale: float = 1.0, weight_decay_mode: str = "l2",
-                                  seed: int | None = None, winners: torch.Tensor | None = None) -> None:
+                                  seed: int | None = None, winners: torch.Tensor | None = None,
+                                  key_rows: torch.Tensor | None = None) -> None:
     """Pure-torch backward + fused optimizer: unique + index_add + one row update. ``winners``:
     max pooling's, from ``max_pool`` at forward (else recomputed from the current weights)."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
+    _check_key_rows(weights, key_rows)
     R, D = weights.shape
     N = lin_indices.numel()
     if N == 0:
@@ -432,7 +445,8 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
             bc2 = 1 - beta2 ** step
             w -= lr * (m / bc1) / ((v / bc2).sqrt() + eps)
         if weights.dtype != torch.float32:
-            w = round_stochastically(w, weights.dtype, step if seed is None else seed, rows)
+            keys = rows if key_rows is None else key_rows[rows]
+            w = round_stochastically(w, weights.dtype, step if seed is None else seed, keys)
         weights.index_copy_(0, rows, w)
 
 
@@ -597,9 +611,10 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
                                beta1: float = 0.9, beta2: float = 0.999,
                                weight_decay: float = 0.0, step: int = 1,
                                grad_scale: float = 1.0, weight_decay_mode: str = "l2",
-                               seed: int | None = None, segments: Sequence[int] | None = None) -> None:
+                               seed: int | None = None, segments: Sequence[int] | None = None,
+                               key_rows: torch.Tensor | None = None) -> None:
     """The C fast path (same semantics as the reference); raises if it is unavailable.
-    ``segments``: see ``tbe_backward_update``."""
+    ``segments``, ``key_rows``: see ``tbe_backward_update``."""
     lib = native.library()
     if lib is None:
         raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
@@ -607,6 +622,9 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
         raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
+    _check_key_rows(weights, key_rows)
+    if key_rows is not None:
+        key_rows = key_rows.contiguous()
     if not _native_update_ok(weights, state, optimizer):
         raise ValueError("the C kernels update weights and state in place: they must be "
                          "contiguous")
@@ -632,7 +650,8 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
         None if psw is None else psw.data_ptr(), int(pooling == "mean"), grad_scale,
         _OPTIMIZER_CODE[optimizer], lr, eps, beta1, beta2, weight_decay, int(weight_decay_mode == "decoupled"),
         1.0 - beta1 ** step, 1.0 - beta2 ** step, None if slot_map is None else slot_map.data_ptr(), segs,
-        0 if segments is None else len(segments) - 1, _num_threads())
+        0 if segments is None else len(segments) - 1, _num_threads(),
+        None if key_rows is None or weights.dtype == torch.float32 else key_rows.data_ptr())
     if rc == 1:
         raise IndexError(f"lin_indices has a row outside [0, {R}); nothing was updated; run "
                          f"validate_inputs on the local ids to find the table and bag")
@@ -653,7 +672,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
                         step: int = 1, grad_scale: float = 1.0, weight_decay_mode: str = "l2",
                         seed: int | None = None, winners: torch.Tensor | None = None,
-                        segments: Sequence[int] | None = None) -> None:
+                        segments: Sequence[int] | None = None, key_rows: torch.Tensor | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place.
 
     ``grad_scale`` multiplies every id's gradient (a rank's 1/world share of the global-mean
@@ -677,7 +696,12 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
       that for ``OptimizerSpec.adam_eps="before_bias_correction"``.
 
     fp16/bf16 ``weights`` are read into fp32, updated in fp32 (``state`` is fp32) and written back
-    with stochastic rounding (``round_stochastically``, keyed by ``seed``, default ``step``).
+    with stochastic rounding (``round_stochastically``, keyed by ``seed``, default ``step``, and
+    the row: row ``r``'s random bits are those of row ``key_rows[r]`` when ``key_rows`` (int64,
+    one entry per weight row) is given — a cached group's weights hold cache slots, and its
+    slot -> group row map makes each slot round as the group row it holds does when resident,
+    so cached and all-resident training agree bit for bit. Only touched rows' entries are read;
+    fp32 weights ignore it).
 
     Ids must be valid rows (``validate_inputs`` on the local ids, then ``linearize_indices``);
     a row outside ``[0, R)`` raises IndexError before anything is written.  No gradient flows
@@ -695,4 +719,4 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     fn(weights, state, lin_indices, offsets, grad_output, T=T, B=B, pooling=pooling,
        per_sample_weights=per_sample_weights, optimizer=optimizer, lr=lr, eps=eps, beta1=beta1,
        beta2=beta2, weight_decay=weight_decay, step=step, grad_scale=grad_scale,
-       weight_decay_mode=weight_decay_mode, seed=seed)
+       weight_decay_mode=weight_decay_mode, seed=seed, key_rows=key_rows)

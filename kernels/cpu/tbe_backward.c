@@ -28,7 +28,10 @@
  * fp32, pooled and updated in fp32 (the optimizer state is fp32), and written back with
  * stochastic rounding — each element goes to one of its two neighbours with the probability
  * that makes the rounding unbiased, from a counter-based hash of (seed, row, column), so the
- * result does not depend on threads or scheduling.
+ * result does not depend on threads or scheduling. `key_rows` (optional, [R]) names the row
+ * whose number keys a weight row's bits: a cached group's weights hold slots, and
+ * key_rows[slot] (its cache's slot -> group row map) makes a slot round like the group row it
+ * holds, so cached training rounds exactly as all-resident training does.
  *
  * Compiled with -std=c11, so gcc does not contract a*b+c into FMAs: the arithmetic is the
  * same as the pure-torch reference's up to summation order.
@@ -164,11 +167,12 @@ static inline __m512 load16_halves(const float* p) {
 }
 #endif
 
-/* Row `row` of half weights from fp32 w[D], stochastically rounded (seed, row, column). */
+/* Row `row` of half weights from fp32 w[D], stochastically rounded (seed, key_row, column):
+ * key_row is `row` itself, or the row it stands for (a cache slot's group row). */
 static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D, const float* restrict w,
-                                  uint64_t seed) {
+                                  uint64_t seed, int64_t key_row) {
     uint16_t* restrict h16 = (uint16_t*)weights + row * D;
-    const uint32_t key = sr_row_key(seed, (uint64_t)row);
+    const uint32_t key = sr_row_key(seed, (uint64_t)key_row);
     int64_t d0 = 0;
     if (wt == W_BF16) {
 #ifdef SR_VEC16
@@ -237,7 +241,7 @@ static inline void store_half_row(void* weights, int wt, int64_t row, int64_t D,
  * if they were row 0 of a table of n columns updated under `seed`. */
 int recc_round_half_sr(const float* in, int64_t n, int wt, uint64_t seed, uint16_t* out) {
     if (wt != W_F16 && wt != W_BF16) return 3;
-    store_half_row(out, wt, 0, n, in, seed);
+    store_half_row(out, wt, 0, n, in, seed, 0);
     return 0;
 }
 
@@ -383,6 +387,7 @@ typedef struct {
     float lr, eps, beta1, beta2, wd, bc1, bc2;
     int decoupled; /* weight decay: 0 L2 (wd * w added to g), 1 decoupled (w *= 1 - lr * wd, AdamW) */
     int32_t* slot_map; /* [R] row -> slot, all -1 between calls; NULL: each unit hashes its rows */
+    const int64_t* key_rows; /* [R] the row number keying each row's rounding; NULL: the row itself */
 } bwd_t;
 
 typedef struct {
@@ -720,7 +725,7 @@ static inline __attribute__((always_inline)) void process_unit(const bwd_t* c,
         } else {
             load_half_row(c->weights, c->wt, row, D, wtmp);
             apply_row(c, row, wtmp, acc, D);
-            store_half_row(c->weights, c->wt, row, D, wtmp, c->seed);
+            store_half_row(c->weights, c->wt, row, D, wtmp, c->seed, c->key_rows ? c->key_rows[row] : row);
         }
         if (slot_map) slot_map[row] = -1;
     }
@@ -761,14 +766,15 @@ static int cmp_unit_bigger_first(const void* a, const void* b) {
  * row is read: a bf16 consumer's gradient needs no conversion pass); psw [N] or NULL; mean: 1 for mean pooling;
  * grad_scale: multiplies every id's gradient (folded into its per-id scale, no pass over go);
  * bc1/bc2: Adam bias corrections 1 - beta^step; slot_map [R], all -1 on entry and on return, or
- * NULL: each unit then maps its rows to slots through a hash map sized by its ids.
+ * NULL: each unit then maps its rows to slots through a hash map sized by its ids; key_rows [R]
+ * or NULL: the row number keying each half row's stochastic rounding (NULL: the row's own).
  */
 int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, int64_t D, float* m1, float* m2,
                              const int64_t* lin, const int64_t* offsets, int64_t T,
                              int64_t B, const void* go, int go_bf16, const float* psw, int mean,
                              float grad_scale, int optimizer, float lr, float eps, float beta1, float beta2,
                              float wd, int decoupled, float bc1, float bc2, int32_t* slot_map,
-                             const int64_t* segs, int64_t S, int nthreads) {
+                             const int64_t* segs, int64_t S, int nthreads, const int64_t* key_rows) {
     if (D <= 0 || T < 0 || B < 0 || optimizer < 0 || optimizer > 3) return RC_BAD_ARGS;
     if (wt != W_F32 && wt != W_F16 && wt != W_BF16) return RC_BAD_ARGS;
     if (optimizer != OPT_SGD && !m1) return RC_BAD_ARGS;
@@ -913,7 +919,7 @@ int recc_tbe_backward_update(void* weights, int wt, uint64_t seed, int64_t R, in
     /* 2. Units in parallel: each owns its rows, so no two threads write the same row. */
     const bwd_t ctx = {weights, wt, seed, R,  D,    m1,    m2,    lin, offsets, T,   B,   go, go_bf16,
                        psw,     mean, optimizer, grad_scale, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled,
-                       slot_map};
+                       slot_map, key_rows};
     void (*fn)(const bwd_t*, const unit_t*, workspace_t*) =
         D == 4 ? process_unit_4
         : D == 8 ? process_unit_8

@@ -33,7 +33,9 @@
  *  malformed bag), so a bad batch writes nothing.
  *  fp16 and bf16 weights are read and updated in fp32 and written back with stochastic
  *  rounding (an unbiased rounding keyed by (seed, row, column), so small updates are not lost
- *  to round-to-nearest); optimizer state is always fp32.
+ *  to round-to-nearest); optimizer state is always fp32.  `key_rows` (NULL, or [R]) names the
+ *  row whose number keys a weight row's rounding: a cached group's weights hold slots, and
+ *  key_rows[slot] = the group row the slot holds makes it round as that row does when resident.
  */
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -440,7 +442,8 @@ template <typename W, int V>
 __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active, i64 row,
                                           int d_first, int nchunks, int lanes, int D,
                                           W* __restrict__ weights, float* __restrict__ m1,
-                                          float* __restrict__ m2, const OptArgs& o, u64 seed) {
+                                          float* __restrict__ m2, const OptArgs& o, u64 seed,
+                                          const i64* __restrict__ key_rows) {
     float w[MAX_CHUNKS][V];
     float sq = 0.0f;
 #pragma unroll
@@ -473,6 +476,8 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
         }
     }
     if (!active) return;
+    /* the rounding's key: (row or the row it stands for) * D + column */
+    const i64 key_row = key_rows ? key_rows[row] : row;
 #pragma unroll
     for (int c = 0; c < MAX_CHUNKS; ++c) {
         const int d0 = d_first + c * lanes * V;
@@ -499,7 +504,7 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
             }
             w[c][k] = wk;
         }
-        store_row(weights + at, w[c], V, seed ^ mix64((u64)at));
+        store_row(weights + at, w[c], V, seed ^ mix64((u64)(key_row * D + d0)));
     }
 }
 
@@ -512,7 +517,8 @@ __device__ __forceinline__ void update_body(
         const int* __restrict__ bag_of, const int* __restrict__ run_start,
         const int* __restrict__ num_runs_at, const i64* __restrict__ offsets, int T, i64 B,
         const float* __restrict__ go, const float* __restrict__ psw, int mean, OptArgs o,
-        u64 seed, int lanes, int seg, const float* __restrict__ partials, const u64* err) {
+        u64 seed, const i64* __restrict__ key_rows, int lanes, int seg, const float* __restrict__ partials,
+        const u64* err) {
     if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
     const i64 num_runs = *num_runs_at;
     const int groups_per_warp = 32 / lanes;
@@ -542,7 +548,7 @@ __device__ __forceinline__ void update_body(
             accumulate<V>(g, s, e, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
                           go, psw, mean);
         apply_row<W, V>(g, active, active ? (i64)sorted[s] : 0, lane * V, nchunks, lanes, D,
-                        weights, m1, m2, o, seed);
+                        weights, m1, m2, o, seed, key_rows);
     }
 }
 
@@ -552,10 +558,12 @@ __device__ __forceinline__ void update_body(
                                     const int* num_runs_at, const i64* offsets, int T, i64 B,  \
                                     const float* go, const float* psw, int mean, int opt,      \
                                     float lr, float eps, float beta1, float beta2, float wd,   \
-                                    int decoupled, float bc1, float bc2, u64 seed, int lanes,  \
-                                    int seg, const float* partials, const u64* err) {          \
+                                    int decoupled, float bc1, float bc2, u64 seed,             \
+                                    const i64* key_rows, int lanes, int seg,                   \
+                                    const float* partials, const u64* err) {                   \
         const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled};               \
         update_body<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at,    \
-                          offsets, T, B, go, psw, mean, o, seed, lanes, seg, partials, err);   \
+                          offsets, T, B, go, psw, mean, o, seed, key_rows, lanes, seg, partials, \
+                          err);                                                                \
     }
 EACH_WEIGHT_TYPE(UPDATE, tbe_update)

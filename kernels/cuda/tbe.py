@@ -188,10 +188,14 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         per_sample_weights: torch.Tensor | None = None, optimizer: str = "sgd",
                         lr: float, eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999,
                         weight_decay: float = 0.0, step: int = 1, seed: int | None = None,
-                        table_names=None, checked: bool = False, weight_decay_mode: str = "l2") -> None:
+                        table_names=None, checked: bool = False, weight_decay_mode: str = "l2",
+                        key_rows: torch.Tensor | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place; the math of
     ``recc.kernels.cpu.tbe.tbe_backward_update``.  ``seed`` keys the stochastic rounding of
-    fp16/bf16 weights (default: ``step``)."""
+    fp16/bf16 weights (default: ``step``); ``key_rows`` (int64 [R] on the weights' device, or
+    None) keys weight row r's rounding on row ``key_rows[r]`` instead of r (a cached group's
+    slot -> group row map: each slot rounds as the row it holds would when resident; only the
+    touched rows' entries are read)."""
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
@@ -208,6 +212,14 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     if tuple(grad_output.shape) != (B, T * D):
         raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, expected "
                          f"(B, T*D) = ({B}, {T * D})")
+    if key_rows is not None:
+        if key_rows.dtype != torch.int64 or key_rows.dim() != 1 or key_rows.numel() != R:
+            raise ValueError(f"key_rows must be a 1-D int64 tensor of one entry per weight row ({R}), got "
+                             f"{key_rows.dtype} {tuple(key_rows.shape)}")
+        if key_rows.device != weights.device:
+            raise ValueError(f"key_rows is on {key_rows.device}, weights on {weights.device}")
+        # fp32 rows are stored as they are: no rounding to key
+        key_rows = key_rows.contiguous() if weights.dtype != torch.float32 else None
     N = indices.numel()
     if N == 0 or T * B == 0:
         return
@@ -257,7 +269,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
             np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
             np.float32(beta2), np.float32(weight_decay), np.int32(weight_decay_mode == "decoupled"),
             np.float32(bc1), np.float32(bc2),
-            np.uint64(seed), np.int32(lanes), np.int32(segment))
+            np.uint64(seed), key_rows, np.int32(lanes), np.int32(segment))
     sms = _sm_count(dev)
     groups_per_block = THREADS // lanes
     partials = None

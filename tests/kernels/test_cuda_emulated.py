@@ -172,6 +172,46 @@ def test_backward_half_weights(D, opt, wdtype):
         assert rel(state[k], s_ref[k]) <= 2e-5, k
 
 
+@pytest.mark.parametrize("wdtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("D", (17, 64))
+def test_slots_keyed_on_their_rows_update_like_the_rows(D, opt, wdtype):
+    """A cached group's update on slots: with ``key_rows`` (slot -> the group row it holds, -1
+    for an empty slot) each slot rounds as its row does, so the slots end bit for bit as their rows
+    in the resident update of the whole table; keyed on the slot they do not. No long run: a run
+    of more than ``long_run_segment(D)`` ids is summed in segments cut at fixed positions of the
+    whole sorted batch, which move with the row numbering, so its sum's rounding may differ."""
+    T, B = 2, 9
+    g, rows, ids, offsets, hsc, w, _ = case(T, D, B, wdtype, D + 11)
+    R = int(hsc[-1])
+    lin = linearize_indices(ids, offsets, hsc, T, B)
+    grad = torch.randn(B, T * D, generator=g)
+    state = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
+    kw = dict(T=T, B=B, optimizer=opt, lr=0.05, eps=0.1, weight_decay=0.01, step=3)
+    want, want_st = w.clone(), {k: v.clone() for k, v in state.items()}
+    gpu.tbe_backward_update(want, want_st, ids, offsets, hsc, grad, **kw)
+    # the cache: the batch's rows and a few more in shuffled slots, two slots empty
+    held = torch.unique(torch.cat([lin, torch.randint(0, R, (4,), generator=g)]))
+    slot_row = torch.cat([held, torch.full((2,), -1, dtype=torch.int64)])
+    slot_row = slot_row[torch.randperm(slot_row.numel(), generator=g)]
+    slot_of = torch.full((R,), -1, dtype=torch.int64)
+    full = slot_row >= 0
+    slot_of[slot_row[full]] = full.nonzero().flatten()
+    S = slot_row.numel()
+    # as the CUDA backend runs a cached group: slots for ids, one table of every bag
+    slot_hsc = torch.tensor([0, S])
+    slot_grad = grad.reshape(B, T, D).transpose(0, 1).reshape(T * B, D)
+    for keyed in (True, False):
+        ws = w[slot_row.clamp(min=0)].clone()
+        sts = {k: v[slot_row.clamp(min=0)].clone() for k, v in state.items()}
+        gpu.tbe_backward_update(ws, sts, slot_of[lin], offsets, slot_hsc, slot_grad.contiguous(),
+                                key_rows=slot_row if keyed else None, **{**kw, "T": 1, "B": T * B})
+        same = torch.equal(ws[full].view(torch.int16), want[slot_row[full]].view(torch.int16))
+        assert same == keyed, keyed
+        for k in sts:
+            assert torch.equal(sts[k][full], want_st[k][slot_row[full]]), k
+
+
 @pytest.mark.parametrize("wd_mode", ["l2", "decoupled"])
 def test_weight_decay_modes(wd_mode):
     for opt in OPTIMIZERS:

@@ -136,3 +136,45 @@ def test_updates_smaller_than_half_a_spacing_are_not_lost(dtype):
     se = spacing / 2 * (p * (1 - p) / (1000 * 8)) ** 0.5
     assert abs(float(mean) - want) < 4 * se, (float(mean), want, se)
     assert float(mean) < 1.0
+
+
+def _slots_of(rows: int, lin: torch.Tensor, spare: int = 3, seed: int = 4):
+    """A cache's view of ``rows`` rows: slot s holds row ``slot_row[s]`` (the batch's rows and a
+    few others, in a shuffled order, plus ``spare`` empty slots, -1), and the batch's ids as slots."""
+    g = torch.Generator().manual_seed(seed)
+    held = torch.unique(torch.cat([lin, torch.randint(0, rows, (5,), generator=g)]))
+    slot_row = torch.cat([held, torch.full((spare,), -1, dtype=torch.int64)])
+    slot_row = slot_row[torch.randperm(slot_row.numel(), generator=g)]
+    where = torch.full((rows,), -1, dtype=torch.int64)
+    where[slot_row[slot_row >= 0]] = (slot_row >= 0).nonzero().flatten()
+    return slot_row, where[lin]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", HALF)
+def test_slots_keyed_on_their_rows_update_like_the_rows(optimizer, dtype):
+    """A cached group's update runs on slots: with ``key_rows`` (slot -> the row it holds), each
+    slot's stochastic rounding is its row's, so the slots end bit for bit as the rows they hold
+    do when the whole table is updated (the C kernel and the reference alike); keyed on the slot
+    (no ``key_rows``) they do not."""
+    w, lin, off, grad = _case(dtype, seed=3)
+    R, D = w.shape
+    B = off.numel() - 1
+    kw = dict(T=1, B=B, optimizer=optimizer, lr=0.1, eps=0.1, weight_decay=0.01, step=3)
+    shapes = optimizer_state_shapes(optimizer, R, D)
+    st = {k: torch.rand(s, generator=torch.Generator().manual_seed(6)) for k, s in shapes.items()}
+    slot_row, slot_ids = _slots_of(R, lin)
+    held = slot_row.clamp(min=0)
+    fns = [tbe_backward_update_reference] + ([tbe_backward_update_native] if native.library() else [])
+    for fn in fns:
+        want, want_st = w.clone(), {k: v.clone() for k, v in st.items()}
+        fn(want, want_st, lin, off, grad, **kw)   # the whole table, resident
+        for keyed in (True, False):
+            ws = w[held].clone()
+            sts = {k: v[held].clone() for k, v in st.items()}
+            fn(ws, sts, slot_ids, off, grad, key_rows=slot_row if keyed else None, **kw)
+            full = slot_row >= 0
+            same = torch.equal(ws[full].view(torch.int16), want[slot_row[full]].view(torch.int16))
+            assert same == keyed, (fn.__name__, keyed)
+            for k in sts:
+                assert torch.equal(sts[k][full], want_st[k][slot_row[full]]), (fn.__name__, k)

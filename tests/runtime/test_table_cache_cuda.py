@@ -1,6 +1,7 @@
 """Cached tables on a GPU rank, run on the CUDA emulator: the store is host memory
 (``HostStore``), the slots device memory, and the CUDA TBE kernels read and update the slots as
-one table of every bag. Training must give the resident run's parameters bit for bit (fp32)."""
+one table of every bag. Training must give the resident run's parameters bit for bit, with fp32
+and half tables (the update keys a slot's stochastic rounding on the group row it holds)."""
 from __future__ import annotations
 
 import pytest
@@ -43,11 +44,12 @@ def batch(step, B=16):
     return ids, offs, torch.rand(B, generator=g).round()
 
 
-def train(placement, optimizer, tmp_path, pipeline):
+def train(placement, optimizer, tmp_path, pipeline, table_dtype=None):
     torch.manual_seed(0)
     model = TwoTower()
     ids, offs, _ = batch(0)
-    config = recc.CompileConfig(optimizer=optimizer, lr=0.1, placement=placement, cache_dir=str(tmp_path))
+    config = recc.CompileConfig(optimizer=optimizer, lr=0.1, placement=placement, cache_dir=str(tmp_path),
+                                table_dtype=table_dtype)
     program = recc.compile(model, recc.Cluster.local(1, device="cuda"), config=config, example_inputs=(ids, offs))
     with emulator.emulated():
         dm = program.instantiate(device="cpu")
@@ -66,16 +68,24 @@ def train(placement, optimizer, tmp_path, pipeline):
         return dm.state_dict(), dm.cache_report().rows(), dm
 
 
-@pytest.mark.parametrize("optimizer, pipeline", [("sgd", False), ("rowwise_adagrad", True), ("adam", True)],
-                         ids=["sgd-on-demand", "rowwise_adagrad-prefetch", "adam-prefetch"])
-def test_a_gpu_ranks_cached_tables_train_like_resident_ones(optimizer, pipeline, tmp_path):
-    want, _, _ = train("resident", optimizer, tmp_path / "a", pipeline)
+CASES = [("sgd", False, None), ("rowwise_adagrad", True, None), ("adam", True, None),
+         ("sgd", False, "bf16"), ("adagrad", True, "fp16")]
+
+
+@pytest.mark.parametrize("optimizer, pipeline, table_dtype", CASES,
+                         ids=[f"{o}-{'prefetch' if p else 'on-demand'}" + (f"-{d}" if d else "") for o, p, d in CASES])
+def test_a_gpu_ranks_cached_tables_train_like_resident_ones(optimizer, pipeline, table_dtype, tmp_path):
+    want, _, _ = train("resident", optimizer, tmp_path / "a", pipeline, table_dtype)
     # user + cat share a group (two sum bags: the kernels see both tables' bags as one table's,
     # which the output's layout must undo); item, mean-pooled, is a group of its own.
     got, report, dm = train({"emb.user": {"cache_rows": 60}, "emb.cat": {"cache_rows": 10},
-                             "emb.item": {"cache_rows": 50}}, optimizer, tmp_path / "b", pipeline)
+                             "emb.item": {"cache_rows": 50}}, optimizer, tmp_path / "b", pipeline, table_dtype)
     assert max(g.num_tables for g in dm.table_groups() if getattr(g, "cache", None)) == 2
     assert all(type(g.cache.store).__name__ == "HostStore" for g in dm.table_groups() if getattr(g, "cache", None))
     assert sum(r["written_back"] for r in report) > 0, "the caches never evicted a dirty row: no pressure"
+    if table_dtype:
+        assert all(g.weights.dtype == getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[table_dtype])
+                   for g in dm.table_groups())
     for k in want:
+        assert want[k].dtype == got[k].dtype, k
         assert torch.equal(want[k], got[k]), k
