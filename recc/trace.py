@@ -682,9 +682,19 @@ class ShapeProp(fx.Interpreter):
         super().__init__(gm)
         self.abstract = abstract
         self.record = record
+        self._holds_meta: dict[int, tuple[Any, bool]] = {}   # id(container) -> (container, _has_meta)
 
     def run_node(self, n: fx.Node):
-        if n.op == "call_function" and op_of(n.target) is not None and self.abstract:
+        if self.abstract and _is_constant_index(n) and isinstance(self.env.get(n.args[0]), (list, tuple, dict)):
+            # One element of a list value (a table group's outputs, a split's pieces): what the
+            # generic path below computes — the element, as a meta copy when anything in the
+            # container is meta — without converting and scanning the whole container for each
+            # of its elements (T getitems of a T-long list were T^2 meta tensors a stage).
+            container = self.env[n.args[0]]
+            result = container[n.args[1]]
+            if self._has_meta_cached(container):
+                result = to_meta(result)
+        elif n.op == "call_function" and op_of(n.target) is not None and self.abstract:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             result = op_of(n.target).meta(*args, **kwargs)
         elif n.op == "call_function" and op_of(n.target) is not None:
@@ -700,6 +710,20 @@ class ShapeProp(fx.Interpreter):
         if self.record:
             n.meta["val"] = abstract_value(result)
         return result
+
+    def _has_meta_cached(self, container) -> bool:
+        """``_has_meta(container)``, asked once per container value of the run (the entry holds
+        the container, so its id is not reused while the run lasts)."""
+        hit = self._holds_meta.get(id(container))
+        if hit is None or hit[0] is not container:
+            hit = self._holds_meta[id(container)] = (container, _has_meta(container))
+        return hit[1]
+
+
+def _is_constant_index(n: fx.Node) -> bool:
+    """``operator.getitem(value, k)`` with ``k`` a constant (no node in it)."""
+    return (n.op == "call_function" and n.target is operator.getitem and len(n.args) == 2 and not n.kwargs
+            and isinstance(n.args[0], fx.Node) and len(n.all_input_nodes) == 1)
 
 
 class _EagerProbe(fx.Interpreter):
