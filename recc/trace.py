@@ -565,12 +565,23 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
     _prune_dead_reads(graph)
     _self_named_self(graph)
     _name_placeholders(graph, [p.name for p in params], example_inputs)
-    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    gm = _GraphModule(tracer.root, graph, type(model).__name__)
     # The Python module that defines each of the user's modules' classes: fx rebuilds
     # traced-through parents of the attributes it keeps as plain Modules (discover_tables asks
     # whether a table sat in a TorchRec collection).
     gm.meta["recc.module_packages"] = {path: type(m).__module__ for path, m in model.named_modules()}
     return gm
+
+
+try:
+    # A GraphModule whose Python code is generated and compiled when first needed (calling it,
+    # ``.code``, ``print``), not on every ``recompile()``: a compile rewrites the graph once per
+    # pass and snapshots every stage (a deepcopy builds a GraphModule), and generating and
+    # compiling the forward of a 10,000-table graph takes about a second, for stages mostly only
+    # read as text. It is a GraphModule in every other respect (its deepcopies stay lazy).
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _GraphModule
+except ImportError:   # pragma: no cover - older torch: code generated eagerly, as before
+    _GraphModule = fx.GraphModule
 
 
 def _call_on_meta(module: nn.Module, args, kwargs):
