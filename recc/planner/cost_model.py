@@ -314,11 +314,15 @@ class CostModel:
             base = 0 if kind == RW else placement[1] * self.G
             group = range(base, base + parts)
             idb = self.ids(p, self.b, p.bag / parts)
+            block = {}   # rows -> (time, memory): ceil-sized blocks are one size but the last
             for i, r0, r1 in row_blocks(p.rows, parts):
-                f = (r1 - r0) / p.rows
-                comp[base + i] = self.lookup_s(p, self.B * p.bag * f, self.B, p.dim, optimizer)
-                mem[base + i] = (self.resident_bytes(p, r1 - r0, p.dim, optimizer) + self.ids(p, self.B * f, p.bag)
-                                 + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
+                if r1 - r0 not in block:
+                    f = (r1 - r0) / p.rows
+                    block[r1 - r0] = (self.lookup_s(p, self.B * p.bag * f, self.B, p.dim, optimizer),
+                                      self.resident_bytes(p, r1 - r0, p.dim, optimizer)
+                                      + self.ids(p, self.B * f, p.bag)
+                                      + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
+                comp[base + i], mem[base + i] = block[r1 - r0]
             if kind == RW:
                 pair = 2 * idb + (4 * self.out(p, self.b, p.dim) * (1.0 if p.pooled else 1.0 / W))
                 for q in range(W):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from typing import Optional
 
 from recc.cluster import Cluster
@@ -27,11 +28,15 @@ def table_reasons(tables, shards, alternatives, model: CostModel, bag_sizes, che
     profiles = {n: model.profile(tables[n], (bag_sizes or {}).get(n, 1.0)) for n in shards}
     groups = {n: model.collective(profiles[n], placements[n]) for n in shards}
     lat_now = model.latency(groups.values())
+    # The plan's collective groups with how many tables each holds: the groups of the plan less
+    # one table are these less its own when it is alone there (a list of the others per table
+    # was n^2 work; the latency is a sum over the distinct groups, whatever their sizes).
+    members = Counter(groups.values())
     out = {}
     for name, spec in shards.items():
         t, p = tables[name], profiles[name]
         c0, m0, me0 = model.delta(p, placements[name])
-        rest = [g for n, g in groups.items() if n != name]
+        rest = [g for g, k in members.items() if k > 1 or g != groups[name]]
         options = []
         allowed = cons["kinds"].get(name, SHARDING_KINDS)
         for kind in SHARDING_KINDS:

@@ -25,6 +25,8 @@ import math
 import operator
 from typing import Iterable, Optional
 
+import numpy as np
+
 from recc.planner.constraints import Unit
 from recc.planner.cost_model import GIB, CostModel
 from recc.planner.layouts import CW, DP, RW, TW, TWRW, column_splits
@@ -63,18 +65,40 @@ class _State:
         for n in range(N):
             vals = tot[n * G:(n + 1) * G]
             self.Tn.append(sum(vals))
-            i1 = max(range(G), key=lambda i: (vals[i], -i))
+            # the node's slowest rank (the first of equals) and the slowest of the others
+            i1 = vals.index(max(vals))
             self.best1.append(vals[i1])
             self.arg1.append(n * G + i1)
-            rest = [v for i, v in enumerate(vals) if i != i1]
+            rest = vals[:i1] + vals[i1 + 1:]
             self.best2.append(max(rest) if rest else -math.inf)
         ordered = sorted(range(N), key=lambda n: (-self.best1[n], n))
         self.nb1 = ordered[0]
         self.nb2 = ordered[1] if N > 1 else None
+        self._per_rank = None
+        self._latency = None
+
+    def per_rank(self):
+        """Arrays over ranks for ``Search.tw_best``, built once per state: time, memory, the
+        slowest other rank of the rank's node, the slowest rank of the other nodes, the node's
+        total."""
+        if self._per_rank is None:
+            m = self.m
+            G = m.G
+            node = np.asarray(m.node)
+            ranks = np.arange(m.W)
+            arg1, best1, best2 = np.asarray(self.arg1), np.asarray(self.best1), np.asarray(self.best2)
+            inside = np.where(arg1[node] == ranks, best2[node], best1[node]) if G > 1 else None
+            other = np.full(m.N, best1[self.nb1])
+            other[self.nb1] = best1[self.nb2] if self.nb2 is not None else 0.0
+            self._per_rank = (np.asarray(self.tot), np.asarray(self.mem), inside, other[node],
+                              np.asarray(self.Tn)[node])
+        return self._per_rank
 
     @property
     def latency(self) -> float:
-        return self.m.latency(k for k, c in self.groups.items() if c > 0)
+        if self._latency is None:   # asked for every candidate; the groups change only in apply
+            self._latency = self.m.latency(k for k, c in self.groups.items() if c > 0)
+        return self._latency
 
     def latency_with(self, keys: Iterable[tuple]) -> float:
         new = [k for k in set(keys) if self.groups.get(k, 0) <= 0]
@@ -84,7 +108,7 @@ class _State:
         return max(self.tot) + self.latency
 
     def slowest(self) -> int:
-        return max(range(self.m.W), key=lambda r: (self.tot[r], -r))
+        return self.tot.index(max(self.tot))   # the first of equals
 
     def apply(self, keys: Iterable[tuple], dt: list, dmem: list, sign: float = 1.0):
         if sign > 0:
@@ -167,8 +191,14 @@ class Search:
         return (mx + st.latency_with(self.keys(u, placement)), work, dss, KIND_INDEX[placement[0]],
                 _tiebreak(placement))
 
-    def tw_scores(self, u: Unit, cols_div: int, kind: str, ranks: Optional[Iterable[int]]):
-        """Keys of placing the unit (or one CW block of it) table-wise on each allowed rank."""
+    def tw_best(self, u: Unit, cols_div: int, kind: str, ranks: Optional[Iterable[int]], k: int = 1):
+        """Keys of placing the unit (or one CW block of it) table-wise on the ``k`` allowed ranks
+        that take it best, best first (fewer when fewer fit).
+
+        Evaluated for all ranks at once as arrays, element by element with the same operations
+        in the same order as one rank at a time (so the same floats; the planner's ties are
+        exact): per rank, its time after taking it, the slowest other rank of its node and the
+        slowest rank elsewhere after their traffic, the growth of the sum of squared times."""
         m, st = self.m, self.state
         c, peer, mem = self.tw_terms(u, cols_div)
         a, di, de = c + peer * m.S, peer * m.ii, peer * m.ie
@@ -176,29 +206,36 @@ class Search:
         # The groups it joins depend on the block width only, not on the ranks: a stand-in placement.
         lat = st.latency_with(self.keys(u, (kind, (0,) * cols_div if kind == CW else 0)))
         kidx = KIND_INDEX[kind]
-        tot, memr, cap = st.tot, st.mem, self.cap
         work = c + 2 * peer * m.S  # summed over ranks: the owner's lookup and both ends of its traffic
         bound = (st.T + work + self.remaining) / W  # the average rank after it
-        out = []
-        for r in (ranks if ranks is not None else range(W)):
-            if memr[r] + mem > cap:
-                self._over(u, (kind, r if kind == TW else (r,)), r, memr[r] + mem)
-                continue
-            n = r // G
-            t = tot[r]
-            x = t + a
-            if G > 1:
-                y = (st.best2[n] if st.arg1[n] == r else st.best1[n]) + di
-                if y > x:
-                    x = y
-            if N > 1:
-                other = st.best1[st.nb1] if st.nb1 != n else st.best1[st.nb2]
-                if other + de > x:
-                    x = other + de
-            dss = (2 * t * a + a * a + 2 * di * (st.Tn[n] - t) + (G - 1) * di * di
-                   + 2 * de * (st.T - st.Tn[n]) + (W - G) * de * de)
-            out.append(((x if x > bound else bound) + lat, work, dss, kidx, r))
-        return out
+        tot, memr, inside, other, tn = st.per_rank()
+        r = np.arange(W) if ranks is None else np.asarray(ranks, dtype=np.int64)
+        if ranks is not None:
+            tot, memr, other, tn = tot[r], memr[r], other[r], tn[r]
+            inside = inside[r] if inside is not None else None
+        need = memr + mem
+        over = need > self.cap
+        if over.any():
+            i = int(np.argmin(np.where(over, need - self.cap, np.inf)))   # the first least over
+            self._over(u, (kind, int(r[i]) if kind == TW else (int(r[i]),)), int(r[i]), float(need[i]))
+            fits = ~over
+            r, tot, other, tn = r[fits], tot[fits], other[fits], tn[fits]
+            inside = inside[fits] if inside is not None else None
+        if not len(r):
+            return []
+        x = tot + a
+        if G > 1:
+            y = inside + di
+            x = np.where(y > x, y, x)
+        if N > 1:
+            y = other + de
+            x = np.where(y > x, y, x)
+        dss = (2 * tot * a + a * a + 2 * di * (tn - tot) + (G - 1) * di * di
+               + 2 * de * (st.T - tn) + (W - G) * de * de)
+        key = np.where(x > bound, x, bound) + lat
+        order = np.lexsort((r, dss, key))[:k]   # as the keys' tuples sort: work and kind are the same
+        return [(kv, work, dv, kidx, rv) for kv, dv, rv in
+                zip(key[order].tolist(), dss[order].tolist(), r[order].tolist())]
 
     def candidates(self, u: Unit):
         """The best key and placement for each allowed kind (``[(key, placement, dense or None)]``)."""
@@ -208,9 +245,9 @@ class Search:
             if kind in (RW, TWRW, DP) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
                 continue  # one block on one rank: the table_wise layout under another name
             if kind == TW:
-                scores = self.tw_scores(u, 1, TW, u.ranks)
+                scores = self.tw_best(u, 1, TW, u.ranks)
                 if scores:
-                    best = min(scores)
+                    best = scores[0]
                     found.append((best, (TW, best[-1]), None))
             elif kind == CW:
                 splits = column_splits(u.profiles[0].dim, m.W)
@@ -218,7 +255,7 @@ class Search:
                 for k in splits:
                     if k == 1 and (TW in u.kinds or len(splits) > 1):
                         continue  # the table_wise layout; column_wise splits where it can
-                    scores = sorted(self.tw_scores(u, k, CW, u.ranks))
+                    scores = self.tw_best(u, k, CW, u.ranks, k)
                     if len(scores) >= k:  # the k ranks that take a block best
                         options.append((CW, tuple(s[-1] for s in scores[:k])))
                 self._add_best(u, options, found)
