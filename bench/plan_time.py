@@ -1,8 +1,17 @@
-"""How long the sharding planner takes, and how good its plans are by its own cost model.
+"""How long ``recc.compile`` and the sharding planner take, and how good the plans are by the
+planner's own cost model.
 
-    python bench/plan_time.py                       # 1,000 tables on zionex-16x8 (128 ranks), then
-                                                    # terabyte and dlrmv2 on zionex-16x8
+    python bench/plan_time.py                       # compile 100 / 1,000 / 10,000 tables, plan 1,000
+                                                    # tables, then terabyte and dlrmv2, on zionex-16x8
+    python bench/plan_time.py --compile 1000 --tables 0 --presets   # one compile, nothing else
     python bench/plan_time.py --tables 2000 --optimizer rowwise_adagrad --cluster clusters/dgx-h100-4x8.yaml
+
+Part 0 times ``recc.compile`` of a meta-device model with N plain ``nn.EmbeddingBag`` tables (rows
+log-uniform in [100, 10M], dims from {16, 32, 64, 128}, seeded), a small bottom and top MLP and a
+cat interaction, for the cluster (planning included), and prints each stage's time: the pass
+itself and recc's own work after it (shape propagation, verification, the IR text and its diff,
+the stage's snapshot). The targets: 1,000 tables under 10 s, 10,000 under 60 s, growing no faster
+than n log n.
 
 Part 1 times ``plan_tables`` (strategy ``auto``) on random tables: rows log-uniform in
 [100, 10M], dims from {16, 32, 64, 128, 256}, bag sizes from {1, 2, 5, 10, 20, 50}, seeded, so
@@ -17,6 +26,7 @@ FLOPs; the tables come from the presets. Estimates are the planner's cost model,
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import time
@@ -35,6 +45,55 @@ def random_tables(n: int, seed: int):
                                  dim=rng.choice([16, 32, 64, 128, 256]), pooling="sum", weight_key=f"{name}.weight")
         bags[name] = float(rng.choice([1, 2, 5, 10, 20, 50]))
     return tables, bags
+
+
+def compile_model(n: int, seed: int):
+    """The meta-device model of part 0: ``forward(dense_x, lS_o, lS_i)``, one bag per table."""
+    import torch
+    import torch.nn as nn
+
+    class CatTables(nn.Module):
+        def __init__(self, rows, dims, dense=13):
+            super().__init__()
+            self.bot = nn.Sequential(nn.Linear(dense, 64, device="meta"), nn.ReLU(),
+                                     nn.Linear(64, 16, device="meta"), nn.ReLU())
+            self.emb_l = nn.ModuleList(nn.EmbeddingBag(r, d, mode="sum", device="meta") for r, d in zip(rows, dims))
+            self.top = nn.Sequential(nn.Linear(16 + sum(dims), 64, device="meta"), nn.ReLU(),
+                                     nn.Linear(64, 1, device="meta"))
+
+        def forward(self, dense_x, lS_o, lS_i):
+            x = self.bot(dense_x)
+            ly = [e(i, o) for e, i, o in zip(self.emb_l, lS_i, lS_o)]
+            return self.top(torch.cat([x] + ly, dim=1))
+
+    rng = random.Random(seed)
+    rows = [int(10 ** rng.uniform(2, 7)) for _ in range(n)]
+    dims = [rng.choice([16, 32, 64, 128]) for _ in range(n)]
+    return CatTables(rows, dims)
+
+
+def part0(args, cluster):
+    import recc
+    print(f"## recc.compile of a meta-device model with N EmbeddingBag tables (cat interaction) for "
+          f"{cluster.name} ({cluster.world_size} ranks); ms per stage: the pass + recc's work after it")
+    totals = {}
+    for n in args.compile:
+        model = compile_model(n, args.seed)
+        t0 = time.perf_counter()
+        program = recc.compile(model, cluster)
+        totals[n] = time.perf_counter() - t0
+        stages = program.stages.values()
+        staged = sum(st.time_ms + st.check_ms for st in stages) / 1e3
+        print(f"{n:>6} tables: {totals[n]:7.2f} s  (stages {staged:.2f} s; the rest: example inputs, "
+              f"the input signature, releasing the stages' tables)")
+        for st in stages:
+            print(f"    {st.name:<18} {st.time_ms:9.1f} + {st.check_ms:8.1f} ms   nodes {st.nodes_after}")
+        del program, model
+    ns = sorted(totals)
+    for a, b in zip(ns, ns[1:]):
+        print(f"  {a} -> {b} tables: x{totals[b] / totals[a]:.1f} time "
+              f"(n log n would be x{b * math.log(b) / (a * math.log(a)):.1f})")
+    print()
 
 
 def part1(args, cluster):
@@ -114,7 +173,9 @@ def part2(args, cluster):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default=str(ROOT / "clusters" / "zionex-16x8.yaml"))
-    ap.add_argument("--tables", type=int, default=1000)
+    ap.add_argument("--compile", type=int, nargs="*", default=[100, 1000, 10000],
+                    help="table counts of part 0 (recc.compile); none skips it")
+    ap.add_argument("--tables", type=int, default=1000, help="random tables of part 1 (the planner); 0 skips it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=65536, help="global batch of part 1")
     ap.add_argument("--repeat", type=int, default=3)
@@ -124,6 +185,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from recc.cluster import Cluster
     cluster = Cluster.from_yaml(args.cluster)
+    if args.compile:
+        part0(args, cluster)
     if args.tables:
         part1(args, cluster)
     part2(args, cluster)

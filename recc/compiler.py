@@ -159,7 +159,8 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
     stages: "OrderedDict[str, Stage]" = OrderedDict()
     text = ir.format(gm)
     n_nodes = len(gm.graph.nodes)
-    stages["trace"] = Stage(0, total, "trace", "trace", snapshot(gm), text, "", trace_ms, n_nodes, n_nodes, verified)
+    stages["trace"] = Stage(0, total, "trace", "trace", snapshot(gm), text, "", trace_ms, n_nodes, n_nodes, verified,
+                            (time.perf_counter() - t0) * 1e3 - trace_ms)
     _maybe_print(stages["trace"], show)
 
     for idx, (info, opts) in enumerate(passes, start=1):
@@ -169,7 +170,8 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
         out = info.fn(gm, ctx, **opts)
         gm = out if out is not None else gm
         gm.recompile()
-        dt = (time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
+        dt = (t1 - t0) * 1e3
         for n in gm.graph.nodes:
             if n not in before_nodes and "recc.pass" not in n.meta:
                 n.meta["recc.pass"] = info.name
@@ -194,6 +196,7 @@ def _compile(model, cluster, *, config, pipeline, example_inputs, disable, print
         stages[key] = Stage(idx, total, info.name, format_item(info.name, shown_options(info, opts)), snapshot(gm), text,
                             ir.diff(before_text, text, before_name=list(stages)[-1], after_name=key),
                             dt, before_n, len(gm.graph.nodes), verified)
+        stages[key].check_ms = (time.perf_counter() - t1) * 1e3
         _maybe_print(stages[key], show)
 
     if dump_dir:

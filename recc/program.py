@@ -35,6 +35,10 @@ class Stage:
     nodes_before: int
     nodes_after: int
     verified: str
+    # recc's own work on the stage after the pass (not in ``time_ms``, nor the banner): shape
+    # propagation, verification, the text and its diff, the snapshot. ``bench/plan_time.py``
+    # prints both, so a compile's time can be read per stage.
+    check_ms: float = 0.0
 
     @property
     def banner(self) -> str:
