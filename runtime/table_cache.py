@@ -22,8 +22,7 @@ batch i+1 while batch i's backward is still to run. The cache is transparent: th
 updated with the same math as when resident (the kernels see slots for rows), and fp32 and half
 tables alike give bit-identical parameters: the fused update keys a half slot's stochastic
 rounding on the group row it holds (``index.slot_row``, passed as the kernels' ``key_rows``), not
-on the slot. (Except on CUDA for a row with more ids in one batch than ``long_run_segment(D)``:
-its gradient is summed in segments cut at positions that move with the numbering of rows.)
+on the slot.
 
 The store is scratch space, owned by one run: created (and filled from the initial tables) at
 ``instantiate()``, locked for the run's life (``flock`` with the owner's pid and host), removed at

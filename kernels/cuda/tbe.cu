@@ -19,16 +19,19 @@
  * Backward + fused optimizer, "exact" (duplicate ids summed, each row updated once):
  *  1. tbe_linearize_*: per id, row = hsc[t] + id (SENTINEL for a bad id) and its bag.
  *  2. the host sorts (row, position) pairs stably (torch.sort: a radix sort), so a row's ids
- *     stay in index order: a short run sums in the CPU kernels' order, a long one segment by
- *     segment (a fixed order too, but not theirs).
+ *     stay in index order: a short run sums in the CPU kernels' order, a long one chunk by
+ *     chunk (a fixed order too, but not theirs).
  *  3. tbe_runs: run-length encoding of the sorted rows into run_start[0..num_runs], with
  *     num_runs and run_start read on the device: no host sync.
  *  4. tbe_long_run_partials_*: runs longer than `seg` ids (hot rows: thousands of ids under
- *     a zipf distribution) are cut into segments of `seg` sorted positions, each summed by its
- *     own group of threads into a partial row.
+ *     a zipf distribution) are cut into chunks of `seg` ids counted from the run's own start
+ *     (chunk k: the run's ids [k*seg, (k+1)*seg)), each summed by its own group of threads
+ *     into a partial row.
  *  5. tbe_update_*: one group of `lanes` threads per run (grid-stride), gradient summed in
  *     registers (D <= lanes*V*MAX_CHUNKS) — a short run's ids in index order, a long run's
- *     partials in segment order (deterministic) — and the optimizer applied once.
+ *     partials in chunk order (deterministic) — and the optimizer applied once.  A row's sum
+ *     so depends only on its own ids in index order, never on the rows around it in the
+ *     batch or on the row numbering (a cached group's slots sum as the rows they hold).
  *  Both kernels return at once when `err` is set (a bad id or, checked by tbe_linearize, a
  *  malformed bag), so a bad batch writes nothing.
  *  fp16 and bf16 weights are read and updated in fp32 and written back with stochastic
@@ -355,13 +358,26 @@ __device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64
 }
 
 /* Long runs (more than `seg` ids) are summed in two steps, so a hot row's thousands of ids
- * are spread over many groups instead of one: the sorted ids are cut into segments of `seg`
- * positions, tbe_long_run_partials sums each segment's share of a long run into
- * partials[segment][slot][D], and the update kernel adds a run's partials in segment
- * order (a fixed order: the result does not depend on the schedule).  A segment meets at most
- * two long runs: slot 0 holds the run that covers its first position, slot 1 the long run
- * that starts inside it (a long run is longer than a segment, so at most one starts there and
- * does not end there). */
+ * are spread over many groups instead of one: a long run [s, e) of the sorted ids is cut into
+ * chunks of `seg` ids counted from its own start, chunk k = [s + k*seg, min(s + (k+1)*seg, e)),
+ * tbe_long_run_partials sums each chunk (its ids one at a time, in index order) into a partial
+ * row, and the update kernel adds a run's partials in chunk order.  The cuts are relative to the
+ * run, so its sum depends only on its own ids: not on the schedule, nor on where the run lands
+ * in the sorted batch (how many ids the rows sorted before it have, how rows are numbered).
+ *
+ * Where a chunk's partial goes: chunk k of a run starts at q = s + k*seg, in segment q / seg of
+ * the sorted positions (segments of `seg` positions, used only to place partials), and is
+ * written to partials[q / seg][slot][D] with slot 1 for a run's first chunk (k = 0) and slot 0
+ * for a later one.  No two chunks share a place: a segment holds at most one first chunk (a long
+ * run that starts in a segment ends past it, so the next run starts in a later segment) and at
+ * most one later chunk (a later chunk's run covers the `seg` positions before its start, so a
+ * chunk start less than `seg` before it is of the same run, whose chunk starts are `seg` apart).
+ * [2 * segments, D] holds them all.  A group sums at most two chunks: up to 2 * seg ids.
+ *
+ * Who sums a chunk: segment c's group, for each chunk that starts in the segment.  Such a chunk
+ * belongs to the run that covers the segment's first position or to the run that covers its
+ * last (a run between them lies inside the segment: it is not long; a long run that starts in
+ * the segment is longer than it, so it covers the segment's last position). */
 template <int V>
 __device__ __forceinline__ void long_run_partials_body(
         const int* __restrict__ sorted, const int* __restrict__ run_idx,
@@ -379,25 +395,29 @@ __device__ __forceinline__ void long_run_partials_body(
     for (i64 c = group; c < segments; c += groups) {
         const i64 p0 = c * seg, p1 = min(p0 + (i64)seg, N);
         const int first = run_idx[p0] - 1, last = run_idx[p1 - 1] - 1;
-        for (int slot = 0; slot < 2; ++slot) {
-            const int run = slot == 0 ? first : last;
-            if (slot == 1 && (last == first || run_start[last] <= p0)) break;
+        for (int which = 0; which < 2; ++which) {
+            const int run = which == 0 ? first : last;
+            if (which == 1 && last == first) break;
             const i64 s = run_start[run], e = run_start[run + 1];
             if (e - s <= seg) continue;
+            /* the run's first chunk start at or after p0 */
+            const i64 k = s >= p0 ? 0 : (p0 - s + seg - 1) / seg;
+            const i64 q = s + k * seg;
+            if (q >= p1 || q >= e) continue;
             float g[MAX_CHUNKS][V];
 #pragma unroll
             for (int cc = 0; cc < MAX_CHUNKS; ++cc)
 #pragma unroll
-                for (int k = 0; k < V; ++k) g[cc][k] = 0.0f;
-            accumulate<V>(g, max(s, p0), min(e, p1), lane * V, nchunks, lanes, D, perm, bag_of,
+                for (int kk = 0; kk < V; ++kk) g[cc][kk] = 0.0f;
+            accumulate<V>(g, q, min(e, q + (i64)seg), lane * V, nchunks, lanes, D, perm, bag_of,
                           offsets, T, B, go, psw, mean);
-            float* out = partials + (c * 2 + slot) * (i64)D;
+            float* out = partials + (c * 2 + (k == 0 ? 1 : 0)) * (i64)D;
 #pragma unroll
             for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
                 const int d0 = lane * V + cc * lanes * V;
                 if (cc < nchunks && d0 < D)
 #pragma unroll
-                    for (int k = 0; k < V; ++k) out[d0 + k] = g[cc][k];
+                    for (int kk = 0; kk < V; ++kk) out[d0 + kk] = g[cc][kk];
             }
         }
     }
@@ -415,15 +435,14 @@ __device__ __forceinline__ void long_run_partials_body(
 PARTIALS(tbe_long_run_partials_v4, 4)
 PARTIALS(tbe_long_run_partials_v1, 1)
 
-/* A long run's gradient: its segments' partials added in segment order. */
+/* A long run's gradient: its chunks' partials added in chunk order (0 + chunk 0 + chunk 1 ...). */
 template <int V>
 __device__ __forceinline__ void sum_partials(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, int seg,
                                              int d_first, int nchunks, int lanes, int D,
                                              const float* __restrict__ partials) {
-    const i64 c0 = s / seg, c1 = (e - 1) / seg;
-    for (i64 c = c0; c <= c1; ++c) {
-        const int slot = (c == c0 && s != c0 * seg) ? 1 : 0;
-        const float* row = partials + (c * 2 + slot) * (i64)D;
+    for (i64 q = s; q < e; q += seg) {
+        const int slot = q == s ? 1 : 0;
+        const float* row = partials + ((q / seg) * 2 + slot) * (i64)D;
 #pragma unroll
         for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
             const int d0 = d_first + cc * lanes * V;
@@ -509,7 +528,7 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
 }
 
 /* One group of `lanes` threads per run (grid-stride over runs): a short run's ids summed in
- * index order, a long run's partials in segment order; the optimizer applied once. */
+ * index order, a long run's partials in chunk order; the optimizer applied once. */
 template <typename W, int V>
 __device__ __forceinline__ void update_body(
         W* __restrict__ weights, int D, float* __restrict__ m1, float* __restrict__ m2,

@@ -33,17 +33,18 @@ from . import loader
 SOURCE = "tbe.cu"
 ERR_NONE = -1  # all ones, read back as int64
 MAX_CHUNKS = 8  # matches tbe.cu
-# A row with more ids than long_run_segment(D) has its sum split into segments of that many
-# sorted positions, each summed by its own group of threads (tbe.cu: tbe_long_run_partials);
-# a group sums at most that many ids one after another.
+# A row with more ids than long_run_segment(D) has its sum split into chunks of that many ids,
+# counted from the row's own first id in the sorted order (so the sum depends only on the row's
+# ids), each summed by its own group of threads (tbe.cu: tbe_long_run_partials); a group sums at
+# most that many ids one after another.
 MIN_SEGMENT = 64
 
 
 def long_run_segment(D: int) -> int:
-    """Both the long-run threshold and the segment length (one value: a long run must not fit
-    inside a segment, so the segment is at most the threshold): 64 ids, or D for wider rows, so the
-    partial sums ([segments, 2, D] fp32: 8 * N * D / segment bytes) never outgrow the sort's
-    own int64 permutation (8 * N bytes)."""
+    """Both the long-run threshold and the chunk length (one value: a long run must not fit
+    inside a chunk, so the chunk is at most the threshold): 64 ids, or D for wider rows, so the
+    partial sums ([segments, 2, D] fp32, segments = N / chunk: 8 * N * D / chunk bytes) never
+    outgrow the sort's own int64 permutation (8 * N bytes)."""
     return max(MIN_SEGMENT, D)
 
 
@@ -274,7 +275,8 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     groups_per_block = THREADS // lanes
     partials = None
     if N > segment:  # only then can a run be long
-        # [segment][slot][D]; only the slots of long runs are written, and only those are read
+        # [segment][slot][D]: chunk k of a long run starting at sorted position q goes to
+        # [q // segment][k == 0]; only those are written, and only those are read
         segments = -(-N // segment)
         partials = torch.empty(segments * 2 * D, dtype=torch.float32, device=dev)
         loader.launch(SOURCE, f"tbe_long_run_partials_v{V}", dev, min(-(-segments // groups_per_block), sms * 16),

@@ -172,22 +172,25 @@ def test_backward_half_weights(D, opt, wdtype):
         assert rel(state[k], s_ref[k]) <= 2e-5, k
 
 
-@pytest.mark.parametrize("wdtype", HALF, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("wdtype", (torch.float32,) + tuple(HALF), ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("D", (17, 64))
 def test_slots_keyed_on_their_rows_update_like_the_rows(D, opt, wdtype):
     """A cached group's update on slots: with ``key_rows`` (slot -> the group row it holds, -1
     for an empty slot) each slot rounds as its row does, so the slots end bit for bit as their rows
-    in the resident update of the whole table; keyed on the slot they do not. No long run: a run
-    of more than ``long_run_segment(D)`` ids is summed in segments cut at fixed positions of the
-    whole sorted batch, which move with the row numbering, so its sum's rounding may differ."""
+    in the resident update of the whole table; keyed on the slot, half slots do not (fp32 rows
+    have no rounding to key). With a hot row: more than ``long_run_segment(D)`` ids, summed in
+    chunks cut from the row's own first id, so the slot's sum is the row's whatever the slot
+    numbering puts before it (weighted ids: every contribution differs, so the order shows)."""
     T, B = 2, 9
-    g, rows, ids, offsets, hsc, w, _ = case(T, D, B, wdtype, D + 11)
+    g, rows, ids, offsets, hsc, w, psw = case(T, D, B, wdtype, D + 11, hot=gpu.long_run_segment(D) + 6,
+                                              weighted=True)
     R = int(hsc[-1])
     lin = linearize_indices(ids, offsets, hsc, T, B)
+    assert int((lin == 0).sum()) > gpu.long_run_segment(D)   # row 0: a long run
     grad = torch.randn(B, T * D, generator=g)
     state = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
-    kw = dict(T=T, B=B, optimizer=opt, lr=0.05, eps=0.1, weight_decay=0.01, step=3)
+    kw = dict(T=T, B=B, optimizer=opt, lr=0.05, eps=0.1, weight_decay=0.01, step=3, per_sample_weights=psw)
     want, want_st = w.clone(), {k: v.clone() for k, v in state.items()}
     gpu.tbe_backward_update(want, want_st, ids, offsets, hsc, grad, **kw)
     # the cache: the batch's rows and a few more in shuffled slots, two slots empty
@@ -198,6 +201,8 @@ def test_slots_keyed_on_their_rows_update_like_the_rows(D, opt, wdtype):
     full = slot_row >= 0
     slot_of[slot_row[full]] = full.nonzero().flatten()
     S = slot_row.numel()
+    # the hot row's slot has ids of other slots before it in the sorted order (the resident row 0 has none)
+    assert int((slot_of[lin] < slot_of[0]).sum()) > 0
     # as the CUDA backend runs a cached group: slots for ids, one table of every bag
     slot_hsc = torch.tensor([0, S])
     slot_grad = grad.reshape(B, T, D).transpose(0, 1).reshape(T * B, D)
@@ -206,10 +211,77 @@ def test_slots_keyed_on_their_rows_update_like_the_rows(D, opt, wdtype):
         sts = {k: v[slot_row.clamp(min=0)].clone() for k, v in state.items()}
         gpu.tbe_backward_update(ws, sts, slot_of[lin], offsets, slot_hsc, slot_grad.contiguous(),
                                 key_rows=slot_row if keyed else None, **{**kw, "T": 1, "B": T * B})
-        same = torch.equal(ws[full].view(torch.int16), want[slot_row[full]].view(torch.int16))
-        assert same == keyed, keyed
+        bits = torch.int32 if wdtype == torch.float32 else torch.int16
+        same = torch.equal(ws[full].view(bits), want[slot_row[full]].view(bits))
+        assert same == (keyed or wdtype == torch.float32), keyed
         for k in sts:
             assert torch.equal(sts[k][full], want_st[k][slot_row[full]]), k
+
+
+def _hot_row_batch(hot, others, B, g):
+    """(ids, per-sample weights, offsets) of one table: ``hot`` = (row, n) gives n ids of that
+    row spread over B bags, each with its own weight; ``others`` = [(row, n), ...] adds ids of
+    other rows at random places in the bags. The hot row's ids keep their bags, weights and
+    index order whatever ``others`` is."""
+    row, n = hot
+    hot_bag = torch.randint(0, B, (n,), generator=g).sort().values
+    hot_w = torch.rand(n, generator=g) + 0.5
+    extra = [(r, b, float(x)) for r, k in others
+             for b, x in zip(torch.randint(0, B, (k,), generator=g).tolist(), (torch.rand(k, generator=g) + 0.5))]
+    bags_ = [[] for _ in range(B)]
+    for i in range(n):
+        bags_[int(hot_bag[i])].append((row, float(hot_w[i])))
+    for r, b, x in extra:
+        at = int(torch.randint(0, len(bags_[b]) + 1, (1,), generator=g))
+        bags_[b].insert(at, (r, x))
+    ids = torch.tensor([r for bag in bags_ for r, _ in bag], dtype=torch.int64)
+    psw = torch.tensor([x for bag in bags_ for _, x in bag], dtype=torch.float32)
+    offsets = torch.tensor([0] + [len(bag) for bag in bags_]).cumsum(0)
+    return ids, psw, offsets
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_a_hot_rows_update_does_not_depend_on_the_rows_around_it(opt):
+    """A row with more ids than ``long_run_segment(D)`` is summed in chunks cut from its own first
+    id in the sorted order, so its update is bit for bit the same whatever other rows the batch
+    holds and however rows are numbered: alone; after 1, 13, 63, 64, 65, 100 or 130 ids of rows
+    numbered below it (one of them long too); after the same rows renumbered. The hot row's own
+    ids keep their bags, weights and order in every batch (sum pooling: no bag length enters)."""
+    D, R, B, HOT = 32, 40, 6, 20
+    seg = gpu.long_run_segment(D)
+    assert seg == 64
+    g = torch.Generator().manual_seed(17)
+    w0 = torch.randn(R, D, generator=g)
+    grad = torch.randn(B, D, generator=g)
+    state0 = {k: torch.rand(s, generator=g) for k, s in optimizer_state_shapes(opt, R, D).items()}
+    kw = dict(T=1, B=B, optimizer=opt, lr=0.05, eps=0.1, weight_decay=0.01, step=3)
+    hsc = torch.tensor([0, R])
+
+    def hot_row_after(others, perm=None, n_hot=2 * seg + 37):
+        ids, psw, offsets = _hot_row_batch((HOT, n_hot), others, B, torch.Generator().manual_seed(3))
+        perm = torch.arange(R) if perm is None else perm   # row r is numbered perm[r]
+        w = torch.empty_like(w0)
+        w[perm] = w0
+        state = {}
+        for k, v in state0.items():
+            state[k] = torch.empty_like(v)
+            state[k][perm] = v
+        gpu.tbe_backward_update(w, state, perm[ids], offsets, hsc, grad, per_sample_weights=psw, **kw)
+        return w[perm[HOT]], {k: v[perm[HOT]] for k, v in state.items()}
+
+    want_w, want_s = hot_row_after([])
+    # the CPU reference defines the math (its order differs: within rounding)
+    ids, psw, offsets = _hot_row_batch((HOT, 2 * seg + 37), [], B, torch.Generator().manual_seed(3))
+    w_ref, s_ref = w0.clone(), {k: v.clone() for k, v in state0.items()}
+    cpu.tbe_backward_update_reference(w_ref, s_ref, ids, offsets, grad, per_sample_weights=psw, **kw)
+    assert rel(want_w, w_ref[HOT]) <= 2e-5
+    layouts = [[(3, 1)], [(3, 13)], [(1, 60), (5, 3)], [(2, 64)], [(0, 65)], [(4, 100)], [(1, 70), (7, 60)]]
+    for others in layouts:
+        for perm in (None, torch.randperm(R, generator=g)):
+            got_w, got_s = hot_row_after(others, perm)
+            assert torch.equal(got_w, want_w), (others, perm is not None)
+            for k in want_s:
+                assert torch.equal(got_s[k], want_s[k]), (others, k)
 
 
 @pytest.mark.parametrize("wd_mode", ["l2", "decoupled"])
