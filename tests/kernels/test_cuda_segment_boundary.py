@@ -1,11 +1,11 @@
 """The CUDA backward's long runs on segment boundaries, run by the CPU harness against the CPU
 reference.
 
-A row with more ids than a segment (``long_run_segment(D)`` sorted positions) is summed segment
-by segment: ``tbe_long_run_partials`` writes each segment's share of the run into
-``partials[segment][slot]`` and the update adds the run's segments ``s // seg .. (e - 1) // seg``
-(slot 1 for a first segment the run starts inside). The edge cases are a run that starts or ends
-exactly on a segment boundary — and the batch ends there too. ``test_cuda_emulated``'s long-run
+A row with more ids than ``L = long_run_segment(D)`` is summed chunk by chunk, chunk k being its
+ids ``[s + k L, s + (k + 1) L)`` counted from the run's own start ``s``: ``tbe_long_run_partials``
+writes chunk k, starting at sorted position q, into ``partials[q // L][k == 0]`` and the update
+adds the run's chunks in order. The edge cases are a run that starts or ends exactly on a
+multiple of ``L`` — and the batch ends there too. ``test_cuda_emulated``'s long-run
 test shuffles 50 random ids into its batch, so its run boundaries land where they may and never
 exactly on one; here the ids are laid out so they do, and the sums are exact in fp32 (integer
 gradients, lr a power of two), so the result must equal the reference bit for bit: a segment of
