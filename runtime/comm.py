@@ -579,7 +579,7 @@ def same_batches(group) -> bool:
 def check_same_batches(label: str, bags: list[int]) -> None:
     """A data-parallel group applies the sum of every rank's gradients as the global batch's
     update; with a per-rank mean loss that equals one process on the global batch only when every
-    rank has the same batch (DESIGN.md, the parity contract). ``bags``: each rank's bags per table,
+    rank has the same batch (docs/design.md, the parity contract). ``bags``: each rank's bags per table,
     a fixed multiple of its batch (groups with a jagged table are not checked: their counts vary).
     Table-wise and row-wise groups refuse the same batches in their input dist."""
     if len(set(bags)) > 1:

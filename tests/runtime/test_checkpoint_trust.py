@@ -1,5 +1,5 @@
 """Checkpoints are data from elsewhere: loading one runs none of its code and trusts none of its
-bytes blindly (DESIGN.md, "Trust").
+bytes blindly (docs/design.md, "Trust").
 
 - A crafted checkpoint (a payload in DCP's ``.metadata`` pickle, or in the dense optimizer's
   bytes, with every checksum recomputed as an attacker would) is refused by every load path
