@@ -51,7 +51,7 @@ import operator
 
 import torch.fx as fx
 
-from recc.graph_utils import rename, stable_toposort
+from recc.graph_utils import flush_uses, rename, replace_uses, stable_toposort
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
 from recc.specs import TierSpec
@@ -130,13 +130,15 @@ def batch_tables(gm: fx.GraphModule, ctx: PassContext, *, max_tables_per_group: 
             bucket.append([])
         bucket[-1].append((sites, stacked))
     index, last = 0, None
+    pending = {}  # users whose arguments replace_uses rebuilds once, after the groups
     for (width, pooling, weighted, _, dp, two_level, bags, _, _), chunks in groups.items():
         node_size = ctx.cluster.devices_per_node if two_level else 0
         for members in chunks:
             members.sort(key=lambda m: _owner_order(m[0][0]))
             last = _emit_group(gm, ctx, f"tbe_g{index}", members, width, pooling, weighted, opt, dp, node_size,
-                               bags in ("jagged", "mixed"), last)
+                               bags in ("jagged", "mixed"), last, pending)
             index += 1
+    flush_uses(pending)
     stable_toposort(graph)
     for n in list(graph.nodes):
         if n.op == "get_attr" and not n.users:
@@ -172,7 +174,7 @@ def _gathers_served_apart(ctx, sites, shard) -> bool:
             and all(s.meta["recc.table"].pooling == "none" for s in sites))
 
 
-def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_size, padded, after):
+def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_size, padded, after, pending):
     """Insert one group's nodes (after ``after``, the previous group's last node, if later than
     the group's inputs, so groups read in order) and return its last node. ``members``: per
     table, its lookups and whether they are one stacked feature (else one feature each)."""
@@ -262,7 +264,7 @@ def _emit_group(gm, ctx, name, members, width, pooling, weighted, opt, dp, node_
             with graph.inserting_after(piece):
                 result = graph.call_function(OPS["own_bags"], (piece, n.args[1], n.args[2]))
             made.append(result)
-        n.replace_all_uses_with(result)
+        replace_uses(n, result, pending)
         graph.erase_node(n)
         if result is not piece:
             rename(piece, f"{old}_padded")

@@ -64,7 +64,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from recc.graph_utils import rename, resolve_attr
+from recc.graph_utils import flush_uses, rename, replace_uses, resolve_attr
 from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.specs import TableSpec
@@ -120,6 +120,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookups: dict[str, list[str]] = {}  # table name -> its lookups' node names, in graph order
     dense_lookups: dict[str, str] = {}
     graph = gm.graph
+    pending = {}  # users whose arguments replace_uses rebuilds once, after the loop
     for node in list(graph.nodes):
         found = None  # (table name, weight path, ids, offsets, psw, mode)
         if node.op == "call_module":
@@ -245,7 +246,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 # in its table's dtype, as the module would have returned them.
                 out = graph.call_method("to", (out, WEIGHT_DTYPES[user_dtype]))
         new.meta["recc.table"] = spec
-        node.replace_all_uses_with(out)
+        replace_uses(node, out, pending)
         graph.erase_node(node)
         # The last node keeps the user's name; before it, a gather's rows and the looked-up value cast.
         rename(out, old_name)
@@ -253,6 +254,7 @@ def discover_tables(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             rename(new, f"{old_name}_rows")
         if user_dtype != "f32":
             rename(out.args[0], f"{old_name}_lookup")
+    flush_uses(pending)
     both = sorted(set(tables) & set(dense_lookups))
     if both:
         name = both[0]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Optional
 
 import torch
@@ -83,13 +84,70 @@ def rename(node: fx.Node, name: str) -> None:
     """Give ``node`` the name of a node that was just erased, so the IR reads the same.
 
     fx keeps an erased node's name reserved; it is released here when no live node holds it.
+    Whether one does is looked up in an index of the graph's names (``_live_holder``), not by
+    scanning the graph: a pass renaming each of N tables' nodes was N^2.
     """
     if node.name == name:
         return
-    if not any(n.name == name for n in node.graph.nodes):
-        node.graph._graph_namespace._used_names.discard(name)
+    graph = node.graph
+    used = graph._graph_namespace._used_names
+    if name in used and _live_holder(graph, name) is None:
+        used.discard(name)
     # If a live node (e.g. one of the user's) already has the name, fx picks a unique variant.
     node._rename(name)
+    index = _NAME_INDEX.get(graph)
+    if index is not None:
+        index[0][node.name] = node
+        index[1].add(node.name)
+
+
+# graph -> (name -> the node that had it when indexed or renamed here, the names fx had used by
+# then). A name fx had used by then can only be taken again after fx releases it, which only
+# ``rename`` does (and records): so the node recorded for it is its live holder if it is still
+# live and still called so, and no live node holds it otherwise. A name used since is re-indexed.
+_NAME_INDEX: "weakref.WeakKeyDictionary[fx.Graph, tuple[dict[str, fx.Node], set[str]]]" = weakref.WeakKeyDictionary()
+
+
+def _live_holder(graph: fx.Graph, name: str) -> Optional[fx.Node]:
+    index = _NAME_INDEX.get(graph)
+    if index is None or name not in index[1]:
+        index = ({n.name: n for n in graph.nodes}, set(graph._graph_namespace._used_names))
+        _NAME_INDEX[graph] = index
+    n = index[0].get(name)
+    return n if n is not None and not n._erased and n.graph is graph and n.name == name else None
+
+
+def replace_uses(node: fx.Node, new: fx.Node, pending: dict) -> None:
+    """``node.replace_all_uses_with(new)``, except that a user with many inputs (the ``cat`` of
+    every table's output) only has its links moved now; its arguments are rebuilt once, for all
+    the nodes replaced in it, by ``flush_uses(pending)``, which must run before anything reads
+    them. fx rebuilds all of a user's arguments per replacement: N tables swapped one at a time
+    into one N-input node were N^2. The users end as ``replace_all_uses_with`` leaves them (the
+    wide user last among each of its inputs' users, its inputs in argument order)."""
+    hooks = getattr(node.graph.owning_module, "_replace_hooks", None)
+    for user in list(node.users):
+        if hooks or len(user._input_nodes) < WIDE_USER:
+            user._replace_input_with(node, new)
+            continue
+        pending.setdefault(user, {})[node] = new
+        del node.users[user]
+        del user._input_nodes[node]
+        user._input_nodes.setdefault(new)
+        new.users.setdefault(user)
+
+
+WIDE_USER = 32  # inputs from which replace_uses defers a user's argument rebuild
+
+
+def flush_uses(pending: dict) -> None:
+    """Rebuild the arguments of the users ``replace_uses`` deferred, once each."""
+    for user, swaps in pending.items():
+        def swap(n, swaps=swaps):
+            while n in swaps:
+                n = swaps[n]
+            return n
+        user._update_args_kwargs(fx.node.map_arg(user._args, swap), fx.node.map_arg(user._kwargs, swap))
+    pending.clear()
 
 
 # Matrix products: autocast's "lower precision" ops, which cast_dense runs in bf16 and whose
