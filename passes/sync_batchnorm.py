@@ -33,8 +33,11 @@ Layers whose training output depends on the whole batch, and what recc does with
   statistics given updated in place as ATen does: momentum, unbiased variance, no batch counter).
   Its IR note names the call's file and line (``trace`` records it). ``training=True`` normalises
   by the batch in eval mode too, as eager does, so such a layer all-reduces then as well.
-  ``training=False`` is per sample: nothing to do. A call whose ``training``/``momentum``/``eps``
-  is not a compile-time constant, or whose input's channels are unknown, is refused naming the line.
+  ``training=self.training`` (a node reading the module's flag when the model runs) is passed to
+  both ops: in eval mode nothing travels and the running statistics normalise, as eager does.
+  ``training=False`` is per sample: nothing to do. A call whose ``momentum``/``eps`` is not a
+  compile-time constant, whose ``training`` is neither that nor a constant, or whose input's
+  channels are unknown, is refused naming the line.
 - subclasses of ``_BatchNorm`` captured as a call of their own: a warning naming the node — they
   normalise by each rank's statistics (write the layer as an ``nn.BatchNorm*`` module to have it
   synchronised).
@@ -67,7 +70,7 @@ from recc.ops import OPS
 from recc.passmanager import PassContext, register_pass
 from recc.planner.cost_model import CostModel
 from recc.specs import CommSpec
-from recc.trace import SITE
+from recc.trace import SITE, TRAINING_FLAG
 
 # Modules whose forward is torch's _BatchNorm.forward (SyncBatchNorm's too, when it is not in a
 # process group of its own): what recc.sync_batch_norm reproduces.
@@ -129,10 +132,16 @@ def needs_sync_batchnorm(gm: fx.GraphModule) -> bool:
     return bool(synced or unsynced)
 
 
+def _is_training_flag(v) -> bool:
+    """A node reading a module's training flag at run time (``training=self.training``)."""
+    return isinstance(v, fx.Node) and v.op == "get_attr" and TRAINING_FLAG in v.meta
+
+
 def _describe(gm, n: fx.Node) -> str:
     if n.op == "call_module":
         return f"{n.target} ({type(_module(gm, n)).__name__})"
-    return f"{n.name} ({_call_name(n)}, training=True)"
+    flag = functional_arguments(n)["training"]
+    return f"{n.name} ({_call_name(n)}, training={'self.training' if _is_training_flag(flag) else flag})"
 
 
 def _call_name(n: fx.Node) -> str:
@@ -206,7 +215,10 @@ def _sync_functional(gm: fx.GraphModule, n: fx.Node, mode: str, group: tuple, mo
     a = functional_arguments(n)
     x = a["input"]
     site = _site(n)
-    for key in ("training", "momentum", "eps"):
+    # training=self.training is a node reading the module's flag when the model runs (trace):
+    # the ops take it and, in eval mode, send nothing and use the running statistics as eager does.
+    training = a["training"] if _is_training_flag(a["training"]) else None
+    for key in ("momentum", "eps") if training is not None else ("training", "momentum", "eps"):
         if isinstance(a[key], fx.Node) or not isinstance(a[key], (bool, int, float)):
             raise ValueError(f"sync_batchnorm: {site}: {_call_name(n)}'s {key}={a[key]} is not a constant known at "
                              f"compile time, so recc cannot make its statistics the global batch's; pass a Python "
@@ -228,6 +240,8 @@ def _sync_functional(gm: fx.GraphModule, n: fx.Node, mode: str, group: tuple, mo
     g = gm.graph
     with g.inserting_before(n):
         shifted = {} if shift is None else {"shift": shift}
+        if training is not None:
+            shifted["training"] = training
         sums = g.call_function(OPS["functional_batchnorm_sums"], (x,), shifted)
         handle = g.call_function(OPS["batchnorm_stats_start"], (sums,), {"comm": comm})
         stats = g.call_function(OPS["batchnorm_stats_wait"], (handle,))

@@ -1102,18 +1102,21 @@ def sync_batch_norm(bn, x, stats):
 # ``F.batch_norm(x, running_mean, running_var, weight, bias, training=True, momentum, eps)`` called
 # in ``forward``: the same statistics from the tensors the call names (no module to read them from).
 
-def _functional_batchnorm_sums_meta(x, *, shift=None):
+def _functional_batchnorm_sums_meta(x, *, shift=None, training=True):
     return _meta_like((2 * x.shape[1] + 1,))
 
 
 @define_op("functional_batchnorm_sums", meta=_functional_batchnorm_sums_meta)
-def functional_batchnorm_sums(x, *, shift=None):
+def functional_batchnorm_sums(x, *, shift=None, training=True):
     """recc.functional_batchnorm_sums(x: [N, C, *], shift=running_mean | None) -> f32[2C+1]
 
     ``recc.batchnorm_sums`` of an ``F.batch_norm(training=True)`` call: per channel ``sum(x - s)``,
     ``sum((x - s)^2)``, then the count, with ``s`` the call's running mean when it is a tensor of
-    the model (the same on every rank), else 0. Such a call normalises by the batch in eval mode
-    too, so the sums are never empty."""
+    the model (the same on every rank), else 0. ``training=True`` normalises by the batch in eval
+    mode too, so the sums are never empty; ``training`` read at run time (``training=self.training``,
+    a node reading the module's flag) false gives an empty tensor and nothing travels."""
+    if not training:
+        return x.new_zeros(0, dtype=torch.float32)
     dims = [0] + list(range(2, x.dim()))
     xs = x.float()
     if shift is not None:
@@ -1123,12 +1126,13 @@ def functional_batchnorm_sums(x, *, shift=None):
 
 
 def _functional_sync_batch_norm_meta(x, stats, running_mean, running_var, weight, bias, *, momentum, eps,
-                                     shift=None):
+                                     shift=None, training=True):
     return _meta_like(tuple(x.shape), x.dtype)
 
 
 @define_op("functional_sync_batch_norm", meta=_functional_sync_batch_norm_meta)
-def functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias, *, momentum, eps, shift=None):
+def functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias, *, momentum, eps, shift=None,
+                               training=True):
     """recc.functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias, momentum=, eps=,
     shift=) -> [N, C, *]
 
@@ -1136,7 +1140,11 @@ def functional_sync_batch_norm(x, stats, running_mean, running_var, weight, bias
     the batch statistics in ``stats`` (every rank's ``recc.functional_batchnorm_sums`` added):
     mean ``s + S1/n``, biased variance ``S2/n - (S1/n)^2`` normalise ``x``; the running statistics
     given update in place as ATen's does (``(1 - momentum) * r + momentum * stat``, the variance
-    unbiased ``* n/(n-1)``; no batch counter), with ``n`` the global count — the same on every rank."""
+    unbiased ``* n/(n-1)``; no batch counter), with ``n`` the global count — the same on every rank.
+    With ``training`` false at run time (``training=self.training`` in eval mode), eager's
+    ``F.batch_norm(..., training=False)``: the running statistics normalise, nothing updates."""
+    if not training:
+        return F.batch_norm(x, running_mean, running_var, weight, bias, False, momentum, eps)
     c = x.shape[1]
     n, shifted_mean, var = _global_moments(stats, x)
     mean = shifted_mean if shift is None else shifted_mean + shift.detach().float()

@@ -142,6 +142,30 @@ class _ValueAttribute(_ValueProxy, fx.proxy.Attribute):
     pass
 
 
+class _TrainingFlag(_ValueProxy):
+    """``module.training`` of the root or a traced-through submodule while ``forward`` is traced:
+    its graph node (``get_attr <path>.training``, which reads the flag when the compiled model
+    runs, so ``train()``/``eval()`` reach it) is recorded at its first use. Passed to a call
+    (``F.dropout(x, p, training=self.training)``) it is that node; turned into a Python bool
+    (``if self.training:``) it is the compile-time value, and the graph is noted as depending
+    on the mode (``_CaptureTracer.concrete``)."""
+
+    def __init__(self, tracer: "_CaptureTracer", path: str, value: bool):
+        self.tracer = tracer
+        self._path = path
+        self._value = value
+        self._node = None
+
+    @property
+    def node(self) -> fx.Node:
+        if self._node is None:
+            self._node = self.tracer.training_node(self._path, self._value)
+        return self._node
+
+    def __repr__(self) -> str:
+        return f"TrainingFlag({self._path or 'self'}.training={self._value})"
+
+
 class _CaptureTracer(fx.Tracer):
     """fx tracing with every node run on the example as it is recorded (``values``), and per
     node what its value depends on (``taint``: "input", "param", "batch")."""
@@ -159,6 +183,8 @@ class _CaptureTracer(fx.Tracer):
         self._placeholders = 0
         self._evaluating = 0   # > 0 while a node runs on its example values: no recording
         self._model_state: Optional[set] = None   # ids of the model's parameters and buffers
+        self.mode_branches: list[tuple[str, bool]] = []   # (site, compile-time mode) of branches on training
+        self.compile_mode = True   # the root's training flag when traced
 
     def call_module(self, m, forward, args, kwargs):
         if self._evaluating:
@@ -221,6 +247,42 @@ class _CaptureTracer(fx.Tracer):
         finally:
             for h in handles:
                 h.remove()
+
+    def training_node(self, path: str, value: bool) -> fx.Node:
+        """The node reading ``<path>.training`` at run time (``training`` for the root)."""
+        target = f"{path}.training" if path else "training"
+        node = self.create_node("get_attr", target, (), {})
+        node.meta[TRAINING_FLAG] = path
+        node.meta.setdefault("recc.notes", []).append(
+            f"the {'model' if not path else path}'s training flag, read at run time (train()/eval())")
+        self.values[node] = value
+        self.taint[node] = frozenset({"mode"})
+        return node
+
+    @contextlib.contextmanager
+    def reading_training_flags(self, root: nn.Module):
+        """While tracing, the ``training`` attribute of the root and of every module whose forward
+        is traced through (not leaves, nor modules under a leaf: those run for real on the example)
+        is a ``_TrainingFlag``; the bools are put back after."""
+        swapped, seen = [], set()
+
+        def walk(m: nn.Module, path: str):
+            if id(m) in seen or (path and self.is_leaf_module(m, path)):
+                return
+            seen.add(id(m))
+            flag = m.__dict__.get("training")
+            if isinstance(flag, bool):
+                swapped.append((m, flag))
+                m.__dict__["training"] = _TrainingFlag(self, path, flag)
+            for name, child in m.named_children():
+                walk(child, f"{path}.{name}" if path else name)
+
+        try:
+            walk(root, "")
+            yield
+        finally:
+            for m, flag in swapped:
+                m.__dict__["training"] = flag
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self._evaluating:
@@ -367,6 +429,13 @@ class _CaptureTracer(fx.Tracer):
         v = self.value(node)
         t = self.taint[node]
         numeric = isinstance(v, (torch.Tensor, bool, int, float, complex))
+        if "mode" in t and not t & {"input", "param", "batch"}:
+            # Python looking at a training flag (``if self.training:``): one graph cannot take both
+            # branches. It is captured in the mode the model is in now, and the compiled model
+            # refuses a forward in the other mode (runtime/model.py), naming this line.
+            mode = self.values[node] if TRAINING_FLAG in node.meta else self.compile_mode
+            self.mode_branches.append((_user_site(), bool(mode)))
+            return v
         if numeric and ("input" in t or "param" in t):
             shown = v if not isinstance(v, torch.Tensor) or v.numel() <= 4 else f"a tensor of shape {list(v.shape)}"
             source = "the inputs'" if "input" in t else "the parameters' or buffers'"
@@ -478,6 +547,10 @@ def _prune_dead_reads(graph: fx.Graph) -> None:
     while changed:
         changed = False
         for node in reversed(list(graph.nodes)):
+            if not node.users and node.op == "get_attr" and TRAINING_FLAG in node.meta:
+                graph.erase_node(node)   # a flag only branched on (if self.training:)
+                changed = True
+                continue
             if node.users or node.op not in ("call_function", "call_method"):
                 continue
             read = (node.op == "call_method" and node.target in _META_METHODS) or (
@@ -523,6 +596,9 @@ def _recording_factories(tracer: "_CaptureTracer"):
 AUTOCAST = "recc.autocast"            # node.meta: {device type: dtype} of the autocast it was traced under
 AUTOCAST_SITE = "recc.autocast_site"  # node.meta: the user's line that recorded it
 SITE = "recc.site"                    # node.meta: the user's line of a functional batch norm
+TRAINING_FLAG = "recc.training_flag"  # node.meta: the module path (root: "") whose training flag it reads
+MODE = "recc.training"                # gm.meta: the root model's training flag when it was compiled
+MODE_BRANCHES = "recc.mode_branches"  # gm.meta: [(file:line: source, mode)] of forward's branches on it
 BATCH_NORM_FUNCTIONS = (torch.nn.functional.batch_norm, torch.batch_norm)
 
 
@@ -554,8 +630,9 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
                 if isinstance(v, (list, tuple, dict))}
     leaves = [x for v in example_inputs for x in _leaves(v)]
     tracer = _CaptureTracer(leaves, batch if batch is not None else example_batch(example_inputs))
+    tracer.compile_mode = bool(model.training)
     try:
-        with _recording_factories(tracer), tracer.refusing_new_state():
+        with _recording_factories(tracer), tracer.refusing_new_state(), tracer.reading_training_flags(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
     except CaptureError as e:
         raise CaptureError(f"recc could not capture {type(model).__name__}.forward: {e}") from None
@@ -570,6 +647,8 @@ def trace(model: nn.Module, example_inputs: Sequence[Any], batch: Optional[int] 
     # traced-through parents of the attributes it keeps as plain Modules (discover_tables asks
     # whether a table sat in a TorchRec collection).
     gm.meta["recc.module_packages"] = {path: type(m).__module__ for path, m in model.named_modules()}
+    gm.meta[MODE] = tracer.compile_mode
+    gm.meta[MODE_BRANCHES] = list(dict.fromkeys(tracer.mode_branches))
     return gm
 
 

@@ -26,6 +26,7 @@ from recc.program import quiet_deepcopy
 from recc.runtime import comm_stats
 from recc.runtime.pipeline import split_sparse_stage
 from recc.runtime.table_init import TableInit, initial_block
+from recc.trace import MODE, MODE_BRANCHES
 from recc.tables import WEIGHT_DTYPES, TableGroup
 
 
@@ -186,6 +187,11 @@ class DistributedModel(nn.Module):
         # a batch ahead there too.)
         self._split = split_sparse_stage(gm)
         self._run = self._split.main if self._split is not None else gm
+        # The model starts in the mode it was compiled in (the graph's nodes that read a module's
+        # training flag, and the modules it calls, hold that mode); train()/eval() switch them all.
+        # A forward that branches on self.training was captured in that mode only (_check_mode).
+        self._mode_branches = list(gm.meta.get(MODE_BRANCHES, ()))
+        self._compiled_mode = bool(gm.meta.get(MODE, True))
         self._stats = comm_stats.CommStats()
         config = program.config
         self._stats.budget = config.comm_error_budget
@@ -217,6 +223,10 @@ class DistributedModel(nn.Module):
                 self._dense_bytes = 4 * sum(p.numel() for p in self.dense_parameters() if p.requires_grad)
             else:
                 self._ddp.register_comm_hook(None, _allreduce_hook(precision, self._stats))
+        # Only the wrappers' own flags: the user's modules keep the flags they were compiled with.
+        for m in (self, self._ddp, gm) + ((self._split.stage, self._split.main) if self._split is not None else ()):
+            if m is not None:
+                m.training = self._compiled_mode
 
     def _begin_step(self) -> None:
         if torch.is_grad_enabled():
@@ -249,6 +259,26 @@ class DistributedModel(nn.Module):
                           stacklevel=stacklevel)
         return torch.autocast(dev, enabled=False)
 
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self._split is not None:
+            self._split.stage.train(mode)   # not a submodule: the pipelined stage runs on its own
+        return self
+
+    def _check_mode(self) -> None:
+        """A forward that branches on ``self.training`` (``if self.training:``) was captured in the
+        mode the model was compiled in; running it in the other mode would silently take the
+        compiled branch, so it is refused, naming the branch."""
+        for site, mode in self._mode_branches:
+            if self.training != mode:
+                want, have = ("train", "eval") if mode else ("eval", "train")
+                raise RuntimeError(
+                    f"recc: the compiled model is in {have} mode, but its forward branches on self.training at "
+                    f"{site.split(': ')[0]} ({site.split(': ', 1)[-1]}) and was captured in {want} mode, so it runs "
+                    f"only in {want} mode; call .{want}() on it, or compile a second program with the model in "
+                    f"{have} mode (model.{have}() before recc.compile) for {have} use, or pass the flag to the call "
+                    f"instead of branching (F.dropout(x, p, training=self.training) follows train()/eval())")
+
     def _stage(self, args):
         flat = self._split.flatten(args)
         return flat, self._split.stage(*flat)
@@ -258,6 +288,8 @@ class DistributedModel(nn.Module):
 
     def forward(self, *args):
         self._program.signature.check(args)
+        if self._mode_branches:
+            self._check_mode()
         self._begin_step()
         with self._as_compiled(stacklevel=5):   # the user's call: model(...), then torch's two call wrappers
             if self._split is None:
