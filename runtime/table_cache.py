@@ -54,13 +54,15 @@ import torch.nn as nn
 from recc.kernels.cpu import table_cache as kernels
 from recc.kernels import linearize_indices, optimizer_state_shapes
 from recc.ops import Handle, SlotBatch, SparseBatch, register_impl
-from recc.planner.cost_model import STORE_ROW_ID_BYTES, STORE_SPARE
+from recc.planner.cost_model import CACHE_IO_BUFFER_BYTES, STORE_ROW_ID_BYTES, STORE_SPARE
 from recc.tables import TableGroup
 
 MAGIC = b"RECCSTORE1\n"
 HEADER_BYTES = 4096
 FORMAT_VERSION = 1
-_FILL_BYTES = 32 << 20   # rows written per request while the store is filled at instantiate
+# Rows written per request while the store is filled at instantiate: large enough for the disk's
+# sequential rate, small beside the cache (the plan counts it: cost_model.CACHE_IO_BUFFER_BYTES).
+_FILL_BYTES = CACHE_IO_BUFFER_BYTES
 SEGMENT_BYTES = 1 << 20  # the log's unit of cleaning: one sequential read and its live records rewritten
 ROW_ID_BYTES = STORE_ROW_ID_BYTES   # each store record ends with its row's id (int64)
 # Store positions beyond the rows, as a share of them: the log's dead room (cleaning a segment

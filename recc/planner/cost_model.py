@@ -97,7 +97,9 @@ GIB = 2 ** 30
 # dirty bytes; per row of the shard an int32 row -> slot map and, for a disk store (a log,
 # RowStore), an int32 row -> position (each record on disk ends with its row's id instead of an
 # in-memory position -> row map: STORE_ROW_ID_BYTES). Its store I/O reads and writes the slots in place; filling the store at start stages
-# at most _FILL_BYTES (32 MiB) of rows, cleaning one segment (SEGMENT_BYTES, 1 MiB).
+# at most CACHE_IO_BUFFER_BYTES (8 MiB) of rows, cleaning one segment (SEGMENT_BYTES, 1 MiB). The
+# fill's staging is one buffer per group at a time, counted per shard here: an over-estimate of
+# at most 8 MiB per further cached shard on a rank (bench/memory.py: measured 0.93-0.97 of it).
 # A disk store's positions beyond its rows, as a share of them (RowStore), and the bytes its
 # cleaning then moves (read, and written again) per byte written back. Evictions are spread over
 # the cold rows, so the log's segments die slowly and evenly: replaying bench/tiered_tables.py's
@@ -110,7 +112,7 @@ CACHE_SLOT_BYTES = 18
 CACHE_ROW_MAP_BYTES = 4
 STORE_ROW_BYTES = 4
 STORE_ROW_ID_BYTES = 8
-CACHE_IO_BUFFER_BYTES = 32 * 2 ** 20
+CACHE_IO_BUFFER_BYTES = 8 * 2 ** 20
 
 
 

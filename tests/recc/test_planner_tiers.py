@@ -140,7 +140,7 @@ def test_a_ranks_caches_share_its_memory_for_the_least_io():
 def test_the_memory_estimate_counts_the_cache_its_index_and_its_staging():
     """A cached table's memory on its rank, written out: slots x (weights + state + the
     backward's slot map + 18 index bytes) + per table row an int32 slot map and the log's int32
-    position + min(32 MiB, store). The store on disk holds 1.5 records a row, each with its row's
+    position + min(8 MiB, store). The store on disk holds 1.5 records a row, each with its row's
     8-byte id."""
     rows, dim = 6_000_000, 16
     tables = tables_of(T("big", rows, dim), T("small", 1000, dim))
@@ -151,7 +151,7 @@ def test_the_memory_estimate_counts_the_cache_its_index_and_its_staging():
     assert plan.tier("big").cached and not plan.tier("small").cached
     slots = plan.tier("big").cache_rows
     row = dim * 4 + 4                        # fp32 weights + one rowwise state
-    cache = slots * (row + 4 + 18) + rows * (4 + 4) + min(32 * 2 ** 20, rows * row)
+    cache = slots * (row + 4 + 18) + rows * (4 + 4) + min(8 * 2 ** 20, rows * row)
     want = resident.rank_estimates[0].memory_bytes - rows * (row + 4) + cache
     assert plan.rank_estimates[0].memory_bytes == pytest.approx(want, rel=1e-12)
     assert plan.rank_estimates[0].store_bytes == rows * (row + 8) * 1.5
