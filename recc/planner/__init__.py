@@ -89,6 +89,8 @@ def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, c
 
     def search(kind: str, start: Optional[dict[str, ShardSpec]] = None) -> dict[str, ShardSpec]:
         units = units_of(tables, profiles, cons, kind, model, cluster)
+        for u in units:  # a unit's plan-independent terms and deltas, computed once for every search
+            u.tw, u.cache = shared.setdefault((tuple(u.names), tuple(map(id, u.profiles))), (u.tw, u.cache))
         srch = Search(model, tables, units, kind, check_memory)
         if start is not None:
             start = {n: placement_of(tables[n], spec, cluster) for n, spec in start.items()}
@@ -103,6 +105,7 @@ def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, c
                 specs[n] = spec_for(tables[n], u.placement, cluster)
         return {n: specs[n] for n in tables}
 
+    shared: dict[tuple, tuple[dict, dict]] = {}
     notes = []
     reasons = {}
     if strategy == "auto":

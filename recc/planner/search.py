@@ -21,8 +21,10 @@ Memory caps are hard: a placement that would put any rank over its cap is never 
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
+import sys
 from typing import Iterable, Optional
 
 import numpy as np
@@ -260,7 +262,10 @@ class Search:
                         options.append((CW, tuple(s[-1] for s in scores[:k])))
                 self._add_best(u, options, found)
             elif kind == TWRW:
-                self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))], found)
+                if u.node is None and m.N > 1 and _SEQUENTIAL_SUM:
+                    self._add_best_twrw(u, found)
+                else:
+                    self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))], found)
             else:  # RW, DP
                 placement = (kind,)
                 dt, dmem = self.dense(u, placement)
@@ -279,6 +284,39 @@ class Search:
                 best = (key, placement, (dt, dmem))
         if best is not None:
             found.append(best)
+
+    def _add_best_twrw(self, u: Unit, found: list) -> None:
+        """``_add_best`` of table_row_wise on every node, evaluated for all nodes at once as
+        arrays: node n's delta is node 0's rotated by n nodes, and ``eval_dense``'s operations are
+        done element by element in the same order (sums as running sums, which is how Python
+        (< 3.12) adds a list of floats), so the same floats, the same ties, the same overflow."""
+        m, st = self.m, self.state
+        W, G, N = m.W, m.G, m.N
+        dt0, dmem0 = self.dense(u, (TWRW, 0))
+        rot = _rotations(W, G, N)
+        dt, dmem = np.asarray(dt0)[rot], np.asarray(dmem0)[rot]
+        need = np.asarray(st.mem) + dmem
+        worst, at = need.max(axis=1).tolist(), need.argmax(axis=1).tolist()
+        tot = np.asarray(st.tot)
+        work = np.cumsum(dt, axis=1)[:, -1]
+        top = (tot + dt).max(axis=1)
+        bound = (st.T + work + self.remaining) / W
+        mx = np.where(bound > top, bound, top)
+        dss = 2 * np.cumsum(tot * dt, axis=1)[:, -1] + np.cumsum(dt * dt, axis=1)[:, -1]
+        key0 = (mx + st.latency_with(self.keys(u, (TWRW, 0)))).tolist()
+        work, dss = work.tolist(), dss.tolist()
+        kidx = KIND_INDEX[TWRW]
+        best = None
+        for n in range(N):
+            if worst[n] > self.cap:
+                self._over(u, (TWRW, n), at[n], worst[n])
+                continue
+            key = (key0[n], work[n], dss[n], kidx, n)
+            if best is None or key < best[0]:
+                best = (key, n)
+        if best is not None:
+            placement = (TWRW, best[1])
+            found.append((best[0], placement, self.dense(u, placement)))
 
     def place(self, u: Unit, placement: tuple, dense=None):
         dt, dmem = dense if dense is not None else self.dense(u, placement)
@@ -428,6 +466,16 @@ class Search:
             if new is not None and new < target and (best is None or new < best[0]):
                 best = (new, ("swap", a, b))
         return best
+
+
+# Python adds a list of floats left to right up to 3.11 (3.12 compensates), as np.cumsum does.
+_SEQUENTIAL_SUM = sys.version_info < (3, 12)
+
+
+@functools.lru_cache(maxsize=8)
+def _rotations(W: int, G: int, N: int) -> np.ndarray:
+    """``[N, W]`` indices: row n takes a per-rank list rotated by n nodes (``Search.dense``)."""
+    return (np.arange(W)[None, :] - G * np.arange(N)[:, None]) % W
 
 
 def _tiebreak(placement: tuple):
