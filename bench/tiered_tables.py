@@ -56,6 +56,7 @@ configurations in this process (the fastest counts).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -270,7 +271,14 @@ def run_child(spec: dict) -> dict:
     if config in MMAPS:
         import recc.runtime.model as runtime_model
         runtime_model._table_memory = _mmap_table_memory(spec["dir"], "random" if config.endswith("RANDOM") else "none")
-    program = recc.compile(model, recc.Cluster.local(1), example_inputs=data.batch(0)[:3],
+    cluster = recc.Cluster.local(1)
+    if not config.startswith("cached"):
+        # All-resident placements (in memory, or in file mappings for mmap): the plan must not
+        # refuse tables bigger than Cluster.local's 8 GiB device; the mmap runs' cap is the cgroup's.
+        need = table_bytes(cfg) / GIB * 1.5 + 1
+        if need > cluster.device.memory_gb:
+            cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_gb=need))
+    program = recc.compile(model, cluster, example_inputs=data.batch(0)[:3],
                            config=recc.CompileConfig(optimizer="rowwise_adagrad", lr=0.01, placement=placement,
                                                      cache_dir=spec["dir"] if config.startswith("cached") else None))
     t0 = time.perf_counter()
