@@ -368,15 +368,17 @@ def test_state_dict_mid_training_keeps_training_exact(tmp_path):
 
 def test_checkpoints_cross_between_cached_and_resident(tmp_path, tight_log):
     """A cached run's checkpoint (its rows read from the store's log a chunk at a time) loads
-    into a resident run, a resident run's into a cached one (written into the store through its
-    log), and training on from either ends at the all-resident parameters, bit for bit, with
-    the optimizer state (row-wise Adagrad) carried across."""
+    into a resident run and into another cached run (a resume), a resident run's into a cached
+    one (written into the store through its log), and training on from each ends at the
+    all-resident parameters, bit for bit, with the optimizer state (row-wise Adagrad) carried
+    across."""
     steps, half = 6, 3
     key = ("user", "rowwise_adagrad", None, steps)
     # a program instantiates once (it hands its tables over): one pair per run
     resident_a, cached_a, _, data = cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "a")
     resident_b, cached_b, _, _ = cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "b")
-    for d in ("a", "b"):
+    _, cached_d, _, _ = cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "d", resident=False)
+    for d in ("a", "b", "d"):
         (tmp_path / d).mkdir()
     if key not in _RESIDENT:
         _resident_state(key, cs.compile_pair("user", 1, "rowwise_adagrad", steps, tmp_path / "c")[0], data)
@@ -397,8 +399,11 @@ def test_checkpoints_cross_between_cached_and_resident(tmp_path, tight_log):
     c2 = cached_b.instantiate()
     recc.load_checkpoint(c2, None, str(r_ckpt))
     cs.train(c2, data[half:], pipeline=True)
+    c3 = cached_d.instantiate()
+    recc.load_checkpoint(c3, None, str(c_ckpt))
+    cs.train(c3, data[half:], pipeline=True)
     try:
-        for name, dm in (("cached -> resident", r2), ("resident -> cached", c2)):
+        for name, dm in (("cached -> resident", r2), ("resident -> cached", c2), ("cached -> cached", c3)):
             got = dm.state_dict()
             for k in want:
                 assert torch.equal(got[k], want[k]), f"{name}: {k} differs from the all-resident run"
@@ -410,6 +415,7 @@ def test_checkpoints_cross_between_cached_and_resident(tmp_path, tight_log):
             assert torch.equal(got[k], half_state[k]), f"load_state_dict into the cached run: {k}"
     finally:
         _close(c2)
+        _close(c3)
 
 
 # ============================================================================= the IR
