@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from recc.cli import main
+from recc.app.cli import main
 
 ZIONEX = Path(__file__).resolve().parents[1] / "clusters" / "zionex-16x8.yaml"
 

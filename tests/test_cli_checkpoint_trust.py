@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recc.cli import main
+from recc.app.cli import main
 from recc.models import criteo
 from recc.models.click_log import write_click_log
 from recc.runtime import checkpoint as ckpt

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recc.cli import main
+from recc.app.cli import main
 from recc.models import ClickLog, load_preset
 from tests.models.criteo_support import make_lines, oracle, write_tsv
 

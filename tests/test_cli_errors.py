@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from recc.cli import main
+from recc.app.cli import main
 
 
 @pytest.mark.parametrize("argv, says", [

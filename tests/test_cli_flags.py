@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from recc.cli import main
+from recc.app.cli import main
 
 
 @pytest.mark.parametrize("cmd", ["compile", "plan", "train"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from recc.cli import main
+from recc.app.cli import main
 
 
 def plan_block(text: str) -> str:

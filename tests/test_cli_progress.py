@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from recc.training import Progress
+from recc.app.training import Progress
 
 
 class Terminal(io.StringIO):

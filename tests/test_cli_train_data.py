@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from recc.cli import main
+from recc.app.cli import main
 from recc.models import ClickLogData, Metrics, build_model, criteo
 from recc.models.click_log import write_click_log
 from recc.runtime.checkpoint import latest_checkpoint, list_checkpoints, load_into_module
@@ -158,7 +158,7 @@ def _rank_pids(parent: int) -> list[int]:
 def test_rank_killed_mid_training_fails_the_run_naming_it_then_resume_continues(data, tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, RECC_TIMEOUT_S=str(TIMEOUT_S), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "recc.cli", "train", *COMMON, "--data", str(data), "--steps", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "recc.app.cli", "train", *COMMON, "--data", str(data), "--steps", "100000",
                              "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--keep-checkpoints", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:

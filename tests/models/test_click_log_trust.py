@@ -326,7 +326,7 @@ def test_changes_are_looked_for_every_recheck_interval_not_every_read(log, monke
 # -- the CLI prints one line ------------------------------------------------------------------------------
 
 def test_cli_prints_a_bad_header_in_one_line(log, capfd):
-    from recc.cli import main
+    from recc.app.cli import main
     header = edit_header(log, _set("tables.0.dtype", "O"))
     assert main(["train", "--model", "tiny", "--world-size", "1", "--batch-size", "16", "--data", str(log),
                  "--steps", "1"]) == 2

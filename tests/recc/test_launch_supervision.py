@@ -252,7 +252,7 @@ def test_ranks_die_when_the_launcher_is_killed(tmp_path):
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path, when):
     """Ctrl-C on a terminal sends SIGINT to the foreground process group: the CLI and its ranks."""
     env = dict(os.environ, RECC_CACHE_DIR=str(tmp_path / "cache"))
-    cli = subprocess.Popen([sys.executable, "-m", "recc.cli", "train", "--model", "tiny", "--world-size", "2",
+    cli = subprocess.Popen([sys.executable, "-m", "recc.app.cli", "train", "--model", "tiny", "--world-size", "2",
                             "--steps", "1000000"], cwd=REPO, env=env, start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

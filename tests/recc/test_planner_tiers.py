@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import recc
-from recc.cli import main
+from recc.app.cli import main
 from recc.cluster import Cluster, DeviceSpec, LinkSpec, StorageSpec
 from recc.models import SyntheticData, build_model, load_preset, slice_batch
 from recc.models.presets import DEFAULT_ZIPF_ALPHA

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import recc
-from recc.cli import main
+from recc.app.cli import main
 from recc.models import SyntheticData, build_model, slice_batch
 from recc.runtime import checkpoint as ckpt
 

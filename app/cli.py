@@ -148,7 +148,7 @@ def cmd_compile(args) -> int:
     return 0
 
 
-from recc.training import Progress as _Progress  # noqa: E402  (one progress bar for every command)
+from recc.app.training import Progress as _Progress  # noqa: E402  (one progress bar for every command)
 
 
 def _user_error(command: str, e: BaseException) -> int:
@@ -203,7 +203,7 @@ def cmd_train(args) -> int:
 def _train_data(args) -> int:
     """``recc train --data``: the preset trained on a converted click log."""
     import recc
-    from recc.training import DataJob, train_on_data
+    from recc.app.training import DataJob, train_on_data
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
     if args.checkpoint_every and not args.checkpoint_dir:
