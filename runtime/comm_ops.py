@@ -1,11 +1,11 @@
 """The communication ops in the runtime, for every device: collectives and codecs.
 
-``recc.all_to_all_start``/``_wait`` dispatch on the ``CommSpec``'s op to ``recc.runtime.comm``
-(torch.distributed: gloo on CPU, NCCL on GPUs; a one-rank group needs no communication).
-``recc.quantize`` encodes a payload into ``comm.Encoded`` chunks, one per destination;
-``recc.all_to_all_start``/``_wait`` move the bytes; ``recc.dequantize`` decodes what arrived
-(``comm.ReceivedRows``) and reassembles the tables. The autograd edges live in the exchange
-(``comm._OutputDistStart``/``_OutputDistWait``), which also carries the backward codec.
+``recc.all_to_all_start``/``_wait`` dispatch on the ``CommSpec``'s op to ``input_dist`` or
+``output_dist`` (torch.distributed: gloo on CPU, NCCL on GPUs; a one-rank group needs no
+communication). ``recc.quantize`` encodes a payload into ``output_dist.Encoded`` chunks, one per
+destination; ``recc.all_to_all_start``/``_wait`` move the bytes; ``recc.dequantize`` decodes what
+arrived (``output_dist.ReceivedRows``) and reassembles the tables. The autograd edges live in the
+exchange (``output_dist.Exchange``), which also carries the backward codec.
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import torch
 
 from recc.kernels import codecs
 from recc.ops import OPS, batch_of, pooled_dtype, register_impl
-from recc.runtime.comm import (Encoded, ReceivedRows, dequantize_received, input_dist_start, input_dist_wait,
-                               output_dist_start, output_dist_wait, pad_to_world_bags, check_world_batches)
+from recc.runtime.comm.dp_grads import check_world_batches
+from recc.runtime.comm.input_dist import input_dist_start, input_dist_wait, pad_to_world_bags
+from recc.runtime.comm.output_dist import (Encoded, ReceivedRows, dequantize_received, output_dist_start,
+                                           output_dist_wait)
 
 
 def all_to_all_start_impl(x, *, comm):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from recc.kernels import codecs
-from recc.runtime.comm import _Exchange, _OutputDistWait, measured_error, send_bytes
+from recc.runtime.comm.output_dist import Exchange, OutputDistWait, measured_error, send_bytes
 
 _MAPS: dict = {}
 
@@ -84,9 +84,9 @@ def _node_maps(comm, node_size: int, world: int):
     return _MAPS[key]
 
 
-class TwoLevelExchange(_Exchange):
+class TwoLevelExchange(Exchange):
     """One two-level output dist, forward and backward (see the module docstring). Used by
-    ``comm.output_dist_start`` through the same autograd halves as the flat ``_Exchange``, whose
+    ``comm.output_dist_start`` through the same autograd halves as the flat ``Exchange``, whose
     bookkeeping it shares; the four steps that move bytes take two hops here."""
 
     def __init__(self, comm, shape, b: int, shards_of, codec, grad_codec, st):
@@ -155,7 +155,7 @@ class TwoLevelExchange(_Exchange):
         blocks = [x.view(self.b, c) for x, c in zip(flat.split([self.b * c for c in self.cols]), self.cols)]
         side = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
         self.recv = side if self.logical is None else side.index_select(1, self.logical.to(side.device))
-        return _OutputDistWait.apply(token, self)
+        return OutputDistWait.apply(token, self)
 
     # -- backward ---------------------------------------------------------------------------
     def send_grad(self, grad):

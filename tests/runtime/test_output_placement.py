@@ -1,6 +1,6 @@
-"""Where the output dist's received columns land (``comm._placement_runs``): the runs the
+"""Where the output dist's received columns land (``output_dist.placement_runs``): the runs the
 one-pass decode/encode uses, checked against the column map the general path applies."""
-from recc.runtime.comm import _column_map, _placement_runs, _received_columns
+from recc.runtime.comm.output_dist import column_map, placement_runs, received_columns
 from recc.specs import CommSpec
 
 
@@ -23,27 +23,27 @@ def expand(runs):
 
 def test_table_wise_in_order_is_one_run_per_source():
     comm = spec([(0, 0, 0, 100, 0, 4), (1, 0, 0, 100, 0, 4), (2, 1, 0, 100, 0, 4)], [4, 4, 4], 4)
-    runs = _placement_runs(comm, [2, 1])
+    runs = placement_runs(comm, [2, 1])
     assert runs == [[(0, 0, 8)], [(0, 8, 4)]]
-    assert _column_map(comm, [2, 1])[0] == "identity"
+    assert column_map(comm, [2, 1])[0] == "identity"
 
 
 def test_interleaved_owners_and_column_blocks_follow_the_permutation():
     # table 0 on rank 1, table 1 on rank 0; table 2 split into two column blocks on ranks 0 and 1
     layout = [(0, 1, 0, 100, 0, 4), (1, 0, 0, 100, 0, 4), (2, 0, 0, 100, 0, 4), (2, 1, 0, 100, 4, 8)]
     comm = spec(layout, [4, 4, 8], 4)
-    runs = _placement_runs(comm, [2, 2])
-    assert expand(runs) == _received_columns(comm, [2, 2])
+    runs = placement_runs(comm, [2, 2])
+    assert expand(runs) == received_columns(comm, [2, 2])
     assert runs == [[(0, 4, 8)], [(0, 0, 4), (4, 12, 4)]]
-    assert _column_map(comm, [2, 2])[0] == "permute"
+    assert column_map(comm, [2, 2])[0] == "permute"
 
 
 def test_row_blocks_that_add_up_have_no_runs():
     comm = spec([(0, 0, 0, 50, 0, 4), (0, 1, 50, 100, 0, 4)], [4], 4)
-    assert _placement_runs(comm, [1, 1]) is None
-    assert _column_map(comm, [1, 1])[0] == "add"
+    assert placement_runs(comm, [1, 1]) is None
+    assert column_map(comm, [1, 1])[0] == "add"
 
 
 def test_a_rank_without_shards_gets_no_runs():
     comm = spec([(0, 1, 0, 100, 0, 4), (1, 1, 0, 100, 0, 4)], [4, 4], 4)
-    assert _placement_runs(comm, [0, 2]) == [[], [(0, 0, 8)]]
+    assert placement_runs(comm, [0, 2]) == [[], [(0, 0, 8)]]
