@@ -3,6 +3,11 @@
     program = recc.compile(model, recc.Cluster.local(1))
     print(program)                       # the final IR; program.stages[...] for every pass
     dmodel = program.instantiate()       # trainable; embedding rows update inside backward
+
+This file is the public face that assembles the layers (docs/design.md, "Layout"): the core's
+names, then the runtime, whose import registers the backends and ``Program.instantiate``'s
+builder, and whose checkpoint API and GradScaler are recc's too. It is the one file of ``recc/``
+exempt from the rule that the core imports nothing above it (tests/recc/test_layers.py).
 """
 from recc import ir
 from recc.cluster import Cluster, DeviceSpec, LinkSpec
@@ -15,8 +20,12 @@ from recc.specs import CommSpec, OptimizerSpec, Plan, ShardSpec, TableSpec
 
 __version__ = "0.1.0"
 
-# The checkpoint API lives with the runtime; it is imported on first use, so ``import recc``
-# (compiling, planning) loads no runtime or kernel code (recc -> runtime only lazily).
+# Last: the runtime imports the core's modules above, already loaded.
+from recc import runtime  # noqa: E402,F401  (registers the backends and Program.instantiate's builder)
+from recc.runtime.loss_scale import GradScaler  # noqa: E402  (dynamic loss scaling that reaches the fused table updates)
+
+# The checkpoint API is imported on first use: it loads torch.distributed.checkpoint, which costs
+# ~1.5 s (measured), more than the rest of ``import recc`` together.
 _CHECKPOINT_NAMES = ("save_checkpoint", "load_checkpoint", "latest_checkpoint", "CheckpointError", "CheckpointInfo")
 
 
@@ -24,9 +33,6 @@ def __getattr__(name):
     if name in _CHECKPOINT_NAMES:
         from recc.runtime import checkpoint
         return getattr(checkpoint, name)
-    if name == "GradScaler":  # dynamic loss scaling that reaches the fused table updates
-        from recc.runtime.loss_scale import GradScaler
-        return GradScaler
     raise AttributeError(f"module 'recc' has no attribute {name!r}")
 
 __all__ = ["compile", "Cluster", "CompileConfig", "Program", "Stage", "register_pass", "PassContext",

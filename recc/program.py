@@ -19,6 +19,17 @@ from recc import ir
 from recc.cluster import Cluster
 from recc.config import CompileConfig
 
+# The runtime's ``instantiate(program, rank=, device=)``, which ``recc.runtime`` registers when it is
+# imported (as backends register op implementations): the core never imports the layer above it.
+# ``import recc`` imports the runtime, so it is always registered for users.
+_runtime_instantiate = None
+
+
+def register_runtime(instantiate) -> None:
+    """For the runtime: the function ``Program.instantiate`` builds a rank's trainable module with."""
+    global _runtime_instantiate
+    _runtime_instantiate = instantiate
+
 
 @dataclass
 class Stage:
@@ -221,8 +232,9 @@ class Program:
     def instantiate(self, rank: Optional[int] = None, *, device: Optional[str] = None):
         """The trainable module for this rank (its own shards only); same call signature as the
         user's model. With one rank, works in the calling process."""
-        from recc.runtime import instantiate as _instantiate
-        return _instantiate(self, rank=rank, device=device)
+        if _runtime_instantiate is None:
+            raise RuntimeError("Program.instantiate: no runtime registered; import recc (or recc.runtime) first")
+        return _runtime_instantiate(self, rank=rank, device=device)
 
     def dump(self, directory) -> Path:
         return dump_stages(self.stages, directory)

@@ -5,5 +5,8 @@ from recc.runtime import comm_ops  # noqa: F401  (collectives and codecs, on eve
 from recc.runtime import table_cache  # noqa: F401  (the embedding cache's ops, on every device)
 from recc.runtime import batchnorm  # noqa: F401  (BatchNorm statistics over ranks, on every device)
 from recc.runtime.model import DistributedModel, instantiate, materialize
+from recc.program import register_runtime
+
+register_runtime(instantiate)  # Program.instantiate builds with it (the core does not import runtime)
 
 __all__ = ["DistributedModel", "instantiate", "materialize"]
