@@ -43,6 +43,8 @@ import torch
 
 BLOCK = 64
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
+# The plain casts, the codecs recc.specs.CAST_PRECISIONS names (kernels import nothing of recc's
+# core: tests/kernels/test_codecs.py holds the two to the same names).
 _CASTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FP8 = {"fp8_e4m3": (getattr(torch, "float8_e4m3fn", None), 448.0),
         "fp8_e5m2": (getattr(torch, "float8_e5m2", None), 57344.0)}

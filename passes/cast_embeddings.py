@@ -48,9 +48,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from recc.kernels import codecs
 from recc.ops import OPS, op_of
 from recc.passmanager import PassContext, register_pass
+from recc.specs import CAST_PRECISIONS
 from recc.trace import propagate_shapes
 
 # Ops the rows pass through unchanged in dtype (a view, a piece, a concatenation).
@@ -141,7 +141,7 @@ def cast_embeddings(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32"
         quantizes, dequantizes, found = path
         lookup.kwargs = {**lookup.kwargs, "dtype": "bf16"}
         for q in quantizes:
-            if codecs.is_cast(q.kwargs["precision"]):
+            if q.kwargs["precision"] in CAST_PRECISIONS:
                 q.kwargs = {**q.kwargs, "precision": "bf16"}
                 for start in list(q.users):  # the collective's spec names its codecs
                     comm = dataclasses.replace(start.kwargs["comm"], precision="bf16")

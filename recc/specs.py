@@ -17,6 +17,10 @@ ADAM_EPS = ("after_bias_correction", "before_bias_correction")
 SHARDING_KINDS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 _SHORT_KIND = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw",
                "table_row_wise": "twrw", "data_parallel": "dp"}
+# Wire codecs (CommSpec.precision) that are plain casts: the wire holds the values as that dtype,
+# so a pass may swap one for another and strided copies encode and decode them in place; the
+# block-scaled int8 and fp8 codecs are not. recc.kernels.codecs implements each (its _CASTS).
+CAST_PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@
   to +-Inf like a cast; finite payloads never decode to NaN;
 - decode refuses a wrong byte count (naming the expected size) and non-uint8 / non-flat wire;
   an unknown precision is a ValueError everywhere;
-- ``relative_error``: 0 for all-zero payloads, non-finite entries ignored.
+- ``relative_error``: 0 for all-zero payloads, non-finite entries ignored;
+- the plain casts are the ones ``recc.specs.CAST_PRECISIONS`` names for the passes.
 """
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def _randn(n: int, seed: int = 0) -> torch.Tensor:
 
 def test_precisions_are_the_documented_ones():
     assert set(codecs.PRECISIONS) == set(BOUNDS)
+
+
+def test_the_casts_are_the_ones_the_core_names():
+    # Passes ask recc.specs which codecs are plain casts (they never import kernels); the codecs
+    # implementing them must agree.
+    from recc.specs import CAST_PRECISIONS
+    assert [p for p in codecs.PRECISIONS if codecs.is_cast(p)] == list(CAST_PRECISIONS)
 
 
 @pytest.mark.parametrize("n", SIZES)
