@@ -240,7 +240,7 @@ def output_dist_start(payload, comm) -> Handle:
     shards_of = owner_plan(comm, world)[2]
     if comm.node_size:
         # Imported here: two_level's exchange subclasses this module's.
-        from recc.runtime.comm_two_level import TwoLevelExchange as exchange
+        from recc.runtime.comm.two_level import TwoLevelExchange as exchange
     else:
         exchange = Exchange
     ex = exchange(comm, pooled.shape, pooled.shape[0] // world, shards_of, codec, grad_codec, comm_stats.current())

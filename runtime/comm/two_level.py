@@ -86,8 +86,8 @@ def _node_maps(comm, node_size: int, world: int):
 
 class TwoLevelExchange(Exchange):
     """One two-level output dist, forward and backward (see the module docstring). Used by
-    ``comm.output_dist_start`` through the same autograd halves as the flat ``Exchange``, whose
-    bookkeeping it shares; the four steps that move bytes take two hops here."""
+    ``output_dist.output_dist_start`` through the same autograd halves as the flat ``Exchange``,
+    whose bookkeeping it shares; the four steps that move bytes take two hops here."""
 
     def __init__(self, comm, shape, b: int, shards_of, codec, grad_codec, st):
         super().__init__(comm, shape, b, shards_of, codec, grad_codec, st)
