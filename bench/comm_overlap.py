@@ -69,7 +69,7 @@ def _run(dmodel, opt, batches, pipelined):
 
 def rank_main(programs, data, args) -> dict:
     import recc
-    from recc.runtime.comm_stats import emulate_link
+    from recc.runtime.comm.stats import emulate_link
 
     rank, world = recc.rank(), recc.world_size()
     batches = list(data.batches(args.num_batches, rank=rank, world_size=world))

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                                                 "e.g. 100,5/2,20 (default: loopback as it is)")
     args = p.parse_args(argv)
     if args.link:
-        from recc.runtime.comm_stats import parse_emulation
+        from recc.runtime.comm.stats import parse_emulation
         parse_emulation(args.link)  # a bad value fails here, not in every rank
         os.environ["RECC_LINK_EMULATION"] = args.link  # the spawned ranks read it
     cluster = recc.Cluster.local(args.world_size, nodes=args.nodes)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from recc.ops import OPS, Handle, register_impl
-from recc.runtime import comm_stats
 from recc.runtime.comm import embedding_group
-from recc.runtime.comm_stats import Transfer
+from recc.runtime.comm import stats as comm_stats
+from recc.runtime.comm.stats import Transfer
 
 
 def _all_reduce(t: torch.Tensor, label: str) -> Transfer:

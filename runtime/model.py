@@ -23,7 +23,7 @@ from recc.kernels import huge_page_empty, optimizer_state_shapes, release_memory
 from recc.graph_utils import resolve_attr
 from recc.heap import keep_step_memory
 from recc.program import quiet_deepcopy
-from recc.runtime import comm_stats
+from recc.runtime.comm import stats as comm_stats
 from recc.runtime.pipeline import split_sparse_stage
 from recc.runtime.table_init import TableInit, initial_block
 from recc.trace import MODE, MODE_BRANCHES

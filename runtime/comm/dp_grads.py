@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from recc.kernels import codecs
 from recc.ops import SparseBatch
-from recc.runtime import comm_stats
+from recc.runtime.comm import stats as comm_stats
 from recc.runtime.comm.groups import embedding_group
-from recc.runtime.comm_stats import Transfer
+from recc.runtime.comm.stats import Transfer
 
 
 def _all_gather_varlen(t: torch.Tensor, label: str, st) -> list[torch.Tensor]:

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from recc.kernels.cpu import sparse as sparse_kernels
 from recc.ops import Handle, SparseBatch, pad_bag_offsets
-from recc.runtime import comm_stats
+from recc.runtime.comm import stats as comm_stats
 from recc.runtime.comm.groups import embedding_all_to_all, embedding_group
-from recc.runtime.comm_stats import Transfer
+from recc.runtime.comm.stats import Transfer
 
 
 def _row_split(comm, k: int, r0: int, r1: int) -> bool:

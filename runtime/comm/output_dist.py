@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from recc.kernels import codecs
 from recc.ops import Handle
-from recc.runtime import comm_stats
+from recc.runtime.comm import stats as comm_stats
 from recc.runtime.comm.groups import embedding_all_to_all
 from recc.runtime.comm.input_dist import owner_plan
-from recc.runtime.comm_stats import Transfer
+from recc.runtime.comm.stats import Transfer
 
 
 class Encoded:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import recc
 from recc.kernels import codecs
 from recc.models import DLRM, SyntheticData, slice_batch
-from recc.runtime import comm_stats
+from recc.runtime.comm import stats as comm_stats
 
 from dist_support import (LR, TIMEOUT_S, assert_matches_eager, assert_same_state, config, eager_run, tiny_data,
                           tiny_model)
@@ -340,7 +340,7 @@ def test_link_emulation_shows_in_the_report(comm_world):
 
 
 def test_parse_link_emulation():
-    from recc.runtime.comm_stats import LinkEmulation, parse_emulation
+    from recc.runtime.comm.stats import LinkEmulation, parse_emulation
     assert parse_emulation("10") == LinkEmulation(10.0, 0.0)
     assert parse_emulation(" 10,20 ") == LinkEmulation(10.0, 20.0)
     for off in ("", "0", "off", "none", "OFF"):
@@ -363,7 +363,7 @@ def test_parse_link_emulation():
 
 
 def test_bytes_to_other_nodes_and_their_modeled_time():
-    from recc.runtime import comm_stats
+    from recc.runtime.comm import stats as comm_stats
     st = comm_stats.CommStats()
     assert st.cross_node([5, 6, 7, 8], me=1) == 0                  # one node
     st.node_size = 2
