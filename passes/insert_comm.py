@@ -148,8 +148,9 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
 def _check_batches(gm: fx.GraphModule, ctx: PassContext, lookup: fx.Node, everyone: tuple) -> None:
     """A data-parallel group with jagged gathers has a different number of bags on every rank by
     design, so its gradient exchange cannot compare the ranks' batches as other groups do
-    (``runtime.comm.check_same_batches``): when no group of the graph can, ``recc.check_batches``
-    before its lookup compares the batch itself, read from the input that carries it."""
+    (``runtime.comm.dp_grads.check_same_batches``): when no group of the graph can,
+    ``recc.check_batches`` before its lookup compares the batch itself, read from the input that
+    carries it."""
     source = _batch_input(gm.graph, ctx.batch)
     if source is None:
         return

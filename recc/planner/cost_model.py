@@ -30,7 +30,7 @@ weight element; memory bandwidth ``M``; link bandwidths ``bw_intra``/``bw_inter`
   inside the node (``4 out(N b, D)`` per node peer) and all-to-all the results with the rank of
   the same local index on every other node (``2 out(b, D)`` per remote peer); each rank outside
   n receives its pooled output from one rank of n over the inter-node link.
-- DP, as the runtime does it (``runtime/comm.py``, ``dp_exchange``): no forward communication,
+- DP, as the runtime does it (``runtime/comm/dp_grads.py``, ``dp_exchange``): no forward communication,
   every rank looks up its local ``b L`` ids. A table with no more rows than the batch has bags
   all-reduces its per-row gradient sums, ``2 (W-1)/W rows (D+1) 4`` bytes over the slowest link
   the world spans, and updates the rows touched (at most ``min(rows, B L)``); a bigger one
@@ -117,7 +117,7 @@ CACHE_IO_BUFFER_BYTES = 8 * 2 ** 20
 
 
 def dp_exchange(rows: int, dim: int, batch: float, pooling: str) -> str:
-    """How a data-parallel table's (or group's) backward reaches every replica (``runtime/comm.py``):
+    """How a data-parallel table's (or group's) backward reaches every replica (``runtime/comm/dp_grads.py``):
     ``dp_grad_allreduce`` of its per-row gradient sums (``rows x (D + 1)`` fp32) while that is no
     larger than what gathering the batch would move (every bag's fp32 gradient and at least one
     id and length, ``B (4 D + 16)`` bytes); else, and for max pooling (whose winners are per

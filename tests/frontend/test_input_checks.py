@@ -7,8 +7,9 @@ The expectation of every case is eager PyTorch's own answer, asked in the test (
 on the same inputs), never a table written here. The rules live in one place each:
 ``recc.ops.check_id_dtype`` (ids: int64/int32, after ATen's promotion with the offsets of a bag),
 ``recc.trace.eager_float_dtypes`` recorded in the ``InputSignature`` (dense dtypes: what the
-captured graph, run as eager runs it, accepts) and ``recc.runtime.comm.check_same_batches`` beside
-the input dist's count check (uneven batches).
+captured graph, run as eager runs it, accepts) and
+``recc.runtime.comm.dp_grads.check_same_batches`` beside the input dist's count check (uneven
+batches).
 """
 from __future__ import annotations
 
