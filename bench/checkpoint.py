@@ -14,8 +14,8 @@ Peak memory is the rise of the rank's peak RSS over its RSS just before the oper
 ``VmHWM``, reset through ``/proc/self/clear_refs``), printed next to the bytes of the rank's own
 shards (weights + sparse optimizer state): it must follow the shards, not the whole model.
 
-    python bench/checkpoint.py
-    python bench/checkpoint.py --models kaggle --world-sizes 1 2 --dir /tmp/ckpt-bench
+    python -m bench.checkpoint
+    python -m bench.checkpoint --models kaggle --world-sizes 1 2 --dir /tmp/ckpt-bench
 """
 from __future__ import annotations
 

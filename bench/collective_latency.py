@@ -1,7 +1,7 @@
 """What one collective costs on a local gloo world: the numbers behind ``Cluster.local``'s link.
 
-    python bench/collective_latency.py                 # world sizes 2 (and 4 where the host has 4+ cores)
-    python bench/collective_latency.py --world-sizes 2,4 --repeats 50
+    python -m bench.collective_latency                 # world sizes 2 (and 4 where the host has 4+ cores)
+    python -m bench.collective_latency --world-sizes 2,4 --repeats 50
 
 For each world size it launches a real gloo world on this host (``recc.launch``) and times, on
 rank 0, the median of ``--repeats`` blocking calls of ``all_to_all_single`` and ``all_reduce``

@@ -23,7 +23,7 @@ serial schedule would wait) is printed beside it, from ``dmodel.comm_report()``,
 time rank 0 spent blocked in embedding collectives' waits: the extra wait under emulation,
 against the modeled time, is a second, less noisy measure of what each schedule overlaps.
 
-Usage: ``python bench/comm_overlap.py [--config small] [--gbps 10] [--latency-us 20]``.
+Usage: ``python -m bench.comm_overlap [--config small] [--gbps 10] [--latency-us 20]``.
 """
 from __future__ import annotations
 
@@ -31,12 +31,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SCHEDULES = ("serial", "pipelined")
 
@@ -128,7 +126,7 @@ def main(argv=None) -> int:
     args.steps = min(args.steps, args.num_batches)
 
     import recc
-    import comm_overlap  # ranks import this module by name (bench/ is on their path via sys.path)
+    from bench import comm_overlap  # the ranks import rank_main by this name, not as __main__
 
     programs, data, batch = _programs(args)
     results = recc.launch(comm_overlap.rank_main, recc.Cluster.local(2), programs, data, args)

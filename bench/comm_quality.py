@@ -8,19 +8,17 @@ side by side with the fp32 run: AUC and its difference, and from ``dmodel.comm_r
 bytes each rank sends per step for the output dist (pooled embeddings, forward and backward)
 as a ratio of fp32, and the codec's measured relative error.
 
-Usage: ``python bench/comm_quality.py [--config small] [--steps 1000]``.
+Usage: ``python -m bench.comm_quality [--config small] [--steps 1000]``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CODECS = (("fp32", "fp32"), ("fp16", "bf16"), ("bf16", "bf16"), ("fp16", "fp16"), ("int8", "int8"), ("fp8", "fp8"))
 
@@ -65,7 +63,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import recc
-    import comm_quality
+    from bench import comm_quality  # the ranks import rank_main by this name, not as __main__
     from recc.models import Metrics, SyntheticData, build_model, load_preset, slice_batch
 
     batch = args.batch_size or load_preset(args.config)["batch_size"]

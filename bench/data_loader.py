@@ -29,10 +29,10 @@ busy machine slows both alike. ``--cpu-time`` times with the process's CPU time 
 wall clock (the loader's own work, whatever else the machine runs; page cache warm, the loader
 is CPU-bound).
 
-    python bench/data_loader.py
-    python bench/data_loader.py --samples 262144 --batch-size 4096 --steps 8
-    python bench/data_loader.py --from-arrays --samples 2097152 --loader-only --repeat 3
-    python bench/data_loader.py --from-arrays --samples 2097152 --loader-only --repeat 5 --baseline HEAD~1
+    python -m bench.data_loader
+    python -m bench.data_loader --samples 262144 --batch-size 4096 --steps 8
+    python -m bench.data_loader --from-arrays --samples 2097152 --loader-only --repeat 3
+    python -m bench.data_loader --from-arrays --samples 2097152 --loader-only --repeat 5 --baseline HEAD~1
 """
 
 from __future__ import annotations

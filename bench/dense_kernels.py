@@ -20,8 +20,8 @@ with autocast runs it), ``recc`` is ``recc.kernels.dot_interaction_*`` reading t
 vector and one batched lookup [B, T*D] in place (in the bf16 row: a bf16 dense vector, fp32
 lookups and a bf16 output, as ``cast_dense`` compiles it). Example::
 
-    python bench/dense_kernels.py --config kaggle            # ~30 s
-    python bench/dense_kernels.py --config small --reps 30
+    python -m bench.dense_kernels --config kaggle            # ~30 s
+    python -m bench.dense_kernels --config small --reps 30
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from machine_limit import gemm_seconds
+from bench.lib.machine_limit import gemm_seconds
 from recc.heap import keep_step_memory
 from recc.kernels import dot_interaction_backward, dot_interaction_forward, linear_backward, linear_forward
 from recc.models import build_model, load_preset

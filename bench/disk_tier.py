@@ -17,8 +17,8 @@ file), so reads come from the device and not from memory:
 
 Each random test runs ``--seconds`` per point. Prints one table; ``--json`` writes the numbers.
 
-    python bench/disk_tier.py --dir /var/tmp/recc-disk             # 4 GiB file, removed at the end
-    python bench/disk_tier.py --dir /mnt/nvme --size-gib 8 --threads 1,4,16 --json disk.json
+    python -m bench.disk_tier --dir /var/tmp/recc-disk             # 4 GiB file, removed at the end
+    python -m bench.disk_tier --dir /mnt/nvme --size-gib 8 --threads 1,4,16 --json disk.json
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One-command GPU check of recc's CUDA backend: correctness, bandwidth, a full training step.
 
-    python bench/gpu_check.py            # < 8 minutes on one H200; prints one table at the end
+    python -m bench.gpu_check            # < 8 minutes on one H200; prints one table at the end
 
 1. Correctness: every CUDA kernel (TBE forward and fused backward with each optimizer, fp32
    and fp16 weights, sum / mean / weighted pooling; the wire codecs; row bucketization; the
@@ -26,108 +26,16 @@ FAIL), 2 when there is no GPU or CuPy.  Performance targets are reported, never 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import gpu_precision as mp
+from bench.lib.gpu import Report, Row, format_table, rel_err, time_cuda, weight_err
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 PRECISIONS = ("fp16", "bf16", "int8", "fp8_e4m3", "fp8_e5m2")
-
-
-@dataclass
-class Row:
-    """One line of the final table."""
-    check: str
-    rel_err: float | None = None
-    tol: float | None = None
-    ok: bool | None = None          # None: a measurement, not a pass/fail check
-    ms: float | None = None
-    gbps: float | None = None
-    pct_bw: float | None = None
-    note: str = ""
-
-
-@dataclass
-class Report:
-    rows: list[Row] = field(default_factory=list)
-
-    def add(self, row: Row) -> Row:
-        self.rows.append(row)
-        status = "" if row.ok is None else ("ok" if row.ok else "FAIL")
-        parts = [f"{row.check:<44}", status]
-        if row.rel_err is not None:
-            parts.append(f"rel_err={row.rel_err:.2e}")
-        if row.ms is not None:
-            parts.append(f"{row.ms:.3f} ms")
-        if row.gbps is not None:
-            parts.append(f"{row.gbps:.0f} GB/s")
-        if row.note:
-            parts.append(row.note)
-        print("  ".join(p for p in parts if p), flush=True)
-        return row
-
-    @property
-    def failed(self) -> list[Row]:
-        return [r for r in self.rows if r.ok is False]
-
-
-def format_table(rows: list[Row]) -> str:
-    """The final table: one line per check, fixed columns."""
-    head = ("check", "status", "rel err", "tol", "ms", "GB/s", "% copy bw", "note")
-    body = []
-    for r in rows:
-        body.append((
-            r.check,
-            "-" if r.ok is None else ("ok" if r.ok else "FAIL"),
-            "-" if r.rel_err is None else f"{r.rel_err:.2e}",
-            "-" if r.tol is None else f"{r.tol:.0e}",
-            "-" if r.ms is None else f"{r.ms:.3f}",
-            "-" if r.gbps is None else f"{r.gbps:.0f}",
-            "-" if r.pct_bw is None else f"{r.pct_bw:.0f}%",
-            r.note,
-        ))
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)] if body else [len(h) for h in head]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got = got.detach().float().cpu()
-    want = want.detach().float().cpu()
-    if got.shape != want.shape:
-        return math.inf
-    if bool(torch.isnan(got).any()) and not bool(torch.isnan(want).any()):
-        return math.inf  # poisoned memory left unwritten
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    diff = float((got - want).abs().max()) if want.numel() else 0.0
-    return diff / max(scale, 1e-30)
-
-
-# One step of each half type at a value (relative; absolute at zero): stochastic rounding puts
-# the stored weight on one of the two neighbours of the fp32 result, so less than a step away.
-HALF_STEP = {torch.float16: (2.0 ** -10, 2.0 ** -24), torch.bfloat16: (2.0 ** -7, 2.0 ** -133)}
-
-
-def weight_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """fp32 weights: ``rel_err``. Half weights: the largest ``|got - want|`` in units of one
-    step of the type at ``want`` (each element against its own value, so a wrong small weight
-    cannot hide under the largest one) plus the fp32 arithmetic's slack (1e-6 of the largest
-    weight: the two devices' fp32 results differ by their rounding); must be <= 1."""
-    if got.dtype not in HALF_STEP:
-        return rel_err(got, want)
-    step, tiny = HALF_STEP[got.dtype]
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
-    if bool(torch.isnan(got).any()) and not bool(torch.isnan(want).any()):
-        return math.inf
-    bound = want.abs() * step + tiny + 1e-6 * float(want.abs().max())
-    return float(((got - want).abs() / bound).max()) if want.numel() else 0.0
 
 
 def tbe_forward_bytes(n_ids: int, bags: int, dim: int, weight_bytes: int, weighted: bool) -> int:
@@ -167,20 +75,6 @@ def poison(device, nbytes: int = 1 << 30) -> None:
         blocks.append(torch.full((size // 4,), float("nan"), device=device))
         size *= 4
     del blocks
-
-
-def time_cuda(fn, iters: int = 10, warmup: int = 2) -> float:
-    """Mean seconds per call, by CUDA events around ``iters`` calls."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
 
 
 def copy_bandwidth(device) -> float:
@@ -455,7 +349,6 @@ def bench_tbe(report: Report, dev, bw: float, batch: int, preset: str = "small")
 
 def bench_step(report: Report, dev, preset: str, batch: int, row_cap: int | None, steps: int) -> None:
     """recc against eager PyTorch CUDA (``gpu_precision``'s systems, fp32, SGD everywhere)."""
-    import gpu_precision as mp
     from recc.models import build_model
     from recc.models.presets import resolve_preset
     cfg = dict(resolve_preset(preset))
@@ -519,8 +412,6 @@ def main(argv=None) -> int:
         ("bucketization", lambda: check_bucketize(report, dev)),
         ("tbe bandwidth", lambda: bench_tbe(report, dev, bw, args.batch)),
     ]
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gpu_precision as mp
     sections += [
         ("bf16 dense", lambda: mp.check_dense_bf16(report, dev)),
         ("fp16 dense", lambda: mp.check_dense_fp16(report, dev)),

@@ -22,7 +22,7 @@ for eager PyTorch CUDA and recc in fp32, bf16 and fp16 (fp16 with each system's 
 recc also with fp16 and bf16 tables, each as a fraction of the GPU's limit for that dtype:
 the model's GEMMs (forward, weight and input gradients of every ``nn.Linear``) timed alone
 with ``torch.mm`` at the step's shapes and dtype, plus the step's embedding bytes at the
-measured copy bandwidth — the definition ``bench/machine_limit.py`` uses on the CPU.
+measured copy bandwidth — the definition ``bench/lib/machine_limit.py`` uses on the CPU.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_check import Row, rel_err, time_cuda
+from bench.lib.gpu import Row, rel_err, time_cuda
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -275,7 +275,7 @@ def check_optimizer_semantics(report, dev) -> None:
 def gpu_dense_limit(model: nn.Module, batch: int, dtype: str, dev) -> tuple[float, float]:
     """(seconds, flops) of the model's GEMMs for one step (``machine_limit.gemm_shapes``), each
     timed alone with ``torch.mm`` on the device."""
-    from machine_limit import gemm_shapes
+    from bench.lib.machine_limit import gemm_shapes
     cache: dict = {}
     seconds = flops = 0.0
     for shape in gemm_shapes(model, batch):

@@ -25,9 +25,9 @@ Systems:
 recc's figure is compared with the plan's per-rank estimate (weights + optimizer state + lookup
 and communication buffers) and with TorchRec's, as ratios.
 
-    python bench/memory.py                                   # big, small, kaggle; W=1 and 2; sgd and rowwise_adagrad
-    python bench/memory.py --models big --world-sizes 1 --optimizers sgd --rows 500000
-    python bench/memory.py --models big --systems "recc meta,recc cached" --rows 4000000   # the cache's memory
+    python -m bench.memory                                   # big, small, kaggle; W=1 and 2; sgd and rowwise_adagrad
+    python -m bench.memory --models big --world-sizes 1 --optimizers sgd --rows 500000
+    python -m bench.memory --models big --systems "recc meta,recc cached" --rows 4000000   # the cache's memory
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import sys
 
 MIB = 1 << 20
 SYSTEMS = ("eager", "torchrec", "recc", "recc meta", "recc cached")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where ``python -m bench.memory`` runs
 
 
 def _peak_mib() -> float:
@@ -97,8 +98,6 @@ def _torchrec_rank(cfg, optimizer, steps):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import train_throughput as tt
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -108,16 +107,17 @@ def _torchrec_rank(cfg, optimizer, steps):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from bench.lib import systems
     from recc.models import build_model
-    tt.torchrec_available()   # quiets its logger
-    pg = dist.group.WORLD if dist.is_initialized() else tt._one_rank_gloo_world()
+    systems.torchrec_available()   # quiets its logger
+    pg = dist.group.WORLD if dist.is_initialized() else systems.one_rank_gloo_world()
     dim = cfg["embedding_dim"]
     tables = [EmbeddingBagConfig(name=f"t{k}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{k}"],
                                  pooling=PoolingType.SUM) for k, n in enumerate(cfg["num_embeddings"])]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dense = tt.without_tables(build_model(dict(cfg, num_embeddings=[20] * len(tables))))
-    module = tt.TorchRecDLRM(ebc, dense, [dim] * len(tables))
-    opt_cls, opt_kwargs = tt._torchrec_optimizer(optimizer, 0.01, 1e-8)
+    dense = systems.without_tables(build_model(dict(cfg, num_embeddings=[20] * len(tables))))
+    module = systems.TorchRecDLRM(ebc, dense, [dim] * len(tables))
+    opt_cls, opt_kwargs = systems.torchrec_optimizer(optimizer, 0.01, 1e-8)
     apply_optimizer_in_backward(opt_cls, module.ebc.parameters(), opt_kwargs)
     sharders = [EmbeddingBagCollectionSharder()]
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value],
@@ -132,7 +132,7 @@ def _torchrec_rank(cfg, optimizer, steps):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     def step(dense_x, lS_o, lS_i, y):
-        lengths = torch.cat([tt.bag_lengths(o, i.numel()) for o, i in zip(lS_o, lS_i)])
+        lengths = torch.cat([systems.bag_lengths(o, i.numel()) for o, i in zip(lS_o, lS_i)])
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(lS_i), lengths=lengths)
         F.binary_cross_entropy(dmp(dense_x, kjt), y).backward()
         dense_opt.step()
@@ -189,7 +189,8 @@ def run_one(system: str, model: str, world: int, optimizer: str, rows: int, tabl
 
 
 def _fresh(*job) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", json.dumps(job)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "bench.memory", "--one", json.dumps(job)], capture_output=True,
+                         text=True, cwd=REPO)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
         return {"error": last}
@@ -197,9 +198,8 @@ def _fresh(*job) -> dict:
 
 
 def _torchrec_ok() -> str | None:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import train_throughput as tt
-    return tt.torchrec_available()
+    from bench.lib.systems import torchrec_available
+    return torchrec_available()
 
 
 def main(argv=None) -> None:

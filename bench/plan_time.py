@@ -1,10 +1,10 @@
 """How long ``recc.compile`` and the sharding planner take, and how good the plans are by the
 planner's own cost model.
 
-    python bench/plan_time.py                       # compile 100 / 1,000 / 10,000 tables, plan 1,000
+    python -m bench.plan_time                       # compile 100 / 1,000 / 10,000 tables, plan 1,000
                                                     # tables, then terabyte and dlrmv2, on zionex-16x8
-    python bench/plan_time.py --compile 1000 --tables 0 --presets   # one compile, nothing else
-    python bench/plan_time.py --tables 2000 --optimizer rowwise_adagrad --cluster clusters/dgx-h100-4x8.yaml
+    python -m bench.plan_time --compile 1000 --tables 0 --presets   # one compile, nothing else
+    python -m bench.plan_time --tables 2000 --optimizer rowwise_adagrad --cluster clusters/dgx-h100-4x8.yaml
 
 Part 0 times ``recc.compile`` of a meta-device model with N plain ``nn.EmbeddingBag`` tables (rows
 log-uniform in [100, 10M], dims from {16, 32, 64, 128}, seeded), a small bottom and top MLP and a

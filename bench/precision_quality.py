@@ -20,7 +20,7 @@ two runs each on 100 batches.
 Variants: ``fp32`` (both fp32), ``bf16`` (bf16 dense compute, fp32 master weights),
 ``bf16+fp16t`` (bf16 dense, fp16 tables with stochastic rounding), ``bf16+bf16t``.
 
-Usage: ``python bench/precision_quality.py --config kaggle --steps 2000``.
+Usage: ``python -m bench.precision_quality --config kaggle --steps 2000``.
 """
 from __future__ import annotations
 

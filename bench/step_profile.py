@@ -1,6 +1,6 @@
 """Where a recc training step's time goes, part by part, next to the machine's limit for it.
 
-    python bench/step_profile.py --config kaggle [--optimizer sgd] [--precision fp32,bf16]
+    python -m bench.step_profile --config kaggle [--optimizer sgd] [--precision fp32,bf16]
                                  [--table-dtype fp32,fp16] [--steps 10] [--embedding-only]
 
 Each variant (every --precision x --table-dtype pair) is compiled with recc and trained on the
@@ -9,7 +9,7 @@ steps, the variants taking turns two steps at a time (their median is the step),
 more of each under ``torch.profiler``. Every profiled
 op's own time (``self_cpu_time_total``) is put in one part by its name (``PARTS``; recc's
 autograd functions and ops are named ranges, so the parts read like the IR), per step. The
-machine's limit (``machine_limit.py``: the GEMMs at their fastest path, the embedding bytes at
+machine's limit (``bench/lib/machine_limit.py``: the GEMMs at their fastest path, the embedding bytes at
 copy bandwidth) is measured before the variants are timed, after, and after profiling; the
 fastest of the three is each variant's limit (the range is printed).
 
@@ -39,11 +39,11 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import machine_limit  # noqa: E402
-import train_throughput as tt  # noqa: E402
-from recc.heap import keep_step_memory  # noqa: E402
-from recc.models import SyntheticData, build_model, load_preset  # noqa: E402
+from bench.lib import machine_limit
+from bench.lib.systems import OPTIMIZERS, ReccEmbeddingSystem, ReccSystem, embedding_bags, one_line, recc_available
+from bench.lib.timing import embedding_bytes, memory_bandwidth
+from recc.heap import keep_step_memory
+from recc.models import SyntheticData, build_model, load_preset
 
 # Part -> the profiler names whose self time is that part's (exact names, or prefixes ending "*").
 PARTS = {
@@ -107,8 +107,8 @@ def pass_bytes(model, batch: int, precision: str) -> dict:
 
 def make_system(model, batches, grads, args, precision: str, table_dtype: str):
     if args.embedding_only:
-        return tt.ReccEmbeddingSystem(model, batches, grads, args.optimizer, args.lr, 1e-8, table_dtype)
-    return tt.ReccSystem(model, batches, args.optimizer, args.lr, 1e-8, precision, table_dtype)
+        return ReccEmbeddingSystem(model, batches, grads, args.optimizer, args.lr, 1e-8, table_dtype)
+    return ReccSystem(model, batches, args.optimizer, args.lr, 1e-8, precision, table_dtype)
 
 
 def time_interleaved(systems: list, n_batches: int, args) -> list[float]:
@@ -156,7 +156,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", help="a DLRM preset of recc.models: small | kaggle | tiny")
-    p.add_argument("--optimizer", default="sgd", choices=tt.OPTIMIZERS)
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZERS)
     p.add_argument("--precision", default="fp32", help="comma-separated dense dtypes: fp32,bf16")
     p.add_argument("--table-dtype", default="fp32", help="comma-separated table dtypes: fp32,fp16,bf16")
     p.add_argument("--embedding-only", action="store_true", help="the embedding-only step (no dense part)")
@@ -178,7 +178,7 @@ def main(argv=None) -> None:
         p.error("--steps and --num-batches must be >= 1, --warmup >= 0")
     if args.embedding_only and precisions != ["fp32"]:
         p.error("--embedding-only has no dense part: --precision does not apply")
-    why = tt.recc_available()
+    why = recc_available()
     if why:
         sys.exit(f"step_profile: recc is not importable ({why})")
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -186,7 +186,7 @@ def main(argv=None) -> None:
     try:
         cfg = load_preset(args.config)
     except Exception as e:
-        p.error(f"--config {args.config!r}: {tt._one_line(e)}")
+        p.error(f"--config {args.config!r}: {one_line(e)}")
     if args.batch_size:
         cfg["batch_size"] = args.batch_size
     model = build_model(cfg)
@@ -196,11 +196,11 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     data = SyntheticData(cfg, batch_size=cfg["batch_size"], seed=0)
     batches = [data.batch(i) for i in range(args.num_batches)]
-    d_total = sum(e.embedding_dim for _, e in tt.embedding_bags(model))
+    d_total = sum(e.embedding_dim for _, e in embedding_bags(model))
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(cfg["batch_size"], d_total, generator=g) for _ in batches]
     B = cfg["batch_size"]
-    emb_bytes = tt.embedding_bytes(model, batches, args.optimizer)
+    emb_bytes = embedding_bytes(model, batches, args.optimizer)
     step_kind = "embedding-only step" if args.embedding_only else "training step"
     print(f"recc step_profile | {args.config}, {step_kind}, optimizer={args.optimizer}, B={B}, "
           f"{threads} threads | torch {torch.__version__} | {args.steps} steps timed, {args.steps} profiled")
@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     variants = [(pr, td) for pr in precisions for td in table_dtypes]
     keep_step_memory()
     systems = [make_system(model, batches, grads, args, pr, td) for pr, td in variants]
-    bw = tt.memory_bandwidth(threads, repeats=3)
+    bw = memory_bandwidth(threads, repeats=3)
     limits = {pr: [] for pr in precisions}
     measure_limits(limits, model, B, emb_bytes, bw)
     steps = time_interleaved(systems, len(batches), args)

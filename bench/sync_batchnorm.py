@@ -16,7 +16,7 @@ for ``recc sync`` the BatchNorm collectives' bytes per step and time waited (com
 to the plan's estimate. The ranks' final parameters are compared too: ``recc sync`` against
 ``recc local`` shows how far per-rank statistics move them.
 
-    python bench/sync_batchnorm.py --world-size 2 --batch-size 2048 --steps 10 --rounds 5
+    python -m bench.sync_batchnorm --world-size 2 --batch-size 2048 --steps 10 --rounds 5
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Micro-benchmark of the CPU TBE kernels on the `small` shapes.
 
-    python bench/tbe_kernels.py [--tables 8 --rows 100000 --dim 64 --batch 2048
+    python -m bench.tbe_kernels [--tables 8 --rows 100000 --dim 64 --batch 2048
                                            --pooling-factor 20 --zipf 1.05 --steps 50
                                            --table-dtype fp32,fp16,bf16]
 

@@ -1,8 +1,8 @@
 """Tables bigger than memory: recc's embedding cache against a plain ``mmap`` of the tables, under a
 real memory cap, next to the all-resident step and the slow tier's floor (issue 39's numbers).
 
-    python bench/tiered_tables.py --quick                        # 1.5 GiB of tables under a 0.5 GiB cap, minutes
-    python bench/tiered_tables.py --table-gib 12 --cap-gib 4     # the issue's run: ~12 GiB store + ~12 GiB mmap files
+    python -m bench.tiered_tables --quick                        # 1.5 GiB of tables under a 0.5 GiB cap, minutes
+    python -m bench.tiered_tables --table-gib 12 --cap-gib 4     # the issue's run: ~12 GiB store + ~12 GiB mmap files
 
 The model is a DLRM (``recc.models.DLRM``: bottom MLP, dot interaction, top MLP) whose ``--tables``
 tables of ``--dim`` columns are built on the meta device, so this process never holds them; their
@@ -49,7 +49,7 @@ store is a log: ``RowStore``), and the step's misses read at random positions, w
 ``fdatasync`` at the end inside the timing. floor = that time per step. Target: a cached step <=
 1.25x max(resident step, floor); cached samples/s >= 3x mmap's.
 
-The step is also printed as a fraction of the machine's limit (``machine_limit.py``: the dense
+The step is also printed as a fraction of the machine's limit (``bench/lib/machine_limit.py``: the dense
 GEMMs at their fastest path + the embedding bytes at copy bandwidth), measured before and after the
 configurations in this process (the fastest counts).
 """
@@ -70,7 +70,7 @@ import time
 
 GIB = 1 << 30
 MIB = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where the children run ``-m bench.tiered_tables``
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 CONFIGS = ("resident", "mmap", "mmap+MADV_RANDOM", "cached+pipeline", "cached on demand")
 MMAPS = ("mmap", "mmap+MADV_RANDOM")
@@ -356,8 +356,8 @@ def _rss() -> int:
 def launch_child(spec: dict, cgroup: MemoryCgroup, timeout: float) -> dict:
     """Runs one configuration in a process that joins ``cgroup`` before python starts."""
     cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(cgroup.path, "cgroup.procs"),
-           sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           sys.executable, "-m", "bench.tiered_tables", "--child", json.dumps(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -450,13 +450,12 @@ def replay_io(path: str, rows_total: int, record: int, read_rows: int, write_row
 # ----------------------------------------------------------------------------- the machine's limit
 
 def machine_limits(cfg: dict, batches: list) -> dict:
-    sys.path.insert(0, HERE)
-    import machine_limit
-    import train_throughput as tt
     import torch
+    from bench.lib import machine_limit
+    from bench.lib.timing import embedding_bytes, memory_bandwidth
     model = build_model(cfg)
-    emb = tt.embedding_bytes(model, batches, "rowwise_adagrad")
-    bw = tt.memory_bandwidth(torch.get_num_threads(), repeats=3)
+    emb = embedding_bytes(model, batches, "rowwise_adagrad")
+    bw = memory_bandwidth(torch.get_num_threads(), repeats=3)
     machine_limit.forget()
     return machine_limit.step_limit(model, cfg["batch_size"], "fp32", emb, bw) | {"bandwidth": bw}
 
@@ -631,7 +630,7 @@ def _cpu_name() -> str:
 
 
 def render(cfg, args, results, probes, limits, memsw_note) -> str:
-    import machine_limit
+    from bench.lib import machine_limit
     lim = min(limits, key=lambda x: x["seconds"])
     B = cfg["batch_size"]
     med = {c: statistics.median(r["steps_s"]) for c, r in results.items() if "error" not in r and r["steps_s"]}

@@ -1,4 +1,4 @@
-"""``train_throughput.py --world-size N`` (N >= 2): eager + DDP vs TorchRec DMP vs recc, N processes.
+"""``python -m bench.train_throughput --world-size N`` (N >= 2): eager + DDP vs TorchRec DMP vs recc, N processes.
 
 One ``recc.launch`` per optimizer spawns N processes with a gloo world already initialised; every
 rank builds every system, checks first-batch predictions, warms each system up, then runs
@@ -12,8 +12,9 @@ the bench's own barriers and "did this work on every rank?" votes use a separate
 group with a longer timeout. So a system that fails on some rank is dropped on all ranks (its
 traceback reported in its row) and the others go on.
 
-This module is imported by name (``bench/`` is on ``sys.path`` when the bench runs as a script),
-so ``recc.launch`` pickles ``rank_main`` by reference and the spawned ranks import it.
+``recc.launch`` pickles ``rank_main`` by reference: the spawned ranks import this module by its
+name, ``bench.train_throughput_dist`` (they inherit the parent's ``sys.path``, which holds the
+repository root under ``python -m bench.train_throughput``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import machine_limit
-import train_throughput as tt
+from bench.lib import machine_limit
+from bench.lib.systems import (OPTIMIZERS, ReccSystem, System, TorchRecDLRM, autocast, build_torchrec,
+                               dense_named_parameters, eager_table_optimizer, embedding_bags, make_kjts, recc_available,
+                               torchrec_available, without_tables)
+from bench.lib.timing import embedding_bytes, fmt_ratio, limit_range, median_round, memory_bandwidth
 from recc.heap import keep_step_memory
 from recc.models import SyntheticData, build_model, load_preset, slice_batch
 
@@ -71,28 +75,28 @@ def _one_sparse_allreduce_at_a_time(pg):
     return hook
 
 
-class EagerDDPSystem(tt.System):
+class EagerDDPSystem(System):
     """All tables replicated (``nn.EmbeddingBag(sparse=True)``), whole model in DDP (gloo)."""
 
     def __init__(self, model, batches, optimizer, lr, eps, pg, dtype: str = "fp32"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         local = copy.deepcopy(model)
-        tables = tt.embedding_bags(local)
+        tables = embedding_bags(local)
         for _, emb in tables:
             emb.sparse = True
         # DDP averages every gradient over the ranks (sparse ones too, by all-gathering them).
         self.model = DDP(local, process_group=pg)
         self.model.register_comm_hook(None, _one_sparse_allreduce_at_a_time(pg))
         self.batches = batches
-        self.dense_opt = torch.optim.SGD([p for _, p in tt.dense_named_parameters(local)], lr=lr)
-        self.table_opt, name = tt._eager_table_optimizer([e.weight for _, e in tables], optimizer, lr, eps)
+        self.dense_opt = torch.optim.SGD([p for _, p in dense_named_parameters(local)], lr=lr)
+        self.table_opt, name = eager_table_optimizer([e.weight for _, e in tables], optimizer, lr, eps)
         self.name = name.replace("eager", "eager+DDP") + ("+autocast(bf16)" if dtype == "bf16" else "")
         self.dtype = dtype
 
     def step(self, i):
         dense_x, lS_o, lS_i, y = self.batches[i]
-        with tt.autocast(self.dtype):
+        with autocast(self.dtype):
             out = self.model(dense_x, lS_o, lS_i)
         loss = F.binary_cross_entropy(out.float(), y)
         loss.backward()  # DDP all-reduces dense and (sparse) table gradients here
@@ -108,15 +112,15 @@ class EagerDDPSystem(tt.System):
         return self.model.module(dense_x, lS_o, lS_i)
 
 
-class TorchRecDMPSystem(tt.System):
+class TorchRecDMPSystem(System):
     """``EmbeddingBagCollection`` sharded table-wise by DMP over ``pg``, fused FBGEMM CPU kernel."""
 
     name = "torchrec DMP (tw)"
 
     def __init__(self, model, batches, kjts, optimizer, lr, eps, pg, dtype: str = "fp32"):
-        dims = [e.embedding_dim for _, e in tt.embedding_bags(model)]
-        dense = tt.without_tables(model)
-        self.module, self.dense_opt = tt._build_torchrec(lambda ebc: tt.TorchRecDLRM(ebc, dense, dims), model,
+        dims = [e.embedding_dim for _, e in embedding_bags(model)]
+        dense = without_tables(model)
+        self.module, self.dense_opt = build_torchrec(lambda ebc: TorchRecDLRM(ebc, dense, dims), model,
                                                          optimizer, lr, eps, "dmp", pg=pg)
         self.batches, self.kjts, self.dtype = batches, kjts, dtype
         if dtype == "bf16":
@@ -124,7 +128,7 @@ class TorchRecDMPSystem(tt.System):
 
     def step(self, i):
         dense_x, _, _, y = self.batches[i]
-        with tt.autocast(self.dtype):
+        with autocast(self.dtype):
             out = self.module(dense_x, self.kjts[i])
         loss = F.binary_cross_entropy(out.float(), y)
         loss.backward()  # table rows updated here by FBGEMM's fused backward; dense grads by DDP
@@ -137,7 +141,7 @@ class TorchRecDMPSystem(tt.System):
         return self.module(self.batches[i][0], self.kjts[i])
 
 
-class ReccDistSystem(tt.ReccSystem):
+class ReccDistSystem(ReccSystem):
     """The one-process recc system's step, on a program instantiated for this rank."""
 
     def __init__(self, program, batches, lr, name):
@@ -157,7 +161,7 @@ def _quiet():
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"Sparse invariant checks are implicitly disabled")
     warnings.filterwarnings("ignore", message=r"Converting a tensor with requires_grad=True")
-    tt.torchrec_available()  # also quiets TorchRec's logger when it imports
+    torchrec_available()  # also quiets TorchRec's logger when it imports
 
 
 class _Entry:
@@ -228,7 +232,7 @@ def rank_main(job: dict) -> dict:
                 e.system = EagerDDPSystem(model, batches, optimizer, lr, eps, pg, dtype)
             elif e.key.startswith("torchrec"):
                 pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=SYSTEM_TIMEOUT_S))
-                kjts = tt.make_kjts(batches, len(batches[0][1]))
+                kjts = make_kjts(batches, len(batches[0][1]))
                 e.system = TorchRecDMPSystem(model, batches, kjts, optimizer, lr, eps, pg, dtype)
             else:
                 e.system = ReccDistSystem(job["programs"][e.key], batches, lr, e.name)
@@ -261,7 +265,7 @@ def rank_main(job: dict) -> dict:
         torch.set_num_threads(spec["cores"])
         try:
             machine_limit.forget()
-            bw = tt.memory_bandwidth(spec["cores"], repeats=3)
+            bw = memory_bandwidth(spec["cores"], repeats=3)
             round_limits.append({d: machine_limit.step_limit(model, spec["batch"], d, spec["emb_bytes"], bw)
                                  for d in spec["dtypes"]})
         finally:
@@ -387,7 +391,7 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
                 print("  program.plan (sharding='auto'): as printed above")
 
     dtypes = ["fp32", "bf16"] if args.precision == "bf16" else ["fp32"]
-    limit = dict(dtypes=dtypes, emb_bytes=tt.embedding_bytes(model, batches, optimizer), batch=B,
+    limit = dict(dtypes=dtypes, emb_bytes=embedding_bytes(model, batches, optimizer), batch=B,
                  cores=len(os.sched_getaffinity(0)))
     job = dict(model=model, batches=batches, optimizer=optimizer, lr=args.lr, eps=eps, systems=systems,
                programs=programs, threads=args.threads, warmup=args.warmup, steps=args.steps,
@@ -451,9 +455,9 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
     print(f"\n  full training step, world of {W} (median of {args.rounds} rounds; samples/s = global B / step time)")
     if round_limits:
         print(f"  the machine's limit for a step of the global batch, measured by rank 0 with all {limit['cores']} "
-              f"cores at the start of every round (the median round's; it ranged {tt._limit_range(round_limits)}):")
+              f"cores at the start of every round (the median round's; it ranged {limit_range(round_limits)}):")
         for d in dtypes:
-            print(f"    {machine_limit.describe(tt._median_round(round_limits, d), d)}")
+            print(f"    {machine_limit.describe(median_round(round_limits, d), d)}")
     print(f"  {'system':<34} {'samples/s':>11} {'step ms':>9} {'best ms':>9} {'spread':>7} {'of limit':>9} "
           f"{'vs torchrec':>12} {'(paired)':>9} {'vs eager+DDP':>13} {'last loss':>10}")
     for key, per_rank in rows.items():
@@ -466,8 +470,8 @@ def run_optimizer(args, cfg, model, batches, optimizer, printed_plans: set) -> N
             frac = of_limit(key)
             print(f"  {name:<34} {B / m:>11,.0f} {m * 1e3:>9.2f} {best * 1e3:>9.2f} {spread:>6.0%} "
                   f"{'-' if frac is None else format(frac, '.0%'):>9} "
-                  f"{tt.fmt_ratio(tr / m if tr else None):>12} {tt.fmt_ratio(paired(key)):>9} "
-                  f"{tt.fmt_ratio(ea / m if ea else None):>13} {loss:>10.4f}")
+                  f"{fmt_ratio(tr / m if tr else None):>12} {fmt_ratio(paired(key)):>9} "
+                  f"{fmt_ratio(ea / m if ea else None):>13} {loss:>10.4f}")
         elif key in compile_errors:
             print(f"  {name:<34} FAILED in recc.compile (in the parent):")
             print(_indent(compile_errors[key]))
@@ -508,8 +512,8 @@ def main_dist(args) -> None:
     model.train()
     data = SyntheticData(cfg, batch_size=cfg["batch_size"], seed=args.seed)
     batches = [data.batch(i) for i in range(args.num_batches)]
-    rows = sum(e.num_embeddings for _, e in tt.embedding_bags(model))
-    weight_mb = sum(e.weight.numel() for _, e in tt.embedding_bags(model)) * 4 / 1e6
+    rows = sum(e.num_embeddings for _, e in embedding_bags(model))
+    weight_mb = sum(e.weight.numel() for _, e in embedding_bags(model)) * 4 / 1e6
     ids = statistics.mean(sum(i.numel() for i in b[2]) for b in batches)
     threads = args.threads or max(1, (os.cpu_count() or 1) // W)
     print(f"recc train_throughput | preset {args.config}: {len(model.emb_l)} tables, {rows:,} rows, "
@@ -518,7 +522,7 @@ def main_dist(args) -> None:
 
     args.torchrec_ok = False
     if "torchrec" in args.systems:
-        why = tt.torchrec_available()
+        why = torchrec_available()
         if why:
             print(f"note: TorchRec skipped, not importable ({why}); run `bash bench/setup_torchrec.sh`")
         else:
@@ -531,7 +535,7 @@ def main_dist(args) -> None:
             print(f"TorchRec {getattr(torchrec, '__version__', '?')} DMP, table-wise, fused FBGEMM CPU TBE")
     args.recc_ok = False
     if "recc" in args.systems:
-        why = tt.recc_available()
+        why = recc_available()
         if why:
             print(f"note: recc skipped: recc.compile/Cluster/CompileConfig not importable yet ({why})")
         else:
@@ -539,7 +543,7 @@ def main_dist(args) -> None:
 
     # Data travels to the ranks through shared memory; keep it out of the launched world's way.
     model.share_memory()
-    optimizers = tt.OPTIMIZERS if args.optimizer == "both" else (args.optimizer,)
+    optimizers = OPTIMIZERS if args.optimizer == "both" else (args.optimizer,)
     printed_plans: set = set()
     t0 = time.perf_counter()
     for opt in optimizers:

@@ -12,9 +12,9 @@ slow one across nodes (``RECC_LINK_EMULATION``, Gb/s with optional ``,latency us
 collective then lasts at least its modeled time, and the ``modeled ms`` column shows what the
 exchange would cost on such links.
 
-    python bench/twrw_exchange.py                         # small, 4 ranks as 2 x 2, ~1 min
-    python bench/twrw_exchange.py --codec fp16 --world-size 4 --nodes 2
-    python bench/twrw_exchange.py --link 100,5/2,20       # 100 Gb/s in a node, 2 Gb/s across
+    python -m bench.twrw_exchange                         # small, 4 ranks as 2 x 2, ~1 min
+    python -m bench.twrw_exchange --codec fp16 --world-size 4 --nodes 2
+    python -m bench.twrw_exchange --link 100,5/2,20       # 100 Gb/s in a node, 2 Gb/s across
 """
 from __future__ import annotations
 

@@ -3,22 +3,14 @@ real recc step add up to that step."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def step_profile():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import step_profile
-        yield step_profile
-    finally:
-        sys.path.remove(str(BENCH))
+    from bench import step_profile
+    return step_profile
 
 
 def test_ops_land_in_the_part_their_name_says(step_profile):

@@ -3,23 +3,15 @@ from the flags, a configuration runs and reports what the table prints, the floo
 rows it is asked to, and the printed targets compare the right numbers. No timing is asserted."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
 def tiered():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import tiered_tables
-        yield tiered_tables
-    finally:
-        sys.path.remove(str(BENCH))
+    from bench import tiered_tables
+    return tiered_tables
 
 
 def _args(**kw):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench import gpu_check
 from recc.kernels import codecs as ref_codecs
 from recc.kernels import linearize_indices, optimizer_state_shapes
 from recc.kernels.cpu import tbe as cpu
@@ -46,20 +47,6 @@ def bags(T, B, rows, mean_len, g, hot=0, empty_every=3):
     offsets = torch.zeros(T * B + 1, dtype=torch.int64)
     torch.cumsum(lengths.reshape(-1), 0, out=offsets[1:])
     return torch.cat(ids), offsets
-
-
-def _gpu_check():
-    """bench/gpu_check.py, which builds the long-run batches the GPU check runs too."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    if "gpu_check" not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
-        spec = importlib.util.spec_from_file_location("gpu_check", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_check"] = mod  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(mod)
-    return sys.modules["gpu_check"]
 
 
 def hsc_of(rows):
@@ -330,7 +317,7 @@ def test_long_runs_sum_their_segments_in_any_thread_order(lengths):
     assert gpu.long_run_segment(32) == 64  # the lengths above are chosen around it
     g = torch.Generator().manual_seed(5)
     B, D, R = 4, 32, 40
-    ids, offsets = _gpu_check().long_run_batch(lengths, B, R, g)
+    ids, offsets = gpu_check.long_run_batch(lengths, B, R, g)  # the batches the GPU check runs too
     hsc = torch.tensor([0, R])
     w0 = torch.randn(R, D, generator=g)
     grad = torch.randn(B, D, generator=g)

@@ -3,7 +3,6 @@ the GPU check script's plumbing) and, with a GPU and CuPy, every kernel against 
 reference (the same checks ``bench/gpu_check.py`` runs)."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,18 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import gpu_check, gpu_precision
+from bench.lib.gpu import Report, Row, format_table, rel_err, weight_err
 from recc.kernels.cuda import bucketize, loader
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_CHECK = ROOT / "bench" / "gpu_check.py"
-
-
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ----------------------------------------------------------------------------- CPU side
@@ -90,56 +82,49 @@ def test_bucketize_reference_rejects_an_id_outside_the_blocks():
 
 
 def test_gpu_check_help_runs_without_a_gpu():
-    out = subprocess.run([sys.executable, str(GPU_CHECK), "--help"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--help"], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "--quick" in out.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit path")
 def test_gpu_check_exits_2_without_a_gpu(capsys):
-    assert _gpu_check().main([]) == 2
+    assert gpu_check.main([]) == 2
     assert "cannot run" in capsys.readouterr().err
 
 
 def test_gpu_check_table_and_byte_counts():
-    gc = _gpu_check()
-    rows = [gc.Row("a", 1e-6, 1e-5, True), gc.Row("b", ok=False, note="broken"), gc.Row("c", ms=1.5, gbps=900.0)]
-    table = gc.format_table(rows).splitlines()
+    rows = [Row("a", 1e-6, 1e-5, True), Row("b", ok=False, note="broken"), Row("c", ms=1.5, gbps=900.0)]
+    table = format_table(rows).splitlines()
     assert table[0].split()[:3] == ["check", "status", "rel"]
     assert "FAIL" in table[3] and "broken" in table[3]
     assert "1.500" in table[4]
-    assert gc.tbe_forward_bytes(10, 4, 8, 4, False) == 10 * (32 + 8) + 5 * 8 + 4 * 8 * 4
-    assert gc.tbe_backward_bytes(10, 3, 8, 4, "adam") == 10 * (32 + 8) + 3 * 2 * (32 + 64)
-    assert gc.rel_err(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])) == float("inf")
-    assert gc.rel_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == pytest.approx(0.2)
+    assert gpu_check.tbe_forward_bytes(10, 4, 8, 4, False) == 10 * (32 + 8) + 5 * 8 + 4 * 8 * 4
+    assert gpu_check.tbe_backward_bytes(10, 3, 8, 4, "adam") == 10 * (32 + 8) + 3 * 2 * (32 + 64)
+    assert rel_err(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])) == float("inf")
+    assert rel_err(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])) == pytest.approx(0.2)
 
 
 def test_gpu_check_half_weights_are_held_to_one_step_each():
-    gc = _gpu_check()
     want = torch.tensor([1.0, 1e-3, -0.5])
     near = want.to(torch.bfloat16)                        # within a bf16 step of each value
-    assert gc.weight_err(near, want) <= 1.0
+    assert weight_err(near, want) <= 1.0
     off = near.clone()
     off.view(torch.int16)[1] += 3                         # three bf16 steps off: 0.002% of the largest weight
-    assert gc.weight_err(off, want) > 1.0
-    assert gc.weight_err(torch.tensor([1.0, float("nan")]).half(), torch.tensor([1.0, 2.0])) == float("inf")
+    assert weight_err(off, want) > 1.0
+    assert weight_err(torch.tensor([1.0, float("nan")]).half(), torch.tensor([1.0, 2.0])) == float("inf")
 
 
 def test_gpu_precision_checks_run_on_the_cpu():
     """gpu_precision's parity and optimizer-semantics checks are device-generic: on the CPU
     (recc's CPU backend against eager under CPU autocast; CPU against CPU) they run and pass,
     so a broken check shows before a GPU is found to run it."""
-    gc = _gpu_check()
-    sys.path.insert(0, str(GPU_CHECK.parent))
-    try:
-        import gpu_precision as mp
-    finally:
-        sys.path.remove(str(GPU_CHECK.parent))
-    report = gc.Report()
-    mp.check_half_tables(report, torch.device("cpu"))
-    mp.check_optimizer_semantics(report, torch.device("cpu"))
+    report = Report()
+    gpu_precision.check_half_tables(report, torch.device("cpu"))
+    gpu_precision.check_optimizer_semantics(report, torch.device("cpu"))
     assert len(report.rows) == 16
-    assert not report.failed, gc.format_table(report.failed)
+    assert not report.failed, format_table(report.failed)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -149,11 +134,10 @@ gpu = pytest.mark.skipif(not loader.available(), reason="needs a CUDA GPU and Cu
 
 
 def _run(check, *args):
-    gc = _gpu_check()
-    report = gc.Report()
-    getattr(gc, check)(report, torch.device("cuda"), *args)
+    report = Report()
+    getattr(gpu_check, check)(report, torch.device("cuda"), *args)
     assert report.rows, check
-    assert not report.failed, gc.format_table(report.failed)
+    assert not report.failed, format_table(report.failed)
 
 
 @pytest.mark.cuda

@@ -18,7 +18,7 @@ their dtype and shape + the step's embedding bytes at the measured copy bandwidt
   on a busy VM, put the two limits up to 1.3x apart (bf16 47.0 ms against fp32 35.7 in one run).
   The interaction's and elementwise ops' time is not in the limit (it is small next to the GEMMs
   for the DLRM presets, and a lower bound only gets lower for leaving it out).
-- Embeddings: ``embedding_bytes`` of ``train_throughput.py`` (rows read, touched rows and state
+- Embeddings: ``embedding_bytes`` of ``bench.lib.timing`` (rows read, touched rows and state
   read and written, pooled outputs written and their gradients read) over ``memory_bandwidth``.
 
 ``fraction = limit / measured step``: 100% would be a step that does nothing but the GEMMs at

@@ -1,0 +1,291 @@
+"""The zoo's models at the bench's sizes: ``--model NAME`` of bench/train_throughput.py.
+
+The zoo (``tests/frontend/zoo.py``: models written the way public code bases write them) keeps
+its tables tiny so the tests train them on a few CPU processes. ``build_zoo_case`` builds the same
+classes with bigger vocabularies (the zoo's relative sizes, the largest ``--zoo-rows``),
+``--zoo-dim`` wide, ``--zoo-fields`` sparse features and MLPs ``--zoo-width`` times the zoo's,
+keeping each entry's input format and loss; ``--zoo-scale zoo`` (or an entry with no scaled
+variant here) keeps the zoo's own sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from bench.lib.systems import embedding_modules
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ZOO_BATCH_SIZE = 2048
+
+
+def load_zoo():
+    """The zoo module, every entry registered (imported on first use: it imports TorchRec where installed)."""
+    # The zoo sits with the tests and tests/ is no package: the tests import it as a rootdir-style
+    # helper module (``from zoo import ZOO``). Do the same here, so the bench trains exactly those
+    # classes rather than copies of them.
+    folder = os.path.join(REPO, "tests", "frontend")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import zoo
+    # Entries kept in their own modules register into zoo.ZOO when imported: shared tables
+    # (DeepFM/DIN/YouTube-DNN sharing embeddings) and modules built in forward (Dice, DIN pooling, MMoE).
+    import zoo_forward  # noqa: F401
+    import zoo_shared  # noqa: F401
+
+    return zoo
+
+
+@dataclass
+class ZooCase:
+    """One zoo model at the bench's sizes, with the zoo entry's input format and loss."""
+
+    name: str
+    model: nn.Module
+    batch: Callable  # (step, batch_size) -> (args, labels), the zoo entry's format
+    loss: Callable  # (output, labels) -> mean loss, the zoo entry's
+    sizes: str  # one line: what was scaled
+    # torchrec_dlrm only: (ebc -> the same model around ``ebc``, where the EBC sits, args -> TorchRec's args)
+    torchrec: Optional[tuple] = None
+
+
+def _scaled_vocab(pattern, rows: int, n: int) -> list[int]:
+    """``n`` vocabulary sizes in the zoo's relative sizes ``pattern`` (cycled), the largest ``rows``."""
+    top = max(int(v) for v in pattern)
+    return [max(2, round(rows * int(pattern[i % len(pattern)]) / top)) for i in range(n)]
+
+
+def _zoo_ref_dlrm(z, rows, dim, fields, width):
+    vocab = np.array(_scaled_vocab(z.REF_DLRM_ROWS, rows, fields or z.REF_DLRM_ROWS.size))
+    model = z.build_ref_dlrm(0, vocab, dim, z.REF_DLRM_DENSE, 16 * width, "dot")
+
+    def batch(step, B):  # one id per sample and table, [T, B] stacked
+        return z.stacked_batch(step, B, vocab, z.REF_DLRM_DENSE)
+
+    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLP width {16 * width}"
+
+
+def _zoo_ref_dlrm_list(z, rows, dim, fields, width):
+    vocab = np.array(_scaled_vocab(z.REF_LIST_ROWS, rows, fields or z.REF_LIST_ROWS.size))
+    model = z.build_ref_dlrm(1, vocab, dim, z.REF_LIST_DENSE, 8 * width, "cat")
+
+    def batch(step, B):  # lists of 1-D offsets/ids, bags of 0-3 ids
+        return z.list_batch(step, B, vocab, z.REF_LIST_DENSE)
+
+    return model, batch, f"{vocab.size} tables x dim {dim}, rows {vocab.min():,}-{vocab.max():,}; MLP width {8 * width}"
+
+
+def _float_ids_ok(vocab):
+    # These models take ids as float32 columns (DeepCTR-Torch style): exact only below 2**24.
+    if max(vocab) > 1 << 24:
+        raise ValueError(f"ids arrive as float32 columns: vocabularies above 2**24 rows are not exact ({max(vocab):,})")
+
+
+def _zoo_deepfm(z, rows, dim, fields, width):
+    vocab = _scaled_vocab(z.DEEPFM_VOCAB, rows, fields or len(z.DEEPFM_VOCAB))
+    _float_ids_ok(vocab)
+    cols = ([z.SparseFeat(f"C{i}", v, dim) for i, v in enumerate(vocab)]
+            + [z.DenseFeat(f"I{i}", 1) for i in range(z.DEEPFM_DENSE)])
+    torch.manual_seed(2)
+    hidden = (16 * width, 8 * width)
+    model = z.DeepFM(cols, cols, dnn_hidden_units=hidden, init_std=0.05)
+
+    def batch(step, B):  # zoo.batch_deepfm: one float X, ids as float columns, then dense columns
+        g = z._gen(3, step)
+        ids = [torch.randint(0, v, (B, 1), generator=g).float() for v in vocab]
+        dense = torch.rand(B, z.DEEPFM_DENSE, generator=g)
+        return (torch.cat(ids + [dense], dim=1),), z._labels(g, (B, 1))
+
+    return model, batch, f"{len(vocab)} fields x dim {dim} (+ dim-1 linear tables), rows {min(vocab):,}-{max(vocab):,}; DNN {hidden}"
+
+
+def _zoo_dcn(z, rows, dim, fields, width):
+    vocab = _scaled_vocab(z.DCN_VOCAB, rows, fields or len(z.DCN_VOCAB))
+    _float_ids_ok(vocab)
+    cols = ([z.DenseFeat(f"I{i}", 1) for i in range(z.DCN_DENSE)]
+            + [z.SparseFeat(f"C{i}", v, dim) for i, v in enumerate(vocab)])
+    torch.manual_seed(3)
+    hidden = (16 * width, 8 * width)
+    model = z.DCN(cols, cross_num=2, dnn_hidden_units=hidden)
+
+    def batch(step, B):  # zoo.batch_dcn: dense columns first, then ids as float columns
+        g = z._gen(4, step)
+        dense = torch.randn(B, z.DCN_DENSE, generator=g)
+        ids = [torch.randint(0, v, (B, 1), generator=g).float() for v in vocab]
+        return (torch.cat([dense] + ids, dim=1),), z._labels(g, (B, 1))
+
+    width_in = z.DCN_DENSE + len(vocab) * dim
+    return model, batch, (f"{len(vocab)} fields x dim {dim}, rows {min(vocab):,}-{max(vocab):,}; "
+                          f"2 cross layers of {width_in}x{width_in}, DNN {hidden}")
+
+
+def _zoo_fm(z, rows, dim, fields, width):
+    field_dims = _scaled_vocab(z.FM_FIELD_DIMS, rows, fields or len(z.FM_FIELD_DIMS))
+    torch.manual_seed(4)
+    hidden = (16 * width, 8 * width)
+    model = z.DeepFactorizationMachineModel(field_dims, embed_dim=dim, mlp_dims=hidden, dropout=0.0)
+
+    def batch(step, B):  # zoo.batch_fm: LongTensor [B, fields] of per-field ids
+        g = z._gen(5, step)
+        x = torch.stack([torch.randint(0, d, (B,), generator=g) for d in field_dims], dim=1)
+        return (x,), z._labels(g, (B,))
+
+    return model, batch, (f"{len(field_dims)} fields of {min(field_dims):,}-{max(field_dims):,} ids in one "
+                          f"{sum(field_dims):,} x {dim} table (+ a dim-1 linear table); MLP {hidden} with BatchNorm")
+
+
+def _zoo_wide_deep(z, rows, dim, fields, width):
+    deep_vocab = _scaled_vocab(z.WD_DEEP_VOCAB, rows, fields or len(z.WD_DEEP_VOCAB))
+    n_wide = max(1, fields // 2) if fields else len(z.WD_WIDE_VOCAB)
+    wide_vocab = _scaled_vocab(z.WD_WIDE_VOCAB, rows, n_wide)
+    widths = [hi - lo for lo, hi in z.WD_WIDE_COLS]  # the zoo's: one id, then a pair of crossed ids
+    wide_cols, lo = [], 0
+    for i in range(n_wide):
+        wide_cols.append((lo, lo + widths[i % len(widths)]))
+        lo = wide_cols[-1][1]
+    torch.manual_seed(5)
+    hidden = (16 * width, 8 * width)
+    model = z.WideDeep(wide_vocab, wide_cols, deep_vocab, deep_dim=dim, n_dense=z.WD_DENSE, hidden=hidden)
+
+    def batch(step, B):  # zoo.batch_wide_deep: a dict of wide ids [B, n], deep ids [B, F], dense
+        g = z._gen(6, step)
+        wide = torch.cat([torch.randint(0, v, (B, hi - lo), generator=g)
+                          for v, (lo, hi) in zip(wide_vocab, wide_cols)], dim=1)
+        deep = torch.stack([torch.randint(0, v, (B,), generator=g) for v in deep_vocab], dim=1)
+        dense = torch.randn(B, z.WD_DENSE, generator=g)
+        return ({"wide_ids": wide, "deep_ids": deep, "dense": dense},), z._labels(g, (B,))
+
+    return model, batch, (f"{len(deep_vocab)} deep tables x dim {dim} + {n_wide} wide dim-1 bags, "
+                          f"rows {min(deep_vocab + wide_vocab):,}-{max(deep_vocab + wide_vocab):,}; MLP {hidden}")
+
+
+def _zoo_xdeepfm_cin(z, rows, dim, fields, width):
+    vocab = _scaled_vocab(z.XDFM_VOCAB, rows, fields or len(z.XDFM_VOCAB))
+    torch.manual_seed(6)
+    cin, hidden = (8 * width, 8 * width), (16 * width, 8 * width)
+    model = z.xDeepFM(vocab, embed_dim=dim, n_dense=z.XDFM_DENSE, cin_layer_size=cin, dnn_hidden=hidden)
+
+    def batch(step, B):  # zoo.batch_xdeepfm_cin: ids [B, F] and dense [B, n]
+        g = z._gen(7, step)
+        X_sparse = torch.stack([torch.randint(0, v, (B,), generator=g) for v in vocab], dim=1)
+        return (X_sparse, torch.rand(B, z.XDFM_DENSE, generator=g)), z._labels(g, (B, 1))
+
+    return model, batch, (f"{len(vocab)} fields x dim {dim} (+ dim-1 linear tables), rows {min(vocab):,}-{max(vocab):,}; "
+                          f"CIN {cin}, DNN {hidden}")
+
+
+def _zoo_torchrec_dlrm(z, rows, dim, fields, width):
+    n = fields or len(z.TR_DLRM_VOCAB)
+    base = z.TR_DLRM_KEYS
+    keys = [base[i % len(base)] + (f"_{i // len(base)}" if i >= len(base) else "") for i in range(n)]
+    vocab = _scaled_vocab(z.TR_DLRM_VOCAB, rows, n)
+    arch = dict(dense_in_features=z.TR_DLRM_DENSE, dense_arch_layer_sizes=[8 * width, dim],
+                over_arch_layer_sizes=[8 * width, 1])
+    torch.manual_seed(7)
+    tables = [z.EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=v, feature_names=[k])
+              for k, v in zip(keys, vocab)]
+    model = z.TorchRecDLRM(embedding_bag_collection=z.EmbeddingBagCollection(tables=tables, device=torch.device("cpu")),
+                           **arch)
+
+    def batch(step, B):  # zoo.batch_torchrec_dlrm: dense [B, n] and a KJT, 0-3 ids per bag
+        g = z._gen(8, step)
+        dense = torch.rand(B, z.TR_DLRM_DENSE, generator=g)
+        return (dense, z._random_kjt(g, keys, vocab, B, 0, 3)), z._labels(g, (B, 1))
+
+    # TorchRec's own path: the same DLRM class around _build_torchrec's EBC (tables t{k} read
+    # features f{k}), the user's dense weights copied in, the KJT re-keyed f{k}.
+    dense_state = {k: v for k, v in model.state_dict().items() if ".embedding_bags." not in k}
+    feature_of_table = [c.feature_names[0] for c in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()]
+
+    def around(ebc):
+        m = z.TorchRecDLRM(embedding_bag_collection=ebc, **arch)
+        missing, unexpected = m.load_state_dict(dense_state, strict=False)
+        assert not unexpected and all(".embedding_bags." in k for k in missing), (missing, unexpected)
+        return m
+
+    def to_torchrec(args):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        dense, kjt = args
+        parts = [kjt[f] for f in feature_of_table]
+        return dense, KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{k}" for k in range(len(parts))], values=torch.cat([p.values() for p in parts]),
+            lengths=torch.cat([p.lengths() for p in parts]))
+
+    sizes = f"{n} tables x dim {dim} (EmbeddingBagCollection), rows {min(vocab):,}-{max(vocab):,}; arch {arch}"
+    return model, batch, sizes, (around, "sparse_arch.embedding_bag_collection", to_torchrec)
+
+
+def _zoo_torchrec_seq(z, rows, dim, fields, width):
+    # SeqModel's forward names its two features: the field count stays the zoo's.
+    vocab = _scaled_vocab(z.TR_SEQ_VOCAB, rows, len(z.TR_SEQ_KEYS))
+    torch.manual_seed(8)
+    tables = [z.EmbeddingConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=v, feature_names=[k])
+              for k, v in zip(z.TR_SEQ_KEYS, vocab)]
+    model = z.SeqModel(tables, hidden=8 * width)
+
+    def batch(step, B):  # zoo.batch_torchrec_seq: a KJT of 1-3 ids per sample and feature
+        g = z._gen(9, step)
+        return (z._random_kjt(g, z.TR_SEQ_KEYS, vocab, B, 1, 3),), z._labels(g, (B,))
+
+    return model, batch, f"2 unpooled tables x dim {dim} (EmbeddingCollection), rows {min(vocab):,}-{max(vocab):,}; hidden {8 * width}"
+
+
+def _zoo_user_tower(z, rows, dim, fields, width):
+    # UserTower's forward names its four features: the field count stays the zoo's.
+    names = list(z.TOWER_VOCAB)
+    vocab = dict(zip(names, _scaled_vocab([z.TOWER_VOCAB[k] for k in names], rows, len(names))))
+    watch_len = 20
+    torch.manual_seed(11)
+    model = z.UserTower(vocab, dim=dim, genre_dim=dim, hidden=8 * width)
+
+    def batch(step, B):  # zoo.batch_user_tower with the scaled vocabularies, 0-20 watched items
+        return z.batch_user_tower(step, B, vocab, watch_len)
+
+    return model, batch, (f"user id gather (padding_idx) + max-pooled watch history [B, {watch_len}] + max/mean bags, "
+                          f"dim {dim}, rows {min(vocab.values()):,}-{max(vocab.values()):,}; hidden {8 * width}")
+
+
+ZOO_BUILDERS = {
+    "ref_dlrm": _zoo_ref_dlrm, "ref_dlrm_list": _zoo_ref_dlrm_list, "deepfm": _zoo_deepfm, "dcn": _zoo_dcn,
+    "fm": _zoo_fm, "wide_deep": _zoo_wide_deep, "xdeepfm_cin": _zoo_xdeepfm_cin,
+    "torchrec_dlrm": _zoo_torchrec_dlrm, "torchrec_seq": _zoo_torchrec_seq, "user_tower": _zoo_user_tower,
+}
+
+
+def build_zoo_case(z, name: str, args) -> ZooCase:
+    entry = z.ZOO[name]
+    if args.zoo_scale == "zoo" or name not in ZOO_BUILDERS:
+        # The zoo's own (tiny) sizes; also for entries added to the zoo after this bench.
+        note = "" if args.zoo_scale == "zoo" else " (no scaled variant in this bench)"
+        return ZooCase(name, entry.make_model(), entry.batch, entry.loss, f"the zoo's own sizes{note}")
+    built = ZOO_BUILDERS[name](z, args.zoo_rows, args.zoo_dim, args.zoo_fields, args.zoo_width)
+    model, batch, sizes = built[:3]
+    return ZooCase(name, model, batch, entry.loss, sizes, torchrec=built[3] if len(built) > 3 else None)
+
+
+
+def ids_per_batch(model: nn.Module, args) -> int:
+    """Ids the model's embedding modules look up for ``args`` (one forward in eval mode)."""
+    counts = []
+
+    def count(mod, inp, kwargs):  # TorchRec's collections call their modules with input=...
+        counts.append((inp[0] if inp else kwargs["input"]).numel())
+
+    hooks = [m.register_forward_pre_hook(count, with_kwargs=True) for _, m in embedding_modules(model)]
+    was_training = model.training
+    model.eval()  # BatchNorm's running statistics stay as they are
+    try:
+        with torch.no_grad():
+            model(*args)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    return sum(counts)
