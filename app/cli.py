@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from recc.app.training import Progress  # one progress bar for every command
 
 
 def _build(args, *, meta: bool = False):
@@ -148,9 +149,6 @@ def cmd_compile(args) -> int:
     return 0
 
 
-from recc.app.training import Progress as _Progress  # noqa: E402  (one progress bar for every command)
-
-
 def _user_error(command: str, e: BaseException) -> int:
     """A user error: one line on stderr, exit 2 (``RECC_DEBUG=1``: the traceback)."""
     import os
@@ -203,7 +201,7 @@ def cmd_train(args) -> int:
 def _train_data(args) -> int:
     """``recc train --data``: the preset trained on a converted click log."""
     import recc
-    from recc.app.training import DataJob, train_on_data
+    from recc.app.training import ClickLogSource, TrainJob, train
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir (where the checkpoints are)")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -226,28 +224,28 @@ def _train_data(args) -> int:
         raise ValueError(f"--val-fraction {args.val_fraction:g}: must be between 0 and 1 (the held-out share)")
     if args.eval_every and args.val_fraction is None and not val_days:
         raise ValueError("--eval-every needs a held-out split: --val-fraction F or --val-days D,...")
-    job = DataJob(data=args.data, batch_size=batch, steps=0, lr=args.lr, val_fraction=args.val_fraction,
-                  val_days=val_days, shuffle_buffer=args.shuffle_buffer, seed=args.seed,
-                  eval_every=args.eval_every or 0, log=args.log, log_every=args.log_every or 0,
-                  checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
-                  keep_checkpoints=args.keep_checkpoints or 0, resume=args.resume, model=args.model)
-    train = job.train_data()   # opens and checks the click log here, before any rank starts
-    if train.num_embeddings != list(cfg["num_embeddings"]) or train.dense_features != cfg["dense_features"]:
-        raise ValueError(_other_tables(args, cfg, train))
-    job.verified = True   # checked here, once: the ranks need not read every byte again
-    if job.val_data() is not None and args.eval_every:
-        job.val_data()  # the held-out split exists and holds a batch
-    job.steps = args.steps if args.steps is not None else train.steps_per_epoch
+    source = ClickLogSource(data=args.data, batch_size=batch, val_fraction=args.val_fraction, val_days=val_days,
+                            shuffle_buffer=args.shuffle_buffer, seed=args.seed)
+    train_data = source.train_data()   # opens and checks the click log here, before any rank starts
+    if train_data.num_embeddings != list(cfg["num_embeddings"]) or train_data.dense_features != cfg["dense_features"]:
+        raise ValueError(_other_tables(args, cfg, train_data))
+    source.verified = True   # checked here, once: the ranks need not read every byte again
+    if args.eval_every:
+        source.val_data()  # the held-out split exists and holds a batch
+    job = TrainJob(source, steps=args.steps if args.steps is not None else train_data.steps_per_epoch, lr=args.lr,
+                   eval_every=args.eval_every or 0, log=args.log, log_every=args.log_every or 0,
+                   checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
+                   keep_checkpoints=args.keep_checkpoints or 0, resume=args.resume, model=args.model)
     if args.resume:
-        _check_resume(args, train, job.steps)
-    example = _example(args, world, batch, train)
+        _check_resume(args, train_data, job.steps)
+    example = _example(args, world, batch, train_data)
     model = _build(args)
     program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir, example_inputs=example)
-    epoch = train.steps_per_epoch
-    print(f"recc train: {args.model} on {args.data} ({train.num_samples:,} training samples, {epoch} steps per "
+    epoch = train_data.steps_per_epoch
+    print(f"recc train: {args.model} on {args.data} ({train_data.num_samples:,} training samples, {epoch} steps per "
           f"epoch), global batch {batch}, {job.steps} steps, sparse optimizer {config.optimizer} lr={config.lr:g}, "
           f"{world} rank(s) ({cluster.name})", file=sys.stderr)
-    results = recc.launch(train_on_data, cluster, program, job)
+    results = recc.launch(train, cluster, program, job)
     r = results[0]
     done = r["steps"] - r["start"]
     rate = r["samples"] / max(r["seconds"] - r["side_seconds"], 1e-9)
@@ -367,14 +365,15 @@ def cmd_export(args) -> int:
 
 
 def _train_synthetic(args) -> int:
+    """``recc train``: the preset trained on its synthetic data, scored on held-out batches."""
     import recc
-    from recc.models import Metrics, SyntheticData
+    from recc.app.training import SyntheticSource, TrainJob, train
     if args.steps is None:
         args.steps = 300
     _, config, cluster = _settings(args, run=True)
     batch, world = config.batch_size, cluster.world_size
-    data = SyntheticData(args.model, batch_size=batch, seed=args.seed)
-    example = _example(args, world, batch, data)
+    source = SyntheticSource(args.model, batch_size=batch, seed=args.seed, eval_batches=args.eval_batches)
+    example = _example(args, world, batch, source.train_data())
     model = _build(args)
     program = recc.compile(model, cluster, config=config, dump_dir=args.dump_dir, example_inputs=example)
     print(f"recc train: {args.model} ({len(program.stats['tables'])} tables, {program.stats.get('groups', 0)} "
@@ -382,59 +381,16 @@ def _train_synthetic(args) -> int:
           f"lr={config.lr:g}, {world} rank(s) ({cluster.name})", file=sys.stderr)
     if world > 1:
         print(program.plan, file=sys.stderr)
-    results = recc.launch(_train_rank, cluster, program, data, args.steps, args.eval_batches, config.lr)
-    samples_per_s = sum(r["samples"] for r in results) / max(r["seconds"] for r in results)
-    held_out = Metrics()
-    for r in results:
-        held_out.update(r["pred"], r["label"])
-    m = held_out.compute()
+    job = TrainJob(source, steps=args.steps, lr=config.lr, final_eval=True, model=args.model)
+    r = recc.launch(train, cluster, program, job)[0]
+    m = r["eval"]
     print(f"held-out: log loss {m['log_loss']:.4f}, AUC {m['auc']:.4f} ({args.eval_batches} batches); "
-          f"training throughput {samples_per_s:,.0f} samples/s")
-    if results[0]["comm"]:
-        print(f"rank 0 {results[0]['comm']}")
-    if results[0].get("cache"):
-        print(f"rank 0 {results[0]['cache']}")
+          f"training throughput {r['samples'] / max(r['seconds'] - r['side_seconds'], 1e-9):,.0f} samples/s")
+    if r["comm"]:
+        print(f"rank 0 {r['comm']}")
+    if r.get("cache"):
+        print(f"rank 0 {r['cache']}")
     return 0
-
-
-def _train_rank(program, data, steps: int, eval_batches: int, lr: float) -> dict:
-    """One rank's training loop (runs on every rank of the world)."""
-    import recc
-    from recc.models import Metrics
-    rank, world = recc.rank(), recc.world_size()
-    dmodel = program.instantiate()
-    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=lr)
-    progress = _Progress(steps) if rank == 0 else None
-    window = Metrics()
-    seen, t_train = 0, 0.0
-    t0 = time.perf_counter()
-    try:
-        # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
-        for step, ((dense_x, lS_o, lS_i, y), out) in enumerate(
-                dmodel.train_pipeline(data.batches(steps, rank=rank, world_size=world))):
-            loss = F.binary_cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            t_train = time.perf_counter() - t0
-            seen += y.shape[0]
-            window.update(out.detach(), y)
-            if progress and ((step + 1) % max(1, steps // 20) == 0 or step + 1 == steps):
-                m = window.compute()
-                window = Metrics()
-                progress.update(step + 1, f"loss {m['log_loss']:.4f} auc {m['auc']:.4f} "
-                                          f"{seen * world / t_train:,.0f} samples/s")
-    finally:
-        if progress:
-            progress.close()  # an error's line starts on a line of its own
-    preds, labels = [], []
-    with torch.no_grad():
-        for dense_x, lS_o, lS_i, y in data.batches(eval_batches, rank=rank, world_size=world, start=1_000_000):
-            preds.append(dmodel(dense_x, lS_o, lS_i))
-            labels.append(y)
-    comm = dmodel.comm_report().summary() if world > 1 else None
-    return {"samples": seen, "seconds": t_train, "pred": torch.cat(preds), "label": torch.cat(labels),
-            "comm": comm, "cache": dmodel.cache_report().summary()}
 
 
 def cmd_plan(args) -> int:
@@ -474,7 +430,7 @@ def cmd_data_convert(args) -> int:
             nonlocal progress
             mib = 1 << 20
             if progress is None:
-                progress = _Progress(max(1, -(-total // mib)))
+                progress = Progress(max(1, -(-total // mib)))
             progress.update(min(progress.total, done // mib), f"MiB {phase}, {done / mib / max(time.perf_counter() - t0, 1e-9):.0f} MiB/s")
 
         try:

@@ -1,14 +1,20 @@
-"""Training a compiled program on a converted click log, on every rank: what ``recc train --data``
-runs.
+"""The training harness: the one loop that trains a compiled program on every rank, for ``recc
+train`` (synthetic data or a converted click log) and for Python users alike.
 
-``train_on_data(program, job)`` is the loop each rank runs (inside ``recc.launch``): this rank's
-slice of every global batch from ``ClickLogData``, the dense optimizer, a progress bar and a JSONL
-log on rank 0 (losses averaged over the ranks), an exact evaluation on the held-out split every
-``eval_every`` steps, sharded checkpoints every ``checkpoint_every`` steps, and a resume from the
-newest complete checkpoint: its step, its data position (checked against the data's settings),
-its tables, optimizer state and dense optimizer state, so the run goes on as if it had never
-stopped. Collectives happen at the same steps on every rank (logging, evaluation, checkpoints are
-functions of the step), so a rank never waits for one that another rank skips.
+``train(program, job)`` is what each rank runs (inside ``recc.launch``): this rank's slice of every
+global batch from the job's data source -- ``SyntheticSource`` (a preset's seeded synthetic
+batches) or ``ClickLogSource`` (a log from ``recc data convert``) -- the dense optimizer, a progress
+bar and a JSONL log on rank 0 (losses averaged over the ranks), an exact evaluation on the
+source's held-out data every ``eval_every`` steps and/or after the last step, sharded checkpoints
+every ``checkpoint_every`` steps, and a resume from the newest complete checkpoint: its step, its
+data position (checked against the data's settings), its tables, optimizer state and dense
+optimizer state, so the run goes on as if it had never stopped. Checkpoints need a source whose
+position can be saved (a click log). Collectives happen at the same steps on every rank (logging,
+evaluation, checkpoints are functions of the step), so a rank never waits for one that another
+rank skips.
+
+    job = TrainJob(SyntheticSource("tiny", batch_size=8), steps=300, lr=0.1, final_eval=True)
+    results = recc.launch(train, cluster, program, job)   # results[0]: rank 0's summary
 """
 from __future__ import annotations
 
@@ -17,31 +23,22 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 
 @dataclasses.dataclass
-class DataJob:
-    """What ``recc train --data`` asks each rank to do."""
+class ClickLogSource:
+    """A converted click log: its training split, and the held-out split that ``val_fraction`` or
+    ``val_days`` names (none without either)."""
     data: str
     batch_size: int
-    steps: int
-    lr: float
     val_fraction: Optional[float] = None
     val_days: Optional[list] = None
     shuffle_buffer: int = 0
     seed: int = 0
-    eval_every: int = 0
-    log: Optional[str] = None
-    log_every: int = 0
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 0
-    resume: bool = False
-    model: str = ""
     # The launcher checked every file's checksum before starting the ranks: they open the log
     # without reading it all again (at Terabyte's size, minutes of I/O per rank). A file changed
     # since is still caught as it is read (ClickLog re-checks sizes and times).
@@ -59,6 +56,55 @@ class DataJob:
             return None
         return ClickLogData(self.data, batch_size=self.batch_size, split="val", val_fraction=self.val_fraction,
                             val_days=self.val_days, verify=not self.verified)
+
+
+@dataclasses.dataclass
+class SyntheticSource:
+    """A preset's seeded synthetic batches (``recc.models.SyntheticData``): training from batch 0,
+    ``eval_batches`` held-out batches from batch ``HELD_OUT`` on, far past any run's steps."""
+    model: str
+    batch_size: int
+    seed: int = 0
+    eval_batches: int = 10
+
+    HELD_OUT = 1_000_000
+
+    def train_data(self):
+        from recc.models import SyntheticData
+        return SyntheticData(self.model, batch_size=self.batch_size, seed=self.seed)
+
+    def val_data(self):
+        return _SyntheticHeldOut(self.train_data(), self.eval_batches, self.HELD_OUT) if self.eval_batches else None
+
+
+class _SyntheticHeldOut:
+    """Synthetic held-out batches with the face ``evaluate`` reads a click log's split through."""
+
+    def __init__(self, data, batches: int, first: int):
+        self._data, self._first = data, first
+        self.batch_size, self.bag_sizes = data.batch_size, data.bag_sizes
+        self.steps_per_epoch, self.num_samples = batches, batches * data.batch_size
+
+    def rank_batch(self, step: int, rank: int, world: int):
+        from recc.models import slice_batch
+        return slice_batch(self._data.batch(self._first + step), rank, world)
+
+
+@dataclasses.dataclass
+class TrainJob:
+    """What each rank is asked to do: ``steps`` steps of ``source``'s batches at dense ``lr``."""
+    source: Union[SyntheticSource, ClickLogSource]
+    steps: int
+    lr: float
+    eval_every: int = 0
+    final_eval: bool = False   # score the held-out data after the last step even without eval_every
+    log: Optional[str] = None
+    log_every: int = 0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 0
+    resume: bool = False
+    model: str = ""            # the preset, saved in checkpoints for ``recc export`` and --resume
 
 
 class Progress:
@@ -206,15 +252,43 @@ def _trim_log(path: Path, step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
-def train_on_data(program, job: DataJob) -> dict:
+# The bar's AUC is rank 0's predictions over the logging window, at most this many of the newest
+# (a sample of the global batches: exact AUC over every rank is the evaluation's job).
+WINDOW_AUC_SAMPLES = 1 << 20
+
+
+class _Window:
+    """Rank 0's predictions and labels since the last logging step, for the bar's AUC."""
+
+    def __init__(self):
+        self.preds, self.labels, self.n = [], [], 0
+
+    def add(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        self.preds.append(out.detach().reshape(-1).float().cpu())
+        self.labels.append(y.detach().reshape(-1).cpu())
+        self.n += self.preds[-1].numel()
+        while self.n - self.preds[0].numel() >= WINDOW_AUC_SAMPLES:
+            self.n -= self.preds.pop(0).numel()
+            self.labels.pop(0)
+
+    def auc(self) -> float:
+        from recc.models import auc
+        value = auc(torch.cat(self.preds), torch.cat(self.labels))
+        self.preds, self.labels, self.n = [], [], 0
+        return value
+
+
+def train(program, job: TrainJob) -> dict:
     """One rank's training loop (runs on every rank of the world); rank 0's result is the summary."""
-    import recc
-    from recc.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from recc.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
     rank, world = _world()
     dmodel = program.instantiate()
     opt = torch.optim.SGD(dmodel.dense_parameters(), lr=job.lr)
-    train = job.train_data()
-    val = job.val_data() if job.eval_every else None
+    train_data = job.source.train_data()
+    if (job.checkpoint_dir or job.resume) and not hasattr(train_data, "fingerprint"):
+        raise ValueError(f"checkpoints need data whose position they can save (a click log), not "
+                         f"{type(train_data).__name__}")
+    val = job.source.val_data() if job.eval_every or job.final_eval else None
     start, resumed, position = 0, None, 0
     if job.resume:
         latest = latest_checkpoint(job.checkpoint_dir)
@@ -225,10 +299,10 @@ def train_on_data(program, job: DataJob) -> dict:
             latest = info.path
             position = info.extra.get("data")
             if position is None:
-                raise recc.CheckpointError(f"{latest}: no data position in it (not saved by recc train --data)")
+                raise CheckpointError(f"{latest}: no data position in it (not saved by recc train --data)")
             start, resumed = int(position["step"]), str(latest)
             if info.step != start:
-                raise recc.CheckpointError(f"{latest}: saved at step {info.step} with the data at step {start}")
+                raise CheckpointError(f"{latest}: saved at step {info.step} with the data at step {start}")
     log_path = Path(job.log) if job.log and rank == 0 else None
     if log_path is not None:
         if resumed:
@@ -239,6 +313,7 @@ def train_on_data(program, job: DataJob) -> dict:
     progress = Progress(job.steps) if rank == 0 else None
     if progress and resumed:
         progress.note(f"recc train: resumed from {resumed} (step {start})")
+    window = _Window() if rank == 0 else None
     log_every = job.log_every or max(1, job.steps // 20)
     win_loss = win_n = 0.0
     win_t = time.perf_counter()
@@ -257,7 +332,7 @@ def train_on_data(program, job: DataJob) -> dict:
     def checkpoint(step: int):
         nonlocal side
         t = time.perf_counter()
-        position = {"step": step, "data": train.fingerprint()}
+        position = {"step": step, "data": train_data.fingerprint()}
         path = save_checkpoint(dmodel, opt, job.checkpoint_dir, step=step, keep=job.keep_checkpoints or None,
                                extra={"data": position, "model": job.model, "world_size": world})
         saved.append(str(path))
@@ -273,8 +348,9 @@ def train_on_data(program, job: DataJob) -> dict:
         if rank == 0:
             last_eval = dict(m, step=step)
             row({"step": step, "eval_auc": m["auc"], "eval_log_loss": m["log_loss"], "eval_samples": m["samples"]})
-            progress.note(f"recc train: step {step}: held-out AUC {m['auc']:.4f}, log loss {m['log_loss']:.4f} "
-                          f"({m['samples']:,} samples)")
+            if job.eval_every:  # the periodic scores; a final one alone is the caller's to print
+                progress.note(f"recc train: step {step}: held-out AUC {m['auc']:.4f}, log loss {m['log_loss']:.4f} "
+                              f"({m['samples']:,} samples)")
 
     # The log and the bar stay open until the final evaluation and checkpoint have written to
     # them (a run whose last step is not a multiple of --eval-every evaluates after the loop),
@@ -284,9 +360,10 @@ def train_on_data(program, job: DataJob) -> dict:
             raise ValueError(f"--steps {job.steps}: the checkpoint {resumed} is already at step {start}")
         # A saved position is checked against the data's settings: other data, batch size, split,
         # seed or shuffle is an error saying what differs.
-        stream = train.batches(job.steps - start, rank=rank, world_size=world, start=position)
+        stream = train_data.batches(job.steps - start, rank=rank, world_size=world, start=position)
         step = start
         try:
+            # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
             for (dense_x, lS_o, lS_i, y), out in dmodel.train_pipeline(stream):
                 loss = F.binary_cross_entropy(out, y)
                 loss.backward()
@@ -297,6 +374,8 @@ def train_on_data(program, job: DataJob) -> dict:
                 seen += n
                 win_loss += float(loss.detach()) * n
                 win_n += n
+                if window is not None:
+                    window.add(out, y)
                 if step % log_every == 0 or step == job.steps:
                     total_loss, total_n = _all_sum([win_loss, win_n])
                     now = time.perf_counter()
@@ -305,18 +384,19 @@ def train_on_data(program, job: DataJob) -> dict:
                     if rank == 0:
                         row({"step": step, "loss": last_loss, "samples_per_s": rate, "samples": int(total_n),
                              "elapsed_s": round(now - t0, 3)})
-                        progress.update(step, f"loss {last_loss:.4f} {rate:,.0f} samples/s", force=step == job.steps)
+                        progress.update(step, f"loss {last_loss:.4f} auc {window.auc():.4f} {rate:,.0f} samples/s",
+                                        force=step == job.steps)
                     win_loss = win_n = 0.0
                     win_t = now
                 before = side
-                if val is not None and step % job.eval_every == 0:
+                if val is not None and job.eval_every and step % job.eval_every == 0:
                     run_eval(step)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
                     checkpoint(step)
                 win_t += side - before  # the next logged rate is the training's alone
         finally:
             stream.close()
-        if val is not None and step % job.eval_every != 0:
+        if val is not None and (not job.eval_every or step % job.eval_every != 0):
             run_eval(step)  # the run's final model is always scored
         if job.checkpoint_dir and (not saved or not saved[-1].endswith(f"{step:08d}")) and step > start:
             checkpoint(step)  # the run's last step is always resumable
