@@ -330,3 +330,73 @@ def test_a_source_mixing_static_and_dynamic_shared_memory_is_refused(tmp_path):
     path.write_text(STATIC_SHARED + 'extern "C" __global__ void k(float* y) { extern __shared__ float d[]; y[0] = d[0]; }\n')
     with pytest.raises(emulator.EmulatorError, match="both static and extern __shared__"):
         emulator.build(path)
+
+
+# ----------------------------------------------------------------------------- counting
+
+COUNTED = r"""
+extern "C" __global__ void gather(const int* idx, const float* x, float* y, unsigned* hits, int n) {
+    extern __shared__ float buf[];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    buf[threadIdx.x] = x[i];
+    float acc = buf[threadIdx.x] + x[idx[i]];
+    if (blockIdx.x == 1 && threadIdx.x == 5)
+        for (int k = 0; k < 10; ++k) acc += x[k];
+    y[i] = acc;
+    atomicAdd(hits, 1u);
+}
+extern "C" __global__ void read_at(const float* x, float* y, long long i) { y[0] = x[i]; }
+"""
+
+
+@pytest.fixture(scope="module")
+def counted_src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("emu") / "counted.cu"
+    path.write_text(COUNTED)
+    return path
+
+
+@pytest.mark.parametrize("seed", [None, 4])
+def test_counting_counts_each_threads_global_loads_and_stores(counted_src, seed):
+    # Per thread: x[i], idx[i], x[idx[i]] and the atomic's read; y[i] and the atomic's write.
+    # Thread 5 of block 1 also reads x[0..9].  Shared memory and the stack are not counted.
+    n = 100
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    x, y, hits = torch.randn(n), torch.zeros(n), torch.zeros(1, dtype=torch.int32)
+    with emulator.emulated(seed=seed), emulator.counting() as c:
+        emulator.launch(counted_src, "gather", 4, 32, (idx, x, y, hits, np.int32(n)), 32 * 4)
+    torch.testing.assert_close(y, x + x[idx.long()] + torch.where(torch.arange(n) == 37, x[:10].sum(), 0.0))
+    assert int(hits) == n
+    r, = c.launches
+    assert (r.kernel, r.grid, r.block, r.shared_mem) == ("gather", (4, 1, 1), (32, 1, 1), 128)
+    assert (r.loads, r.stores) == (4 * n + 10, 2 * n)
+    assert (r.bytes_read, r.bytes_written) == (16 * n + 40, 8 * n)
+    assert (r.max_loads_per_thread, r.max_load_bytes_per_thread) == (14, 56)
+    assert (r.max_stores_per_thread, r.max_store_bytes_per_thread) == (2, 8)
+    assert r.max_loads_thread == ((1, 0, 0), (5, 0, 0))
+    assert r.by_argument == {0: (4 * n, 0, 4 * n), 1: (8 * n + 40, 0, 4 * n), 2: (0, 4 * n, 4 * n), 3: (4 * n, 4 * n, 4)}
+    assert c.kernels() == {"gather": 1}
+
+
+def test_the_counting_build_still_catches_a_read_past_a_tensor(counted_src):
+    x, y = torch.arange(10, dtype=torch.float32), torch.zeros(1)
+    with emulator.emulated(), emulator.counting() as c:
+        emulator.launch(counted_src, "read_at", 1, 1, (x, y, np.int64(9)))
+        assert float(y) == 9.0 and c.launches[0].bytes_read == 4
+        with pytest.raises(emulator.EmulatorCrash, match=r"heap-buffer-overflow(.|\n)*in read_at \S*counted.cu:\d+"):
+            emulator.launch(counted_src, "read_at", 1, 1, (x, y, np.int64(10)))
+    assert len(c.launches) == 1  # a crashed launch has no record
+
+
+def test_counting_counts_the_aten_ops_a_gpu_would_launch():
+    x = torch.arange(6, dtype=torch.float32)
+    with emulator.counting() as c:
+        torch.empty(3)                 # an allocation: no kernel
+        v = x.view(2, 3)               # a view: no kernel
+        y = v + 1                      # a kernel
+        bool(y.sum() > 0)              # sum and gt: kernels; the bool: a device-to-host read
+        x.narrow(0, 0, 0).zero_()      # on no elements: no kernel
+    assert c.aten_launches == 3 and c.host_reads == 1
+    assert c.aten["aten.view"] == 1 and c.aten["aten.empty"] == 1 and c.aten["aten.zero_"] == 1
+    assert c.summary()["recc_launches"] == 0

@@ -31,6 +31,10 @@ to the server.  See README.md in this folder for the design; in short:
 - **Seeded order.**  ``emulated(seed=k)`` draws the order of blocks, the order of threads
   between synchronisation points and switches at atomics from ``k``; ``seed=None`` runs threads
   in index order.
+- **Counted work.**  Inside ``counting()`` (``counting.py``) launches go to a second build of
+  each source whose every memory access calls into the runtime, which counts the global-memory
+  (tensor-argument) loads and stores per launch and per thread; the launch records land in the
+  ``Counts`` that ``counting()`` yields, beside the aten ops the step ran.
 
 Builds are cached like the CPU kernels' (``$RECC_CACHE_DIR``, keyed by the sources, flags and
 compiler, and trusted only as the CPU kernels' are: ``native.cached_build``): the first build of
@@ -55,11 +59,17 @@ from pathlib import Path
 
 import torch
 
+from . import counting as _counting
+from .counting import Counts, LaunchCount, counting  # noqa: F401  (the public API)
+
 HERE = Path(__file__).parent
 RUNTIME = HERE / "runtime.cpp"
 HEADERS = (HERE / "cuda_emu.h", HERE / "cuda_emu_kernels.h", HERE / "include" / "cuda_fp16.h",
            HERE / "include" / "cuda_bf16.h")
 SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all")
+# The counting build: ASan calls __asan_load*/__asan_store* for every access (no inline check),
+# which runtime.cpp defines to count and forward (see counting.py).
+COUNTING = ("--param", "asan-instrumentation-with-call-threshold=0", "-DCUDA_EMU_COUNTING")
 CXXFLAGS = ("-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fno-strict-aliasing",
             "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function", "-Wno-unused-variable")
 DYNAMIC_SHARED_CAPACITY = 48 * 1024  # the device's limit without an opt-in (runtime.cpp)
@@ -201,15 +211,16 @@ def _shim(source: Path, kernels: list[str], dynamic: list[str]) -> str:
 
 
 _build_lock = threading.Lock()
-_executables: dict[str, Path] = {}
+_executables: dict[tuple[str, bool], Path] = {}
 build_seconds: dict[str, float] = {}
 
 
-def build(source: Path) -> Path:
+def build(source: Path, counted: bool = False) -> Path:
     """The server executable of ``source`` (built into the cache unless an identical one is
-    there).  Raises EmulatorError when there is no C++ compiler or the build fails."""
+    there); ``counted``: the build that counts global loads and stores (``counting()``).
+    Raises EmulatorError when there is no C++ compiler or the build fails."""
     source = Path(source).resolve()
-    key = str(source)
+    key = (str(source), counted)
     with _build_lock:
         exe = _executables.get(key)
         if exe is not None and exe.exists():
@@ -223,9 +234,10 @@ def build(source: Path) -> Path:
             raise EmulatorError(f"{source.name} has both static and extern __shared__ arrays; the emulator "
                                 f"supports one kind per source (see emulator/README.md)")
         defines = ("-DCUDA_EMU_STATIC_SHARED",) if static else ()
+        extra = COUNTING if counted else ()
         h = hashlib.sha256()
         for part in (text.encode(), RUNTIME.read_bytes(), *(p.read_bytes() for p in HEADERS),
-                     " ".join(CXXFLAGS + SANITIZE + defines).encode(), _compiler_version(cxx).encode(),
+                     " ".join(CXXFLAGS + SANITIZE + extra + defines).encode(), _compiler_version(cxx).encode(),
                      str(DYNAMIC_SHARED_CAPACITY).encode()):
             h.update(part)
             h.update(b"\0")
@@ -240,15 +252,17 @@ def build(source: Path) -> Path:
                 shim.write_text(_shim(source, kernels, dynamic))
                 out = Path(tmp) / exe.name
                 # one command: the runtime and the shim, both sanitized
-                _run([cxx, *CXXFLAGS, *SANITIZE, *defines, "-I", str(HERE), "-I", str(HERE / "include"),
-                      "-o", str(out), str(RUNTIME), str(shim), "-lm"], f"building the emulator for {source.name}")
+                _run([cxx, *CXXFLAGS, *SANITIZE, *extra, *defines, "-I", str(HERE), "-I", str(HERE / "include"),
+                      "-o", str(out), str(RUNTIME), str(shim), "-lm", *(("-ldl",) if counted else ())],
+                     f"building the emulator for {source.name}")
                 os.replace(out, exe)  # atomic: a concurrent builder sees no file or a whole one
-            build_seconds[source.name] = time.perf_counter() - start
+            build_seconds[source.name + (" (counting)" if counted else "")] = time.perf_counter() - start
 
         # The server runs as this user: it comes from the cache only when no one else can have
         # written it (native.cached_build), else it is built in this process's private directory.
         from recc.kernels.cpu import native
-        exe, _ = native.cached_build(_cache_dir(), f"{source.stem}-{h.hexdigest()[:20]}", compile_into)
+        name = f"{source.stem}-{'counting-' if counted else ''}{h.hexdigest()[:20]}"
+        exe, _ = native.cached_build(_cache_dir(), name, compile_into)
         _executables[key] = exe
         return exe
 
@@ -323,8 +337,8 @@ _servers: dict[str, _Server] = {}
 _server_lock = threading.Lock()
 
 
-def _server(source: Path) -> _Server:
-    exe = build(source)
+def _server(source: Path, counted: bool = False) -> _Server:
+    exe = build(source, counted)
     key = str(exe)
     with _server_lock:
         s = _servers.get(key)
@@ -411,22 +425,32 @@ def launch(source: str | Path, kernel: str, grid, block, args, shared_mem: int =
         before[(lo, hi)] = ctypes.string_at(lo, hi - lo)
         out.append(before[(lo, hi)])
     out.append(struct.pack("<I", len(args)))
+    arg_buffer = []  # per argument: the index of its buffer, or None
     for a in args:
+        arg_buffer.append(None)
         if a is None or (isinstance(a, torch.Tensor) and a.numel() == 0):
             tag, kind, size, buf, value, dtype = ARG_NULL, 0, 0, 0, 0, "null"
         elif isinstance(a, torch.Tensor):
             p = a.data_ptr()
             buf = next(i for i, (lo, hi, _) in enumerate(buffers) if lo <= p < hi)
+            arg_buffer[-1] = buf
             tag, kind, size, value = ARG_PTR, _KINDS.get(a.dtype, KIND_BYTES), a.element_size(), p - buffers[buf][0]
             dtype = str(a.dtype).replace("torch.", "")
         else:
             (tag, value), kind, size, buf, dtype = _scalar(a), 0, 0, 0, ""
         d = dtype.encode()
         out.append(struct.pack("<4IQI", tag, kind, size, buf, value, len(d)) + d)
-    replies = _server(Path(source)).request(b"".join(out), [hi - lo for lo, hi, _ in buffers])
+    counts = _counting.current
+    sizes = [hi - lo for lo, hi, _ in buffers]
+    if counts is not None:
+        sizes.append(_counting.record_size(len(buffers)))
+    replies = _server(Path(source), counts is not None).request(b"".join(out), sizes)
     for (lo, hi, _), data in zip(buffers, replies):
         _copy_back(lo, before[(lo, hi)], data)
     launches[kernel] += 1
+    if counts is not None:
+        counts.launches.append(_counting.launch_count(Path(source).name, kernel, grid3, block3, int(shared_mem),
+                                                      replies[-1], arg_buffer, sizes[:len(buffers)]))
 
 
 def _copy_back(lo: int, sent: bytes, got: bytes) -> None:

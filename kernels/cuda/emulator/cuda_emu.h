@@ -187,11 +187,21 @@ inline void __trap(const char* file = __builtin_FILE(), int line = __builtin_LIN
 /* One fiber runs at a time, so a read-modify-write is atomic; the overloads are CUDA's own, so
  * an atomic on a type CUDA has none for fails to compile here as with nvcc. */
 
+/* The counting build: g++'s ASan checks an address once per basic block, so the store after the
+ * load below would not reach the counters (runtime.cpp); it is counted here. */
+#ifdef CUDA_EMU_COUNTING
+namespace cuda_emu { void count_store(const void* address, unsigned long long bytes); }
+#define CUDA_EMU_COUNT_STORE(address) ::cuda_emu::count_store(address, sizeof(*(address)))
+#else
+#define CUDA_EMU_COUNT_STORE(address) ((void)0)
+#endif
+
 #define CUDA_EMU_ATOMIC(NAME, T, EXPR)                     \
     inline T NAME(T* address, T val) {                     \
         ::cuda_emu::interleave_point();                    \
         const T old = *address;                            \
         *address = (EXPR);                                 \
+        CUDA_EMU_COUNT_STORE(address);                     \
         return old;                                        \
     }
 CUDA_EMU_ATOMIC(atomicAdd, int, old + val)

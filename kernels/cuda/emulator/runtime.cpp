@@ -15,6 +15,12 @@
  * In the default order threads run in index order, each to its next synchronisation point.  With
  * a seed, the order of blocks, the order of threads in every round, and switches at atomics and
  * fences are drawn from it, so results that depend on an unsynchronised order change.
+ *
+ * Counting (built with CUDA_EMU_COUNTING, see counting() in __init__.py): ASan is told to call
+ * __asan_load{1,2,4,8,16,N} / __asan_store* for every access instead of inlining its check; the
+ * definitions below count each one whose address is inside one of the launch's tensor buffers
+ * (global memory: shared memory, stacks and the runtime's own data are not), per running fiber,
+ * and forward to ASan's own, so every access is still checked.
  */
 #include "cuda_emu.h"
 #include "cuda_emu_kernels.h"
@@ -74,6 +80,8 @@ struct Fiber {
     const char* file = "";
     int line = 0;
     void* fake_stack = nullptr;
+    /* global-memory accesses of this thread in the current block (CUDA_EMU_COUNTING) */
+    unsigned long long loads = 0, load_bytes = 0, stores = 0, store_bytes = 0;
 #if !defined(__x86_64__)
     ucontext_t ctx;
 #endif
@@ -415,6 +423,7 @@ bool run_block() {
         init_fiber(f);
         f.state = READY;
         f.result = 0;
+        f.loads = f.load_bytes = f.stores = f.store_bytes = 0;
     }
     std::vector<int> order(nthreads);
     for (int i = 0; i < nthreads; ++i) order[i] = i;
@@ -523,6 +532,156 @@ std::string type_mismatch(int index, const std::string& param, const Arg& a) {
 
 }  // namespace cuda_emu
 
+/* ------------------------------------------------------------------ counting */
+
+#if defined(CUDA_EMU_COUNTING)
+#include <dlfcn.h>
+
+namespace {
+
+/* Plain arrays and no calls below: these functions are not instrumented, and anything they
+ * called that is (a std::vector's operator[] not inlined) would call back into them. */
+const int kMaxCountedBuffers = 256;
+struct Counting {
+    int nbufs = 0;
+    uintptr_t lo[kMaxCountedBuffers], hi[kMaxCountedBuffers];
+    /* per buffer: bytes read, bytes written, loads, stores (all threads) */
+    unsigned long long read[kMaxCountedBuffers], written[kMaxCountedBuffers];
+    unsigned long long loads[kMaxCountedBuffers], stores[kMaxCountedBuffers];
+    /* the busiest thread: most loads (ties: the first seen), and the most of each per thread */
+    unsigned long long max_loads, max_load_bytes, max_stores, max_store_bytes;
+    unsigned max_block[3], max_thread[3];
+} counts;
+
+__attribute__((no_sanitize_address)) inline void count_access(uintptr_t a, unsigned long long n, bool store) {
+    Fiber* f = running;
+    if (f == nullptr) return;  /* the scheduler, argument binding, copies: not the kernel */
+    const int k = counts.nbufs;
+    for (int i = 0; i < k; ++i) {
+        if (a < counts.lo[i] || a >= counts.hi[i]) continue;
+        if (store) {
+            counts.written[i] += n;
+            counts.stores[i] += 1;
+            f->stores += 1;
+            f->store_bytes += n;
+        } else {
+            counts.read[i] += n;
+            counts.loads[i] += 1;
+            f->loads += 1;
+            f->load_bytes += n;
+        }
+        return;
+    }
+}
+
+void counting_begin(const std::vector<uintptr_t>& lo, const std::vector<uintptr_t>& hi) {
+    if ((int)lo.size() > kMaxCountedBuffers) {
+        fprintf(stderr, "cuda_emu: a counted launch has more than %d buffers\n", kMaxCountedBuffers);
+        abort();
+    }
+    memset(&counts, 0, sizeof counts);
+    counts.nbufs = (int)lo.size();
+    for (int i = 0; i < counts.nbufs; ++i) {
+        counts.lo[i] = lo[i];
+        counts.hi[i] = hi[i];
+    }
+}
+
+/* After each block: its threads' counts against the launch's busiest so far. */
+void counting_block_done() {
+    for (int i = 0; i < nthreads; ++i) {
+        const Fiber& f = fibers[i];
+        if (f.loads > counts.max_loads) {
+            counts.max_loads = f.loads;
+            counts.max_block[0] = cuda_emu::block_idx.x;
+            counts.max_block[1] = cuda_emu::block_idx.y;
+            counts.max_block[2] = cuda_emu::block_idx.z;
+            counts.max_thread[0] = f.ts.thread_idx.x;
+            counts.max_thread[1] = f.ts.thread_idx.y;
+            counts.max_thread[2] = f.ts.thread_idx.z;
+        }
+        counts.max_load_bytes = std::max(counts.max_load_bytes, f.load_bytes);
+        counts.max_stores = std::max(counts.max_stores, f.stores);
+        counts.max_store_bytes = std::max(counts.max_store_bytes, f.store_bytes);
+    }
+}
+
+/* Reply: 10 u64 (max loads, max load bytes, max stores, max store bytes per thread; the block
+ * and thread index of the thread with the most loads), then per buffer read, written, loads,
+ * stores. */
+std::vector<unsigned long long> counting_record() {
+    std::vector<unsigned long long> r = {counts.max_loads, counts.max_load_bytes, counts.max_stores,
+                                         counts.max_store_bytes};
+    for (unsigned v : counts.max_block) r.push_back(v);
+    for (unsigned v : counts.max_thread) r.push_back(v);
+    for (int i = 0; i < counts.nbufs; ++i) {
+        r.push_back(counts.read[i]);
+        r.push_back(counts.written[i]);
+        r.push_back(counts.loads[i]);
+        r.push_back(counts.stores[i]);
+    }
+    return r;
+}
+
+typedef void (*AsanCheck)(uintptr_t);
+typedef void (*AsanCheckN)(uintptr_t, uintptr_t);
+AsanCheck real_load[5], real_store[5];  /* sizes 1, 2, 4, 8, 16 */
+AsanCheckN real_loadN, real_storeN;
+
+/* ASan's own checks (libasan, the next definition after this executable's), found before the
+ * static constructors run instrumented code; not instrumented itself (its stores would call the
+ * hooks before there is anything to forward to). */
+__attribute__((constructor(101), no_sanitize_address)) void find_asan_checks() {
+    const char* loads[5] = {"__asan_load1", "__asan_load2", "__asan_load4", "__asan_load8", "__asan_load16"};
+    const char* stores[5] = {"__asan_store1", "__asan_store2", "__asan_store4", "__asan_store8", "__asan_store16"};
+    for (int i = 0; i < 5; ++i) {
+        real_load[i] = reinterpret_cast<AsanCheck>(dlsym(RTLD_NEXT, loads[i]));
+        real_store[i] = reinterpret_cast<AsanCheck>(dlsym(RTLD_NEXT, stores[i]));
+        if (!real_load[i] || !real_store[i]) {
+            fprintf(stderr, "cuda_emu: the counting build found no %s in libasan\n", real_load[i] ? stores[i] : loads[i]);
+            abort();
+        }
+    }
+    real_loadN = reinterpret_cast<AsanCheckN>(dlsym(RTLD_NEXT, "__asan_loadN"));
+    real_storeN = reinterpret_cast<AsanCheckN>(dlsym(RTLD_NEXT, "__asan_storeN"));
+    if (!real_loadN || !real_storeN) {
+        fprintf(stderr, "cuda_emu: the counting build found no __asan_loadN/__asan_storeN in libasan\n");
+        abort();
+    }
+}
+
+}  // namespace
+
+namespace cuda_emu {
+void count_store(const void* address, unsigned long long bytes) {
+    count_access(reinterpret_cast<uintptr_t>(address), bytes, true);
+}
+}  // namespace cuda_emu
+
+#define CUDA_EMU_COUNTED(I, N)                                                                   \
+    extern "C" __attribute__((no_sanitize_address)) void __asan_load##N(uintptr_t a) {            \
+        count_access(a, N, false);                                                                \
+        real_load[I](a);                                                                          \
+    }                                                                                             \
+    extern "C" __attribute__((no_sanitize_address)) void __asan_store##N(uintptr_t a) {           \
+        count_access(a, N, true);                                                                 \
+        real_store[I](a);                                                                         \
+    }
+CUDA_EMU_COUNTED(0, 1)
+CUDA_EMU_COUNTED(1, 2)
+CUDA_EMU_COUNTED(2, 4)
+CUDA_EMU_COUNTED(3, 8)
+CUDA_EMU_COUNTED(4, 16)
+extern "C" __attribute__((no_sanitize_address)) void __asan_loadN(uintptr_t a, uintptr_t n) {
+    count_access(a, n, false);
+    real_loadN(a, n);
+}
+extern "C" __attribute__((no_sanitize_address)) void __asan_storeN(uintptr_t a, uintptr_t n) {
+    count_access(a, n, true);
+    real_storeN(a, n);
+}
+#endif
+
 /* ------------------------------------------------------------------ launches */
 
 namespace {
@@ -594,6 +753,9 @@ std::string launch(const cuda_emu::KernelEntry& k, const unsigned grid[3], const
          * uninitialised memory does, so a read before any write shows */
         memset(cuda_emu_dynamic_shared, 0xFF, shared);
         ok = run_block();
+#if defined(CUDA_EMU_COUNTING)
+        if (ok) counting_block_done();
+#endif
     }
     call = nullptr;
     cuda_emu::current = nullptr;
@@ -723,10 +885,25 @@ int main() {
             for (int i = 0; i < count; ++i) err += std::string(" ") + table[i].name;
             err += ")";
         }
+#if defined(CUDA_EMU_COUNTING)
+        {
+            std::vector<uintptr_t> lo, hi;
+            for (Buffer& b : bufs) {
+                lo.push_back(reinterpret_cast<uintptr_t>(b.base + b.head));
+                hi.push_back(reinterpret_cast<uintptr_t>(b.base + b.head + b.nbytes));
+            }
+            counting_begin(lo, hi);
+        }
+#endif
         if (err.empty()) err = launch(*k, grid, block, shared, args);
         reply(err.empty() ? 0 : 1, err);
-        if (err.empty())
+        if (err.empty()) {
             for (Buffer& b : bufs) write_all(b.base + b.head, b.nbytes);
+#if defined(CUDA_EMU_COUNTING)
+            const std::vector<unsigned long long> record = counting_record();
+            write_all(record.data(), record.size() * sizeof(unsigned long long));
+#endif
+        }
         for (Buffer& b : bufs) {
 #if EMU_ASAN
             ASAN_UNPOISON_MEMORY_REGION(b.base, b.head);
