@@ -18,7 +18,7 @@ from recc.cluster import Cluster
 from recc.planner.constraints import CONSTRAINT_KEYS, DP_MAX_BYTES, normalize_constraints, units_of
 from recc.planner.cost_model import OPTIMIZERS, CostModel, state_row_bytes
 from recc.planner.layouts import column_split, column_splits, placement_of, row_blocks, spec_for
-from recc.planner.report import build_plan, estimate_shards, no_fit_message, table_reasons
+from recc.planner.report import build_plan, estimate_placements, estimate_shards, no_fit_message, table_reasons
 from recc.planner.search import NoFit, OverMemory, Search
 from recc.planner.tiers import CannotCache, check_access_profile, forced_choices, place_tiers
 from recc.specs import SHARDING_KINDS, Plan, ShardSpec, TableSpec, fmt_ms
@@ -59,8 +59,8 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
     access_profile = check_access_profile(access_profile, tables)
     resident_error = None
     try:
-        shards, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy,
-                                               check_memory)
+        placements, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy,
+                                                   check_memory)
     except OverMemory as e:
         # Cache tables instead, when there is a tier to cache them in and a table the user has
         # not pinned resident: the shards are then placed for time, memory left to the tiers.
@@ -68,9 +68,11 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
                 or all(choice == "resident" for choice, _ in forced.values())):
             raise
         resident_error = e
-        shards, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, False)
+        placements, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy,
+                                                   False)
         notes.append("the tables do not fit resident: shards placed for time, then tables cached until every rank fits")
-    base_mem = estimate_shards(tables, shards, model, bag_sizes)[2]
+    shards = {n: spec_for(tables[n], placements[n], cluster) for n in tables}
+    base_mem = estimate_placements(tables, placements, model, bag_sizes)[2]
     try:
         tiers = place_tiers(tables, shards, model, bag_sizes, base_mem, placement=placement,
                             access_profile=access_profile, id_samples=id_samples, check_memory=check_memory)
@@ -79,38 +81,33 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
             raise
         raise resident_error from None
     plan = build_plan(tables, shards, cluster, model, bag_sizes, strategy=strategy,
-                      dense_flops_per_sample=dense_flops_per_sample, notes=notes, tiers=tiers)
+                      dense_flops_per_sample=dense_flops_per_sample, notes=notes, tiers=tiers, placements=placements)
     plan.table_reasons = reasons
     return plan
 
 
 def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, check_memory):
-    """The shard search: ``(shards, notes, table reasons)``; ``OverMemory`` when nothing fits."""
+    """The shard search: ``(placements, notes, table reasons)``; ``OverMemory`` when nothing fits."""
 
-    def search(kind: str, start: Optional[dict[str, ShardSpec]] = None) -> dict[str, ShardSpec]:
+    def search(kind: str, start: Optional[dict[str, tuple]] = None) -> dict[str, tuple]:
         units = units_of(tables, profiles, cons, kind, model, cluster)
         for u in units:  # a unit's plan-independent terms and deltas, computed once for every search
             u.tw, u.cache = shared.setdefault((tuple(u.names), tuple(map(id, u.profiles))), (u.tw, u.cache))
         srch = Search(model, tables, units, kind, check_memory)
-        if start is not None:
-            start = {n: placement_of(tables[n], spec, cluster) for n, spec in start.items()}
         try:
             srch.run(start)
         except NoFit as e:
             raise OverMemory(no_fit_message(e.args[0], e.args[1], model, tables, profiles, units, cons,
                                             check_memory)) from None
-        specs = {}
-        for u in units:
-            for n in u.names:
-                specs[n] = spec_for(tables[n], u.placement, cluster)
-        return {n: specs[n] for n in tables}
+        placements = {n: u.placement for u in units for n in u.names}
+        return {n: placements[n] for n in tables}
 
     shared: dict[tuple, tuple[dict, dict]] = {}
     notes = []
     reasons = {}
     if strategy == "auto":
-        shards = search("auto")
-        best = estimate_shards(tables, shards, model, bag_sizes)[3]
+        plan = search("auto")
+        best = estimate_placements(tables, plan, model, bag_sizes)[3]
         notes.append(f"auto: greedy + refinement {fmt_ms(best * 1e3)} ms")
         tried, uniform, alternatives = [], None, {}
         for kind in SHARDING_KINDS:
@@ -120,7 +117,7 @@ def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, c
                 tried.append(f"{kind} -")
                 continue
             alternatives[kind] = alt
-            obj = estimate_shards(tables, alt, model, bag_sizes)[3]
+            obj = estimate_placements(tables, alt, model, bag_sizes)[3]
             tried.append(f"{kind} {fmt_ms(obj * 1e3)}")
             if uniform is None or obj < uniform[0] * (1 - 1e-9):
                 uniform = (obj, kind, alt)
@@ -129,19 +126,19 @@ def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, c
             # other kinds where that helps.
             obj, kind, alt = uniform
             refined = search("auto", start=alt)
-            robj = estimate_shards(tables, refined, model, bag_sizes)[3]
+            robj = estimate_placements(tables, refined, model, bag_sizes)[3]
             # refinement never raises the objective; it may only have tidied (fewer bytes, same time)
-            best, shards = (robj, refined) if robj <= obj * (1 + 1e-9) else (obj, alt)
+            best, plan = (robj, refined) if robj <= obj * (1 + 1e-9) else (obj, alt)
             notes[0] += (f"; uniform {kind} {fmt_ms(obj * 1e3)} ms is better" +
                          (f", refined to {fmt_ms(robj * 1e3)} ms" if robj < obj * (1 - 1e-9) else "") + ", kept")
         if cluster.world_size > 1:
             notes.append("uniform strategies (ms; - does not fit): " + ", ".join(tried))
-            reasons = table_reasons(tables, shards, alternatives, model, bag_sizes, check_memory, cons)
+            reasons = table_reasons(tables, plan, alternatives, model, bag_sizes, check_memory, cons)
             notes.append("why = the kind that would come next for that table, and how much slower the plan "
                          "would be with only that table moved to it (its placement in that kind's uniform plan)")
     else:
-        shards = search(strategy)
-    return shards, notes, reasons
+        plan = search(strategy)
+    return plan, notes, reasons
 
 
 

@@ -76,8 +76,10 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import numpy as np
+
 from recc.cluster import Cluster
-from recc.planner.layouts import CW, DP, RW, TW, TWRW, row_blocks
+from recc.planner.layouts import CW, DP, RW, TW, TWRW
 from recc.specs import SHARDING_KINDS, TableSpec
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
@@ -176,6 +178,7 @@ class CostModel:
         # bound. The CUDA backward sorts instead.
         self.slot_bytes = SLOT_MAP_BYTES if cluster.device_type == "cpu" else 0
         self.node = [r // self.G for r in range(self.W)]
+        self.rank_node = np.asarray(self.node, dtype=np.intp)
         self.granule = ACCESS_BYTES[cluster.device_type]
         slow = cluster.inter_node if self.N > 1 else cluster.intra_node
         self.i_slow = 1.0 / (slow.bw_gbps * 1e9) if self.W > 1 else 0.0
@@ -290,64 +293,64 @@ class CostModel:
 
     # -- per-rank deltas
     def delta(self, p: Profile, placement: tuple, optimizer: Optional[str] = None):
+        """Per-rank lists ``(lookup_s, comm_s, memory_bytes)`` that a table adds in ``placement``."""
+        return tuple(a.tolist() for a in self.delta_arrays(p, placement, optimizer))
+
+    def delta_arrays(self, p: Profile, placement: tuple, optimizer: Optional[str] = None):
+        """``delta`` as arrays over ranks. Each rank's value is the same expression, evaluated in
+        the same order, as one rank at a time in Python, so the same floats: the planner's ties
+        are exact."""
         W, kind = self.W, placement[0]
         if kind == DP and W == 1:  # one replica: the runtime runs it as the table-wise table it is
             placement, kind = (TW, 0), TW
-        comp, comm, mem = [0.0] * W, [0.0] * W, [0.0] * W
+        node = self.rank_node
         if kind in (TW, CW):
-            owners = (placement[1],) if kind == TW else placement[1]
-            cols = p.dim // len(owners)
-            c, peer, m = self.tw_terms(p, cols, optimizer)
-            per_node = [0] * self.N
-            for r in owners:
-                per_node[self.node[r]] += 1
+            owners = np.asarray((placement[1],) if kind == TW else placement[1], dtype=np.intp)
             k = len(owners)
+            c, peer, m = self.tw_terms(p, p.dim // k, optimizer)
             # A rank's traffic depends only on its node and whether it owns a block: one value
-            # per node for the others, one for owners (the same expression, so the same floats).
-            others = [peer * (per_node[n] * self.ii + (k - per_node[n]) * self.ie) for n in range(self.N)]
-            comm = [others[n] for n in self.node]
-            for r in owners:
-                n = self.node[r]
-                comp[r] += c
-                mem[r] += m
-                comm[r] = peer * self.S + peer * ((per_node[n] - 1) * self.ii + (k - per_node[n]) * self.ie)
+            # per node for the others, one per node for owners.
+            per_node = np.bincount(node[owners], minlength=self.N)
+            comm = (peer * (per_node * self.ii + (k - per_node) * self.ie))[node]
+            comp, mem = np.zeros(W), np.zeros(W)
+            comp[owners] = c
+            mem[owners] = m
+            pn = per_node[node[owners]]
+            comm[owners] = peer * self.S + peer * ((pn - 1) * self.ii + (k - pn) * self.ie)
         elif kind in (RW, TWRW):
             parts = W if kind == RW else self.G
             base = 0 if kind == RW else placement[1] * self.G
-            group = range(base, base + parts)
             idb = self.ids(p, self.b, p.bag / parts)
-            block = {}   # rows -> (time, memory): ceil-sized blocks are one size but the last
-            for i, r0, r1 in row_blocks(p.rows, parts):
-                if r1 - r0 not in block:
-                    f = (r1 - r0) / p.rows
-                    block[r1 - r0] = (self.lookup_s(p, self.B * p.bag * f, self.B, p.dim, optimizer),
-                                      self.resident_bytes(p, r1 - r0, p.dim, optimizer)
-                                      + self.ids(p, self.B * f, p.bag)
-                                      + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
-                comp[base + i], mem[base + i] = block[r1 - r0]
+            comp, comm, mem = np.zeros(W), np.zeros(W), np.zeros(W)
+            # row_blocks: ``full`` blocks of ``size`` rows, then one of the rest (if any)
+            size = -(-p.rows // parts)
+            full = p.rows // size if size else 0
+            for lo, hi, rows in ((base, base + full, size), (base + full, base + full + 1, p.rows - full * size)):
+                if rows > 0 and hi > lo:
+                    f = rows / p.rows
+                    comp[lo:hi] = self.lookup_s(p, self.B * p.bag * f, self.B, p.dim, optimizer)
+                    mem[lo:hi] = (self.resident_bytes(p, rows, p.dim, optimizer) + self.ids(p, self.B * f, p.bag)
+                                  + 2 * self.out(p, self.B, p.dim) * (1.0 if p.pooled else f))
             if kind == RW:
                 pair = 2 * idb + (4 * self.out(p, self.b, p.dim) * (1.0 if p.pooled else 1.0 / W))
-                for q in range(W):
-                    comm[q] = pair * self.S
+                comm[:] = pair * self.S
             else:
                 n = placement[1]
+                home = node == n
+                group = slice(base, base + parts)
                 to_node_in, to_node_out = (self.G - 1) * self.ii, self.G * self.ie
-                for q in range(W):  # every rank sends its bags' ids to the node's ranks
-                    comm[q] += idb * (to_node_in if self.node[q] == n else to_node_out)
+                # every rank sends its bags' ids to the node's ranks
+                comm = comm + np.where(home, idb * to_node_in, idb * to_node_out)
                 ob = self.out(p, self.b, p.dim)
-                for r in group:
-                    comm[r] += idb * self.S
+                comm[group] += idb * self.S
                 if p.pooled:
                     inside = 4 * self.out(p, self.N * self.b, p.dim) * (self.G - 1) * self.ii
                     across = 2 * ob * (self.N - 1) * self.ie
-                    for q in range(W):
-                        comm[q] += inside + across if self.node[q] == n else 2 * ob * self.ie
+                    comm = comm + np.where(home, inside + across, 2 * ob * self.ie)
                 else:  # gathers: each owner returns its rows' vectors to every batch owner
                     ob /= self.G
-                    for q in range(W):
-                        comm[q] += 2 * ob * (to_node_in if self.node[q] == n else to_node_out)
-                    for r in group:
-                        comm[r] += 2 * ob * self.S
+                    comm = comm + np.where(home, 2 * ob * to_node_in, 2 * ob * to_node_out)
+                    comm[group] += 2 * ob * self.S
         else:  # DP: forward on the local bags; backward as ``dp_exchange`` says the runtime does it
             fwd_ids = self.b * p.bag
             if dp_exchange(p.rows, p.dim, self.B, p.pooling) == "dp_grad_allreduce":
@@ -364,7 +367,7 @@ class CostModel:
                       + max(0.0, self.gather_latency - self.kind_latency[DP]))
                 m = (self.resident_bytes(p, p.rows, p.dim, optimizer) + self.ids(p, self.B, p.bag)
                      + self.out(p, self.B, p.dim))
-            comp, comm, mem = [c] * W, [ex] * W, [m] * W
+            comp, comm, mem = np.full(W, c, dtype=float), np.full(W, ex, dtype=float), np.full(W, m, dtype=float)
         return comp, comm, mem
 
     def batchnorm_sync(self, channels: int) -> tuple[float, float, float]:

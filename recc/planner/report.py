@@ -7,6 +7,8 @@ import operator
 from collections import Counter
 from typing import Optional
 
+import numpy as np
+
 from recc.cluster import Cluster
 from recc.planner.constraints import Unit
 from recc.planner.cost_model import GIB, ELEM_BYTES, OPTIMIZERS, RESERVED_FRACTION, CostModel, state_row_bytes
@@ -16,45 +18,44 @@ from recc.planner.tiers import TierPlan, tier_notes
 from recc.specs import SHARDING_KINDS, Plan, RankEstimate, ShardSpec, StepEstimate, TableSpec, compress_ranks, fmt_ms
 
 
-def table_reasons(tables, shards, alternatives, model: CostModel, bag_sizes, check_memory: bool,
-                   cons: dict) -> dict[str, str]:
+def table_reasons(tables, placements, alternatives, model: CostModel, bag_sizes, check_memory: bool,
+                  cons: dict) -> dict[str, str]:
     """Per table: its runner-up kind and what moving only this table there would cost the plan
     (a kind's placement of it taken from that kind's uniform plan; row_wise and data_parallel,
     which have one placement, also where their uniform plan did not fit), or why no kind could
-    take it instead."""
-    W = model.W
-    comp, comm, mem, base, _ = estimate_shards(tables, shards, model, bag_sizes)
-    placements = {n: placement_of(tables[n], spec, model.cluster) for n, spec in shards.items()}
-    profiles = {n: model.profile(tables[n], (bag_sizes or {}).get(n, 1.0)) for n in shards}
-    groups = {n: model.collective(profiles[n], placements[n]) for n in shards}
+    take it instead. ``placements`` and ``alternatives`` (kind -> plan) map tables to placements."""
+    comp, comm, mem, base, _ = estimate_placements(tables, placements, model, bag_sizes)
+    comp, comm, mem = np.asarray(comp), np.asarray(comm), np.asarray(mem)
+    profiles = {n: model.profile(tables[n], (bag_sizes or {}).get(n, 1.0)) for n in placements}
+    groups = {n: model.collective(profiles[n], placements[n]) for n in placements}
     lat_now = model.latency(groups.values())
     # The plan's collective groups with how many tables each holds: the groups of the plan less
     # one table are these less its own when it is alone there (a list of the others per table
     # was n^2 work; the latency is a sum over the distinct groups, whatever their sizes).
     members = Counter(groups.values())
     out = {}
-    for name, spec in shards.items():
+    for name, placement0 in placements.items():
         t, p = tables[name], profiles[name]
-        c0, m0, me0 = model.delta(p, placements[name])
+        c0, m0, me0 = model.delta_arrays(p, placement0)
         rest = [g for g, k in members.items() if k > 1 or g != groups[name]]
         options = []
         allowed = cons["kinds"].get(name, SHARDING_KINDS)
         for kind in SHARDING_KINDS:
-            if kind == spec.kind or kind not in allowed:
+            if kind == placement0[0] or kind not in allowed:
                 continue
             if kind in alternatives:
-                placement = placement_of(t, alternatives[kind][name], model.cluster)
+                placement = alternatives[kind][name]
             elif kind == DP or (kind == RW and t.splits_rows_ok):
                 placement = (kind,)
             else:
                 continue
-            c1, m1, me1 = model.delta(p, placement)
-            memory = [mem[r] - me0[r] + me1[r] for r in range(W)]
-            if check_memory and max(memory) > model.cap:
+            c1, m1, me1 = model.delta_arrays(p, placement)
+            # per rank, in the order one rank at a time adds them: the same floats
+            if check_memory and float((mem - me0 + me1).max()) > model.cap:
                 options.append((math.inf, kind, "over memory"))
                 continue
             lat = model.latency(rest + [model.collective(p, placement)]) - lat_now
-            obj = max(comp[r] - c0[r] + c1[r] + comm[r] - m0[r] + m1[r] for r in range(W)) + lat
+            obj = float((comp - c0 + c1 + comm - m0 + m1).max()) + lat
             options.append((obj - base, kind, f"+{fmt_ms(max(0.0, obj - base) * 1e3)} ms"))
         if not options:
             continue
@@ -69,34 +70,44 @@ def estimate_shards(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], 
     """``(lookup_s, comm_s, memory_bytes, objective_s, table_cost_s)`` of a complete plan: per-rank
     lists (comm includes the collectives' latency), the objective, and each table's time on
     its busiest rank."""
+    return estimate_placements(tables, {n: placement_of(tables[n], spec, model.cluster) for n, spec in shards.items()},
+                               model, bag_sizes)
+
+
+def estimate_placements(tables: dict[str, TableSpec], placements: dict[str, tuple], model: CostModel,
+                        bag_sizes: Optional[dict[str, float]] = None):
+    """``estimate_shards`` of a plan given as placements (``layouts.placement_of``). Per rank the
+    tables' terms are added in table order, as one rank at a time adds them."""
     W = model.W
-    comp, comm, mem = [0.0] * W, [0.0] * W, [0.0] * W
+    comp, comm, mem = np.zeros(W), np.zeros(W), np.zeros(W)
     cost = {}
     bag_sizes = bag_sizes or {}
     groups = []
-    for name, spec in shards.items():
-        t = tables[name]
-        p = model.profile(t, bag_sizes.get(name, 1.0))
-        placement = placement_of(t, spec, model.cluster)
-        c, m_, me = model.delta(p, placement)
-        comp = list(map(operator.add, comp, c))
-        comm = list(map(operator.add, comm, m_))
-        mem = list(map(operator.add, mem, me))
-        cost[name] = max(map(operator.add, c, m_)) if W else 0.0
+    for name, placement in placements.items():
+        p = model.profile(tables[name], bag_sizes.get(name, 1.0))
+        c, m_, me = model.delta_arrays(p, placement)
+        comp = comp + c
+        comm = comm + m_
+        mem = mem + me
+        cost[name] = float((c + m_).max()) if W else 0.0
         groups.append(model.collective(p, placement))
     lat = model.latency(groups)
-    comm = [x + lat for x in comm]
-    objective = max(map(operator.add, comp, comm)) if shards else 0.0
-    return comp, comm, mem, objective, cost
+    comm = comm + lat
+    objective = float((comp + comm).max()) if placements else 0.0
+    return comp.tolist(), comm.tolist(), mem.tolist(), objective, cost
 
 
 def build_plan(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], cluster: Cluster, model: CostModel,
                bag_sizes: Optional[dict[str, float]] = None, *, strategy: str = "auto",
                dense_flops_per_sample: Optional[float] = None, notes: Optional[list[str]] = None,
-               tiers: Optional[TierPlan] = None) -> Plan:
+               tiers: Optional[TierPlan] = None, placements: Optional[dict[str, tuple]] = None) -> Plan:
     """A ``Plan`` for ``shards`` with the cost model's per-table and per-rank estimates; ``tiers``
-    (``place_tiers``) adds its cached tables' memory, I/O and stores."""
-    comp, comm, mem, _, cost = estimate_shards(tables, shards, model, bag_sizes)
+    (``place_tiers``) adds its cached tables' memory, I/O and stores. ``placements``: the shards'
+    placements, when the caller has them."""
+    if placements is None:
+        comp, comm, mem, _, cost = estimate_shards(tables, shards, model, bag_sizes)
+    else:
+        comp, comm, mem, _, cost = estimate_placements(tables, placements, model, bag_sizes)
     W = model.W
     io = [0.0] * W
     store = [0.0] * W

@@ -38,6 +38,7 @@ KIND_INDEX = {k: i for i, k in enumerate(SHARDING_KINDS)}
 REFINE_STEPS = 256         # bound on refinement moves (deterministic: a count, never a clock)
 REFINE_UNITS = 8           # tables on the slowest rank tried per refinement step
 REFINE_SWAPS = 4           # screened swaps evaluated exactly per refinement step
+WORK_MARGIN = 1e-9         # relative, below a closed-form work: far above the rounding of a sum over ranks
 
 
 class NoFit(Exception):
@@ -49,51 +50,63 @@ class OverMemory(ValueError):
 
 
 class _State:
-    """Per-rank time and memory of a partial plan, with the caches the fast TW evaluation uses."""
+    """Per-rank time and memory of a partial plan (arrays over ranks), and what the table-wise
+    evaluation derives from them, derived when first asked for after a change."""
 
     def __init__(self, model: CostModel):
         self.m = model
-        W = model.W
-        self.tot = [0.0] * W
-        self.mem = [0.0] * W
+        self.tot = np.zeros(model.W)
+        self.mem = np.zeros(model.W)
         self.groups: dict[tuple, int] = {}  # collective groups in the plan (CostModel.collective) -> tables
-        self.refresh()
+        self._changed()
 
-    def refresh(self):
-        m, tot = self.m, self.tot
-        G, N = m.G, m.N
-        self.T = sum(tot)
-        self.Tn, self.best1, self.arg1, self.best2 = [], [], [], []
-        for n in range(N):
-            vals = tot[n * G:(n + 1) * G]
-            self.Tn.append(sum(vals))
-            # the node's slowest rank (the first of equals) and the slowest of the others
-            i1 = vals.index(max(vals))
-            self.best1.append(vals[i1])
-            self.arg1.append(n * G + i1)
-            rest = vals[:i1] + vals[i1 + 1:]
-            self.best2.append(max(rest) if rest else -math.inf)
-        ordered = sorted(range(N), key=lambda n: (-self.best1[n], n))
-        self.nb1 = ordered[0]
-        self.nb2 = ordered[1] if N > 1 else None
+    def _changed(self):
+        self._T = None
+        self._top = None
         self._per_rank = None
         self._latency = None
 
+    @property
+    def T(self) -> float:
+        """The ranks' summed time, added left to right as a Python list (``sum``'s rounding)."""
+        if self._T is None:
+            self._T = sum(self.tot.tolist())
+        return self._T
+
+    @property
+    def top(self) -> float:
+        """The slowest rank's time."""
+        if self._top is None:
+            self._top = float(self.tot.max())
+        return self._top
+
     def per_rank(self):
-        """Arrays over ranks for ``Search.tw_best``, built once per state: time, memory, the
-        slowest other rank of the rank's node, the slowest rank of the other nodes, the node's
-        total."""
+        """Arrays over ranks for ``Search.tw_best``: time, memory, the slowest other rank of the
+        rank's node, the slowest rank of the other nodes, the node's total."""
         if self._per_rank is None:
             m = self.m
-            G = m.G
-            node = np.asarray(m.node)
-            ranks = np.arange(m.W)
-            arg1, best1, best2 = np.asarray(self.arg1), np.asarray(self.best1), np.asarray(self.best2)
-            inside = np.where(arg1[node] == ranks, best2[node], best1[node]) if G > 1 else None
-            other = np.full(m.N, best1[self.nb1])
-            other[self.nb1] = best1[self.nb2] if self.nb2 is not None else 0.0
-            self._per_rank = (np.asarray(self.tot), np.asarray(self.mem), inside, other[node],
-                              np.asarray(self.Tn)[node])
+            G, N = m.G, m.N
+            node, tot = m.rank_node, self.tot
+            per_node = tot.reshape(N, G)
+            arg1 = per_node.argmax(axis=1)   # each node's slowest rank (the first of equals)
+            best1 = per_node[np.arange(N), arg1]
+            inside = None
+            if G > 1:   # and the slowest of the node's others
+                rest = per_node.copy()
+                rest[np.arange(N), arg1] = -math.inf
+                best2 = rest.max(axis=1)
+                inside = np.where(arg1[node] + node * G == np.arange(m.W), best2[node], best1[node])
+            nb1 = int(best1.argmax())   # the slowest node, then the slowest of the others
+            other = np.full(N, best1[nb1])
+            if N > 1:
+                rest = best1.copy()
+                rest[nb1] = -math.inf
+                other[nb1] = best1[int(rest.argmax())]
+            else:
+                other[nb1] = 0.0
+            tl = tot.tolist()
+            tn = np.array([sum(tl[n * G:(n + 1) * G]) for n in range(N)])
+            self._per_rank = (tot, self.mem, inside, other[node], tn[node])
         return self._per_rank
 
     @property
@@ -107,21 +120,21 @@ class _State:
         return self.latency + self.m.latency(new)
 
     def objective(self) -> float:
-        return max(self.tot) + self.latency
+        return self.top + self.latency
 
     def slowest(self) -> int:
-        return self.tot.index(max(self.tot))   # the first of equals
+        return int(self.tot.argmax())   # the first of equals
 
-    def apply(self, keys: Iterable[tuple], dt: list, dmem: list, sign: float = 1.0):
+    def apply(self, keys: Iterable[tuple], dt: np.ndarray, dmem: np.ndarray, sign: float = 1.0):
         if sign > 0:
-            self.tot = list(map(operator.add, self.tot, dt))
-            self.mem = list(map(operator.add, self.mem, dmem))
+            self.tot = self.tot + dt
+            self.mem = self.mem + dmem
         else:
-            self.tot = list(map(operator.sub, self.tot, dt))
-            self.mem = list(map(operator.sub, self.mem, dmem))
+            self.tot = self.tot - dt
+            self.mem = self.mem - dmem
         for k in keys:
             self.groups[k] = self.groups.get(k, 0) + (1 if sign > 0 else -1)
-        self.refresh()
+        self._changed()
 
 
 class Search:
@@ -138,8 +151,13 @@ class Search:
 
     # -- deltas of a unit
     def keys(self, u: Unit, placement: tuple) -> frozenset:
-        """The collective groups the unit's tables join in ``placement``."""
-        return frozenset(self.m.collective(p, placement) for p in u.profiles)
+        """The collective groups the unit's tables join in ``placement`` (they depend on its kind
+        and block width only)."""
+        kind = placement[0]
+        key = ("keys", kind, len(placement[1]) if kind == CW else 0)
+        if key not in u.cache:
+            u.cache[key] = frozenset(self.m.collective(p, placement) for p in u.profiles)
+        return u.cache[key]
 
     def tw_terms(self, u: Unit, cols_div: int = 1):
         key = cols_div
@@ -152,8 +170,9 @@ class Search:
         return u.tw[key]
 
     def dense(self, u: Unit, placement: tuple):
-        """Per-rank ``(time, memory)`` the unit adds in ``placement``. Placements that do not
-        depend on the plan so far are cached; TWRW on node n is node 0's delta rotated by n nodes."""
+        """Per-rank ``(time, memory)`` arrays the unit adds in ``placement``. Placements that do
+        not depend on the plan so far are cached; TWRW on node n is node 0's delta rotated by n
+        nodes."""
         kind = placement[0]
         if kind in (TW, CW):
             return self._dense(u, placement)
@@ -163,33 +182,76 @@ class Search:
         dt, dmem = u.cache[key]
         if kind == TWRW and placement[1]:
             k = placement[1] * self.m.G
-            dt, dmem = dt[-k:] + dt[:-k], dmem[-k:] + dmem[:-k]
+            dt, dmem = np.roll(dt, k), np.roll(dmem, k)
         return dt, dmem
 
     def _dense(self, u: Unit, placement: tuple):
-        dt, dmem = [0.0] * self.m.W, [0.0] * self.m.W
+        dt, dmem = np.zeros(self.m.W), np.zeros(self.m.W)
         for p in u.profiles:
-            comp, comm, mem = self.m.delta(p, placement)
-            dt = list(map(lambda a, b, c: a + b + c, dt, comp, comm))
-            dmem = list(map(operator.add, dmem, mem))
+            comp, comm, mem = self.m.delta_arrays(p, placement)
+            dt = dt + comp + comm
+            dmem = dmem + mem
         return dt, dmem
+
+    def twrw_work(self, u: Unit) -> list[float]:
+        """The work (time summed over ranks) of table_row_wise on each node, added as its
+        evaluation adds it (``_add_best_twrw`` or ``eval_dense``)."""
+        key = ("twrw work",)
+        if key not in u.cache:
+            dt = self.dense(u, (TWRW, 0))[0][_rotations(self.m.W, self.m.G, self.m.N)]
+            u.cache[key] = (np.cumsum(dt, axis=1)[:, -1].tolist() if _SEQUENTIAL_SUM
+                            else [sum(row) for row in dt.tolist()])
+        return u.cache[key]
+
+    def least_work(self, u: Unit, kind: str, k: int = 1) -> float:
+        """A lower bound on the work (time summed over ranks) of the unit in any placement of
+        ``kind`` (``k`` column blocks): the float its evaluation adds up where that does not
+        depend on the plan, else (CW) the closed form less a margin far above rounding: each
+        block's owner pays its lookup and its traffic with every peer, and the peers as much
+        again, ``k (c + 2 peer S)``."""
+        key = ("work", kind, k)
+        if key not in u.cache:
+            if kind in (TW, CW):
+                c, peer, _ = self.tw_terms(u, k)
+                work = c + 2 * peer * self.m.S  # as tw_best adds it
+                if kind == CW:
+                    work = k * work * (1 - WORK_MARGIN)
+            elif kind == TWRW:
+                work = min(self.twrw_work(u))
+            else:
+                work = sum(self.dense(u, (kind,))[0].tolist())
+            u.cache[key] = work
+        return u.cache[key]
+
+    def _floor(self, u: Unit, kind: str, k: int = 1) -> float:
+        """A lower bound on the first element of any key of the unit in ``kind`` (``k`` blocks):
+        every key is ``max(slowest rank after it, average rank after every table) + latencies``;
+        no rank gets faster, and the average is least with the least work (added in the order
+        the evaluations add it, so the bound holds in floats too)."""
+        st = self.state
+        bound = (st.T + self.least_work(u, kind, k) + self.remaining) / self.m.W
+        stand_in = (kind, (0,) * k) if kind == CW else (kind, 0) if kind in (TW, TWRW) else (kind,)
+        return max(st.top, bound) + st.latency_with(self.keys(u, stand_in))
 
     def _over(self, u: Unit, placement: tuple, rank: int, need: float):
         over = need - self.cap
         if self.overflow is None or over < self.overflow[0]:
-            self.overflow = (over, rank, placement, need, self.state.mem[rank])
+            self.overflow = (over, rank, placement, need, float(self.state.mem[rank]))
 
     # -- evaluation
     def eval_dense(self, u: Unit, placement: tuple, dt, dmem):
+        """The key of ``placement``, or None (and the overflow noted) when a rank goes over its cap.
+        Sums are Python's over lists, as they always were: the same floats, the same ties."""
         st = self.state
-        need = list(map(operator.add, st.mem, dmem))
-        worst = max(need)
+        need = st.mem + dmem
+        at = int(need.argmax())
+        worst = float(need[at])
         if worst > self.cap:
-            self._over(u, placement, need.index(worst), worst)
+            self._over(u, placement, at, worst)
             return None
-        work = sum(dt)
-        mx = max(max(map(operator.add, st.tot, dt)), (st.T + work + self.remaining) / self.m.W)
-        dss = 2 * sum(map(operator.mul, st.tot, dt)) + sum(map(operator.mul, dt, dt))
+        work = sum(dt.tolist())
+        mx = max(float((st.tot + dt).max()), (st.T + work + self.remaining) / self.m.W)
+        dss = 2 * sum((st.tot * dt).tolist()) + sum((dt * dt).tolist())
         return (mx + st.latency_with(self.keys(u, placement)), work, dss, KIND_INDEX[placement[0]],
                 _tiebreak(placement))
 
@@ -239,39 +301,61 @@ class Search:
         return [(kv, work, dv, kidx, rv) for kv, dv, rv in
                 zip(key[order].tolist(), dss[order].tolist(), r[order].tolist())]
 
-    def candidates(self, u: Unit):
-        """The best key and placement for each allowed kind (``[(key, placement, dense or None)]``)."""
+    def candidates(self, u: Unit, cutoff: float = math.inf, work_below: float = math.inf, least: bool = True):
+        """The best key and placement for each allowed kind (``[(key, placement, dense or None)]``),
+        leaving out the kinds that cannot matter to the caller: those whose every key's first
+        element is above ``cutoff``, or (``least``: the caller takes the least key) above the
+        first element of a key found already, and those whose every placement's work is
+        ``>= work_below`` (``tidy``'s test). Which entry an evaluated kind contributes never
+        changes: column_wise's block counts are left out one by one only when their keys' first
+        elements are all above the kind's best's."""
         m = self.m
         found = []
+        best = (cutoff, math.inf)  # a key whose (first element, work) is above this cannot matter
+
+        def hopeless(kind, k=1):
+            floor, work = self._floor(u, kind, k), self.least_work(u, kind, k)
+            return floor > best[0] or (floor == best[0] and work > best[1])
+
         for kind in u.kinds:
             if kind in (RW, TWRW, DP) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
                 continue  # one block on one rank: the table_wise layout under another name
-            if kind == TW:
-                scores = self.tw_best(u, 1, TW, u.ranks)
-                if scores:
-                    best = scores[0]
-                    found.append((best, (TW, best[-1]), None))
-            elif kind == CW:
+            if kind == CW:
                 splits = column_splits(u.profiles[0].dim, m.W)
+                # k = 1 is the table_wise layout; column_wise splits where it can
+                splits = [k for k in splits if not (k == 1 and (TW in u.kinds or len(splits) > 1))]
+                if all(self.least_work(u, CW, k) >= work_below for k in splits):
+                    continue
                 options = []
                 for k in splits:
-                    if k == 1 and (TW in u.kinds or len(splits) > 1):
-                        continue  # the table_wise layout; column_wise splits where it can
+                    if hopeless(CW, k):
+                        continue
                     scores = self.tw_best(u, k, CW, u.ranks, k)
                     if len(scores) >= k:  # the k ranks that take a block best
                         options.append((CW, tuple(s[-1] for s in scores[:k])))
                 self._add_best(u, options, found)
-            elif kind == TWRW:
-                if u.node is None and m.N > 1 and _SEQUENTIAL_SUM:
-                    self._add_best_twrw(u, found)
-                else:
-                    self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))], found)
-            else:  # RW, DP
-                placement = (kind,)
-                dt, dmem = self.dense(u, placement)
-                key = self.eval_dense(u, placement, dt, dmem)
-                if key is not None:
-                    found.append((key, placement, (dt, dmem)))
+            else:
+                if self.least_work(u, kind) >= work_below or hopeless(kind):
+                    continue
+                if kind == TW:
+                    scores = self.tw_best(u, 1, TW, u.ranks)
+                    if scores:
+                        key = scores[0]
+                        found.append((key, (TW, key[-1]), None))
+                elif kind == TWRW:
+                    if u.node is None and m.N > 1 and _SEQUENTIAL_SUM:
+                        self._add_best_twrw(u, found)
+                    else:
+                        self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))],
+                                       found)
+                else:  # RW, DP
+                    placement = (kind,)
+                    dt, dmem = self.dense(u, placement)
+                    key = self.eval_dense(u, placement, dt, dmem)
+                    if key is not None:
+                        found.append((key, placement, (dt, dmem)))
+            if least and found and found[-1][0][:2] < best:
+                best = found[-1][0][:2]
         return found
 
     def _add_best(self, u: Unit, placements: Iterable[tuple], found: list) -> None:
@@ -294,17 +378,17 @@ class Search:
         W, G, N = m.W, m.G, m.N
         dt0, dmem0 = self.dense(u, (TWRW, 0))
         rot = _rotations(W, G, N)
-        dt, dmem = np.asarray(dt0)[rot], np.asarray(dmem0)[rot]
-        need = np.asarray(st.mem) + dmem
+        dt, dmem = dt0[rot], dmem0[rot]
+        need = st.mem + dmem
         worst, at = need.max(axis=1).tolist(), need.argmax(axis=1).tolist()
-        tot = np.asarray(st.tot)
-        work = np.cumsum(dt, axis=1)[:, -1]
+        tot = st.tot
+        work = self.twrw_work(u)
         top = (tot + dt).max(axis=1)
-        bound = (st.T + work + self.remaining) / W
+        bound = (st.T + np.asarray(work) + self.remaining) / W
         mx = np.where(bound > top, bound, top)
         dss = 2 * np.cumsum(tot * dt, axis=1)[:, -1] + np.cumsum(dt * dt, axis=1)[:, -1]
         key0 = (mx + st.latency_with(self.keys(u, (TWRW, 0)))).tolist()
-        work, dss = work.tolist(), dss.tolist()
+        dss = dss.tolist()
         kidx = KIND_INDEX[TWRW]
         best = None
         for n in range(N):
@@ -332,8 +416,8 @@ class Search:
         fixed = [u for u in self.units if u.fixed is not None]
         for u in fixed:
             dt, dmem = self.dense(u, u.fixed)
-            st = self.state
-            over = [(st.mem[r] + dmem[r], r) for r in range(self.m.W) if st.mem[r] + dmem[r] > self.cap]
+            need = (self.state.mem + dmem).tolist()
+            over = [(x, r) for r, x in enumerate(need) if x > self.cap]
             if over:
                 need, r = max(over)
                 raise OverMemory(f"plan_tables: the manual plan for {u.label} needs {need / GIB:.2f} GiB on rank {r}, "
@@ -374,15 +458,16 @@ class Search:
             obj = st.objective()
             tol = 1e-9 * obj + 1e-15
             old = (u.placement, u.cur)
-            work_now = sum(u.cur[0])
+            work_now = sum(u.cur[0].tolist())
+            less = work_now - 1e-9 * work_now - 1e-15
             self.unplace(u)
             self.overflow = None
             best = None
-            for key, placement, dense in self.candidates(u):
+            for key, placement, dense in self.candidates(u, obj + tol, less, least=False):
                 if key[0] > obj + tol:
                     continue
                 work = key[1]
-                if work < work_now - 1e-9 * work_now - 1e-15 and (best is None or (work, key[0]) < (best[0][1], best[0][0])):
+                if work < less and (best is None or (work, key[0]) < (best[0][1], best[0][0])):
                     best = (key, placement, dense)
             if best is None:
                 self.place(u, *old)
@@ -398,14 +483,14 @@ class Search:
             obj = st.objective()
             tol = 1e-9 * obj + 1e-15
             s = st.slowest()
-            on_s = [u for u in free if s in ranks_of(u.placement, self.m)]
-            on_s.sort(key=lambda u: (-u.cur[0][s], u.index))
+            on_s = [u for u in free if _on_rank(u.placement, s, self.m)]
+            on_s.sort(key=lambda u: (-float(u.cur[0][s]), u.index))
             best = None  # (objective, action)
             for u in on_s[:REFINE_UNITS]:
                 old = (u.placement, u.cur)
                 self.unplace(u)
                 self.overflow = None
-                found = self.candidates(u)
+                found = self.candidates(u, obj - tol)
                 self.place(u, *old)  # restore exactly
                 if found:
                     key, placement, dense = min(found, key=lambda f: f[0])
@@ -435,32 +520,42 @@ class Search:
         if not mine:
             return None
         others = [u for u in free if u.placement[0] == TW and u.placement[1] != s and u.ranks is None]
-        screened = []
-        for a in mine:
-            ca, pa, ma = self.tw_terms(a)
-            own_a = ca + pa * m.S
-            for b in others:
-                cb, pb, mb = self.tw_terms(b)
-                own_b = cb + pb * m.S
-                if own_b >= own_a:
-                    continue
-                r = b.placement[1]
-                guess = max(st.tot[s] - own_a + own_b, st.tot[r] - own_b + own_a)
-                if guess < target:
-                    screened.append((guess, a.index, b.index, a, b))
-        screened.sort(key=lambda x: x[:3])
+        if not others:
+            return None
+
+        def own(u):  # the owner's time of a table-wise unit
+            c, peer, _ = self.tw_terms(u)
+            return c + peer * m.S
+        # Screened for every pair at once, one table of the slowest rank against all the others
+        # (the same floats as pair by pair): the guess is the two ranks' times after the swap.
+        own_b = np.array([own(b) for b in others])
+        rank_b = np.array([b.placement[1] for b in others])
+        index_b = np.array([b.index for b in others])
+        tot_b = st.tot[rank_b]
+        tot_s = float(st.tot[s])
+        guesses, first, second = [], [], []
+        for i, a in enumerate(mine):
+            own_a = own(a)
+            guess = np.maximum(tot_s - own_a + own_b, tot_b - own_b + own_a)
+            ok = np.nonzero((own_b < own_a) & (guess < target))[0]
+            guesses.append(guess[ok])
+            first.append(np.full(len(ok), i))
+            second.append(ok)
+        guesses, first, second = np.concatenate(guesses), np.concatenate(first), np.concatenate(second)
+        index_a = np.array([a.index for a in mine])[first]
+        order = np.lexsort((index_b[second], index_a, guesses))[:REFINE_SWAPS]
         best = None
-        for _, _, _, a, b in screened[:REFINE_SWAPS]:
+        for a, b in ((mine[first[j]], others[second[j]]) for j in order.tolist()):
             ra, rb = a.placement[1], b.placement[1]
             olda, oldb = (a.placement, a.cur), (b.placement, b.cur)
             self.unplace(a)
             self.unplace(b)
             da, db = self.dense(a, (TW, rb)), self.dense(b, (TW, ra))
-            fits = all(x + y + z <= self.cap for x, y, z in zip(st.mem, da[1], db[1]))
+            fits = bool((st.mem + da[1] + db[1] <= self.cap).all())
             new = None
             if fits:
-                tot = list(map(lambda t, x, y: t + x + y, st.tot, da[0], db[0]))
-                new = max(tot) + st.latency_with(self.keys(a, (TW, rb)) | self.keys(b, (TW, ra)))
+                new = float((st.tot + da[0] + db[0]).max()) + st.latency_with(self.keys(a, (TW, rb))
+                                                                               | self.keys(b, (TW, ra)))
             self.place(b, *oldb)
             self.place(a, *olda)
             if new is not None and new < target and (best is None or new < best[0]):
@@ -483,6 +578,18 @@ def _tiebreak(placement: tuple):
         return -1
     x = placement[1]
     return x if isinstance(x, int) else x[0]
+
+
+def _on_rank(placement: tuple, rank: int, m: CostModel) -> bool:
+    """Whether ``placement`` puts a block on ``rank`` (``rank in ranks_of(placement, m)``)."""
+    kind = placement[0]
+    if kind == TW:
+        return placement[1] == rank
+    if kind == CW:
+        return rank in placement[1]
+    if kind == TWRW:
+        return rank // m.G == placement[1]
+    return True
 
 
 def ranks_of(placement: tuple, m: CostModel) -> tuple[int, ...]:
