@@ -1,4 +1,5 @@
-/* bf16 <-> fp32 for the C kernels that read or write bf16 (interaction.c, tbe_backward.c).
+/* bf16 <-> fp32 one value at a time, to nearest: for every C kernel that reads or writes bf16
+ * (interaction.c, linear.c, the TBE kernels; vec.h's 16-lane forms round the same way).
  * A bf16 is the top half of an fp32: widening is a shift; narrowing rounds to nearest even, as
  * `tensor.to(torch.bfloat16)` does, bit for bit but for NaN: a NaN keeps its sign and the top of
  * its payload with the quiet bit set (fp32 0x7FC00000 -> 0x7FC0), where torch writes 0xFFFF.

@@ -52,73 +52,22 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-/* The AVX-512 paths use masked byte/word loads and stores (BW, VL): every AVX-512 CPU but
- * Xeon Phi has them. Without them the same loops are GNU C vectors and scalar code. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define RECC_AVX512 1
-#include <immintrin.h>
-#endif
 
-#include "bf16.h"
+/* v16f (a zmm register with AVX-512, else two GNU C vectors of 8), widen16/narrow16 (bf16 lanes)
+ * and RECC_AVX512: the AVX-512 paths also use masked byte/word loads and stores (BW, VL), which
+ * vec.h requires for its AVX-512 form. Without them the same loops are GNU C vectors and scalar
+ * code. */
+#include "vec.h"
 
 #define RB 4  /* rows of x per micro-tile */
 #define CB 16 /* columns (of x^T, or of D) per micro-tile: one AVX-512 vector, two AVX2 vectors */
 
 static inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-/* 16 floats as one vector: an AVX-512 register and fused multiply-adds, or else two GNU C
- * vectors of 8 (one AVX2 register each; gcc spills a single 16-float GNU vector to the stack on
- * AVX2) and a separate multiply and add. */
-#ifdef RECC_AVX512
-typedef __m512 v16f;
-static inline v16f load16(const float *p) { return _mm512_loadu_ps(p); }
-static inline void store16(float *p, v16f x) { _mm512_storeu_ps(p, x); }
-static inline v16f splat16(float a) { return _mm512_set1_ps(a); }
-static inline v16f add16(v16f a, v16f b) { return _mm512_add_ps(a, b); }
-static inline v16f fma16(v16f a, v16f b, v16f c) { return _mm512_fmadd_ps(a, b, c); }
-#else
-typedef float v8f __attribute__((vector_size(32), aligned(4)));
-typedef struct {
-    v8f lo, hi;
-} v16f;
-static inline v16f load16(const float *p) {
-    v16f x;
-    memcpy(&x.lo, p, sizeof x.lo);
-    memcpy(&x.hi, p + 8, sizeof x.hi);
-    return x;
-}
-static inline void store16(float *p, v16f x) {
-    memcpy(p, &x.lo, sizeof x.lo);
-    memcpy(p + 8, &x.hi, sizeof x.hi);
-}
-static inline v16f splat16(float a) {
-    const v8f s = {a, a, a, a, a, a, a, a};
-    return (v16f){s, s};
-}
-static inline v16f add16(v16f a, v16f b) { return (v16f){a.lo + b.lo, a.hi + b.hi}; }
-static inline v16f fma16(v16f a, v16f b, v16f c) { return (v16f){a.lo * b.lo + c.lo, a.hi * b.hi + c.hi}; }
-#endif
-
-#ifdef RECC_AVX512
-/* 16 bf16 -> fp32: a shift. */
-static inline __m512 widen16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* 16 fp32 -> bf16 (in the low half of each lane) exactly as f32_to_bf16: round to nearest even
- * with integer adds, NaN -> its top half with the quiet bit set. */
-static inline __m512i narrow16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x), t = _mm512_srli_epi32(u, 16);
-    const __m512i odd = _mm512_and_si512(t, _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
-    return _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), t, _mm512_set1_epi32(0x40));
-}
-#endif
-
 static void widen(const uint16_t *src, float *dst, int64_t n) {
 #ifdef RECC_AVX512
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen16(_mm256_loadu_si256((const __m256i *)(src + i))));
+    for (; i + 16 <= n; i += 16) store16(dst + i, load16_bf16(src + i));
     if (i < n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
         _mm512_mask_storeu_ps(dst + i, m, widen16(_mm256_maskz_loadu_epi16(m, src + i)));
@@ -132,8 +81,7 @@ static void widen(const uint16_t *src, float *dst, int64_t n) {
 static void narrow(const float *src, uint16_t *dst, int64_t n) {
 #ifdef RECC_AVX512
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i), _mm512_cvtepi32_epi16(narrow16(_mm512_loadu_ps(src + i))));
+    for (; i + 16 <= n; i += 16) store16_bf16(dst + i, load16(src + i));
     if (i < n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
         _mm512_mask_cvtepi32_storeu_epi16(dst + i, m, narrow16(_mm512_maskz_loadu_ps(m, src + i)));
@@ -320,8 +268,7 @@ static inline int block_rows(int64_t left) {
 static inline void read16(const struct vsrc *vs, int64_t F, int64_t b, float *w) {
     for (int64_t f = 0; f < F; ++f) {
         const char *x = vs[f].p + b * vs[f].ld;
-        _mm512_storeu_ps(w + f * 16, vs[f].bf ? widen16(_mm256_loadu_si256((const __m256i *)x))
-                                              : _mm512_loadu_ps((const float *)x));
+        store16(w + f * 16, vs[f].bf ? load16_bf16((const uint16_t *)x) : load16((const float *)x));
     }
 }
 
@@ -544,7 +491,7 @@ static inline __attribute__((always_inline)) void tri_dx16(const float *w, const
         const __m512 dx = i0 + r == head ? _mm512_add_ps(hg, acc[r]) : acc[r];
         char *to = (char *)ds[i0 + r].p + b * ds[i0 + r].ld;
         if (ds[i0 + r].bf)
-            _mm256_storeu_si256((__m256i *)to, _mm512_cvtepi32_epi16(narrow16(dx)));
+            store16_bf16((uint16_t *)to, dx);
         else
             _mm512_storeu_ps((float *)to, dx);
     }
@@ -569,7 +516,7 @@ static void tri16_backward(const struct vsrc *vs, const struct vsrc *ds, int64_t
         }
     read16(vs, F, b, w);
     const __m512 hg = !hd       ? _mm512_setzero_ps()
-                      : g_bf16 ? widen16(_mm256_loadu_si256((const __m256i *)gr))
+                      : g_bf16 ? load16_bf16((const uint16_t *)gr)
                                : _mm512_loadu_ps((const float *)gr);
     for (int64_t i = 0; i < F;) {
         const int n = block_rows(F - i);

@@ -1,11 +1,14 @@
-"""Builds and loads the C kernels in ``tbe_backward.c`` (gcc + OpenMP, loaded with ctypes).
+"""Builds and loads the CPU C kernels (gcc + OpenMP, loaded with ctypes); declares the TBE library.
 
 A shared object is compiled at first use into ``$RECC_CACHE_DIR`` (default
-``~/.cache/recc/kernels``) under a name keyed by a hash of the source, the compiler flags, the
-compiler's version and this machine's CPU flags (``-march=native`` code must not be reused on
-a different CPU).  Compilation writes a temporary file and renames it into place, so processes
-that build concurrently never load a half-written library.  ``build_and_load(source)`` is
-that generic part (usable for any plain-C source); the rest manages the TBE library.
+``~/.cache/recc/kernels``) under a name keyed by a hash of its sources and every header they
+include (transitively), the compiler flags, the compiler's version and this machine's CPU flags
+(``-march=native`` code must not be reused on a different CPU).  Compilation writes a temporary
+file and renames it into place, so processes that build concurrently never load a half-written
+library.  ``build_and_load(*sources)`` is that generic part (usable for any plain-C sources, one
+library from them all) and ``KernelLibrary`` loads one at first use; the rest declares the TBE
+library, built from ``tbe_forward.c``, ``tbe_backward.c`` and ``gather.c`` (their shared
+definitions in ``tbe.h``, ``half.h``, ``vec.h``, ``bf16.h``).
 
 Loading a library runs its code, so a library is loaded from the cache only when no other user
 can have written it (``cached_build``): the cache directory is created 0700, and it must belong
@@ -38,10 +41,10 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 
-SOURCE = Path(__file__).with_name("tbe_backward.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("tbe_forward.c", "tbe_backward.c", "gather.c"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c11", "-shared", "-fPIC")
 
 build_info: dict = {}  # path, compiled (bool), seconds: filled by the first successful load
@@ -199,24 +202,38 @@ def _compiler_version(gcc: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else ""
 
 
-def _library_path(gcc: str, source: Path) -> Path:
+def included_headers(sources: Sequence[Path]) -> list[Path]:
+    """The quoted includes of ``sources`` and of those headers in turn, each once, sorted: each
+    found beside the file that includes it (as gcc finds ``#include "x.h"``)."""
+    seen: set[Path] = set()
+    todo = [Path(s) for s in sources]
+    while todo:
+        path = todo.pop()
+        for name in re.findall(rb'^#include "([^"]+)"', path.read_bytes(), re.M):
+            header = path.parent / name.decode()
+            if header not in seen:
+                seen.add(header)
+                todo.append(header)
+    return sorted(seen)
+
+
+def _library_path(gcc: str, sources: Sequence[Path], name: str) -> Path:
     h = hashlib.sha256()
-    # The quoted includes (kernels/cpu/*.h) are part of the source: a changed header rebuilds.
-    text = source.read_bytes()
-    headers = [source.with_name(n.decode()).read_bytes()
-               for n in sorted(set(re.findall(rb'^#include "([^"]+)"', text, re.M)))]
-    for part in (text, *headers, " ".join(CFLAGS).encode(), _compiler_version(gcc).encode(),
+    # Every header the sources include, directly or through another header, is part of the
+    # source: a changed header rebuilds.
+    texts = [p.read_bytes() for p in (*sources, *included_headers(sources))]
+    for part in (*texts, " ".join(CFLAGS).encode(), _compiler_version(gcc).encode(),
                  _cpu_signature().encode()):
         h.update(part)
         h.update(b"\0")
-    return cache_dir() / f"{source.stem}-{h.hexdigest()[:20]}.so"
+    return cache_dir() / f"{name}-{h.hexdigest()[:20]}.so"
 
 
-def _compile(gcc: str, source: Path, target: Path) -> None:
+def _compile(gcc: str, sources: Sequence[Path], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([gcc, *CFLAGS, "-o", tmp, str(source), "-lm"],
+        proc = subprocess.run([gcc, *CFLAGS, "-o", tmp, *map(str, sources), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{gcc} failed ({proc.returncode}):\n{proc.stderr.strip()}")
@@ -226,37 +243,40 @@ def _compile(gcc: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def build_and_load(source: Path) -> tuple[ctypes.CDLL, dict]:
-    """Compiles `source` (plain C, see CFLAGS) into the cache unless an identical build is
-    there, and loads it.  Returns the library and {path, compiled, seconds}.  Raises when gcc
-    is missing or the build fails; callers decide whether to fall back."""
+def build_and_load(*sources: Path, name: str | None = None) -> tuple[ctypes.CDLL, dict]:
+    """Compiles ``sources`` (plain C, see CFLAGS) into one library in the cache, named ``name``
+    (default: the first source's stem) and a hash, unless an identical build is there, and
+    loads it.  Returns the library and {path, compiled, seconds}.  Raises when gcc is missing or
+    the build fails; callers decide whether to fall back."""
     gcc = shutil.which("gcc")
     if gcc is None:
         raise RuntimeError("gcc not found on PATH")
-    source = Path(source)
-    wanted = _library_path(gcc, source)
+    sources = tuple(Path(s) for s in sources)
+    wanted = _library_path(gcc, sources, name or sources[0].stem)
     start = time.perf_counter()
-    path, compiled = cached_build(wanted.parent, wanted.name, lambda target: _compile(gcc, source, target))
+    path, compiled = cached_build(wanted.parent, wanted.name, lambda target: _compile(gcc, sources, target))
     lib = ctypes.CDLL(str(path))
     return lib, dict(path=str(path), compiled=compiled, seconds=time.perf_counter() - start)
 
 
 class KernelLibrary:
-    """A C source built and loaded at first use (the TBE kernels here, and the other CPU kernels).
+    """C sources built into one library and loaded at first use (the TBE kernels here, and the
+    other CPU kernels). ``source``: one path, or several (then ``name`` names the library).
 
     ``get()`` returns the library with ``declare(lib)`` applied, or None when the reference
     must run: ``RECC_CPU_KERNELS=reference``, or the build failed (warned once). Under
     ``RECC_CPU_KERNELS=native`` a failed build is an error on every call.
     """
 
-    def __init__(self, source: Path, declare, what: str, on_load=None):
-        self.source, self.declare, self.what, self.on_load = Path(source), declare, what, on_load
+    def __init__(self, source: Path | Sequence[Path], declare, what: str, on_load=None, name: str | None = None):
+        self.sources = (Path(source),) if isinstance(source, (str, os.PathLike)) else tuple(map(Path, source))
+        self.declare, self.what, self.on_load, self.name = declare, what, on_load, name
         self._lock = threading.Lock()
         self._tried, self._lib, self._warned, self.error = False, None, False, None
 
     def load(self) -> ctypes.CDLL:
         """Build (or reuse) and load the library now; raises when that fails."""
-        lib, info = build_and_load(self.source)
+        lib, info = build_and_load(*self.sources, name=self.name)
         self.declare(lib)
         if self.on_load is not None:
             self.on_load(info)
@@ -312,7 +332,7 @@ def _record_build(info: dict) -> None:
     build_info.update(info)
 
 
-_TBE = KernelLibrary(SOURCE, _declare, "CPU TBE", on_load=_record_build)
+_TBE = KernelLibrary(SOURCES, _declare, "CPU TBE", on_load=_record_build, name="tbe")
 
 
 def _load() -> ctypes.CDLL:

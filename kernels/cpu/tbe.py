@@ -7,7 +7,7 @@ bag b of table t as ``indices[offsets[t*B+b]:offsets[t*B+b+1]]``.  Pooled output
 batch-major, ``[B, T*D]`` with ``D_offsets[t] = t*D``.
 
 Every kernel comes in a pure-torch reference (``*_reference``: short, obviously correct) and
-a C fast path (``tbe_backward.c``, see ``native.py``); the public names dispatch to the fast
+a C fast path (``tbe_forward.c``, ``tbe_backward.c``, ``gather.c``; see ``native.py``); the public names dispatch to the fast
 path when it is available and ``RECC_CPU_KERNELS`` does not say ``reference``.  Both have the
 same semantics and sum each row's gradients in index order; results agree to fp32 rounding
 (reductions inside a row, and mean's 1/len, are rounded differently).  The C path's results do
@@ -35,7 +35,7 @@ from . import native, sparse
 
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
 WEIGHT_DECAY_MODES = ("l2", "decoupled")
-# The weights' storage types and the C kernels' codes for them (tbe_backward.c's W_*).
+# The weights' storage types and the C kernels' codes for them (half.h's W_*).
 WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POOLED_DTYPES = (torch.float32, torch.bfloat16)  # what the forward writes
 POOLINGS = ("sum", "mean", "max")
@@ -468,7 +468,7 @@ def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def sr_row_key(seed: int, rows: torch.Tensor) -> torch.Tensor:
-    """tbe_backward.c's ``sr_row_key``: a 32-bit key (int64 in [0, 2^32)) per (seed, row)."""
+    """half.h's ``sr_row_key``: a 32-bit key (int64 in [0, 2^32)) per (seed, row)."""
     z = (rows.to(torch.int64) + 1) * _as_i64(0x9E3779B97F4A7C15) + _as_i64(_seed64(seed))
     z = (z ^ _srl(z, 30)) * _as_i64(0xBF58476D1CE4E5B9)
     z = (z ^ _srl(z, 27)) * _as_i64(0x94D049BB133111EB)
@@ -476,7 +476,7 @@ def sr_row_key(seed: int, rows: torch.Tensor) -> torch.Tensor:
 
 
 def sr_bits(key: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """tbe_backward.c's ``sr_bits``: xorshift-multiply-xorshift of key + col * 0x9E3779B9 (32-bit wrap)."""
+    """half.h's ``sr_bits``: xorshift-multiply-xorshift of key + col * 0x9E3779B9 (32-bit wrap)."""
     m = 0xFFFFFFFF
     h = (key + cols * 0x9E3779B9) & m
     h ^= h >> 16
@@ -491,7 +491,7 @@ def _as_dtype(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _f16_sr_normal(u: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """fp32 bit patterns ``u`` in fp16's normal range to fp16 bits: 13 random bits of ``r`` added
-    below fp16's mantissa, then truncation (tbe_backward.c's ``f32_to_f16_sr_normal``)."""
+    below fp16's mantissa, then truncation (half.h's ``f32_to_f16_sr_normal``)."""
     v = u + (r & 0x1FFF)
     e = ((v >> 23) & 0xFF) - 112
     return ((v >> 16) & 0x8000) | ((e & 0x1F) << 10) | ((v >> 13) & 0x3FF)

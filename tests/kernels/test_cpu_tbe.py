@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -575,7 +576,7 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     native._load()
     assert native.build_info["compiled"] is True
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == 1 and files[0].startswith("tbe_backward-") and files[0].endswith(".so")
+    assert len(files) == 1 and files[0].startswith("tbe-") and files[0].endswith(".so")
     native._load()
     assert native.build_info["compiled"] is False  # reused, not rebuilt
     assert sorted(p.name for p in tmp_path.iterdir()) == files
@@ -584,23 +585,38 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
 
 @needs_gcc
 def test_a_changed_header_rebuilds(tmp_path, monkeypatch):
-    """A source's quoted includes are part of its cache key: editing bf16.h must not load the
-    library built from the old header."""
+    """Every header a library's sources include, directly or through another header, is part of
+    its cache key (the TBE library's tbe.h includes half.h, vec.h and bf16.h): editing one must
+    not load the library built from the old one. Several sources build into one library."""
     monkeypatch.setenv("RECC_CACHE_DIR", str(tmp_path / "cache"))
     src_dir = tmp_path / "src"
     src_dir.mkdir()
-    (src_dir / "value.h").write_text("static inline int value(void) { return 1; }\n")
-    source = src_dir / "probe.c"
-    source.write_text('#include "value.h"\nint probe(void) { return value(); }\n')
-    lib, info = native.build_and_load(source)
-    assert lib.probe() == 1 and info["compiled"] is True
-    (src_dir / "value.h").write_text("static inline int value(void) { return 2; }\n")
-    lib, info = native.build_and_load(source)
-    assert info["compiled"] is True and lib.probe() == 2
+    inner, outer = src_dir / "inner.h", src_dir / "outer.h"
+    inner.write_text("static inline int inner(void) { return 1; }\n")
+    outer.write_text('#include "inner.h"\nstatic inline int value(void) { return 10 * inner(); }\n')
+    a, b = src_dir / "a.c", src_dir / "b.c"
+    a.write_text('#include "outer.h"\nint probe(void) { return value(); }\n')
+    b.write_text("int probe_b(void) { return 7; }\n")
+    assert native.included_headers([a, b]) == [inner, outer]
+    lib, info = native.build_and_load(a, b, name="probe")
+    assert (lib.probe(), lib.probe_b()) == (10, 7) and info["compiled"] is True
+    assert Path(info["path"]).name.startswith("probe-")
+    assert native.build_and_load(a, b, name="probe")[1]["compiled"] is False
+    inner.write_text("static inline int inner(void) { return 2; }\n")  # only reached through outer.h
+    lib, info = native.build_and_load(a, b, name="probe")
+    assert info["compiled"] is True and lib.probe() == 20
+    b.write_text("int probe_b(void) { return 8; }\n")  # the second source
+    lib, info = native.build_and_load(a, b, name="probe")
+    assert info["compiled"] is True and lib.probe_b() == 8
+
+
+def test_the_tbe_library_hashes_all_its_headers():
+    assert [p.name for p in native.included_headers(native.SOURCES)] == ["bf16.h", "half.h", "tbe.h", "vec.h"]
+
 
 def test_missing_gcc_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setenv("RECC_CPU_KERNELS", "auto")
-    monkeypatch.setattr(native, "_TBE", native.KernelLibrary(native.SOURCE, native._declare, "CPU TBE"))
+    monkeypatch.setattr(native, "_TBE", native.KernelLibrary(native.SOURCES, native._declare, "CPU TBE", name="tbe"))
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     c = Case(seed=50)
     with warnings.catch_warnings(record=True) as caught:
