@@ -25,10 +25,9 @@ import time
 import torch
 
 from recc.kernels.cpu import native
+from recc.kernels.tbe_inputs import OPTIMIZERS, optimizer_state_shapes
 from recc.kernels.cpu.tbe import (
-    OPTIMIZERS,
     linearize_indices,
-    optimizer_state_shapes,
     tbe_backward_update_native,
     tbe_backward_update_reference,
     tbe_forward_native,

@@ -1,12 +1,11 @@
 """CPU kernels: table-batched embedding forward and fused backward + sparse optimizer."""
 
+from ..tbe_inputs import OPTIMIZERS, optimizer_state_shapes
 from .tbe import (
-    OPTIMIZERS,
     POOLINGS,
     gather_rows,
     linearize_indices,
     max_pool,
-    optimizer_state_shapes,
     tbe_backward_update,
     tbe_backward_update_native,
     tbe_backward_update_reference,

@@ -31,28 +31,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..tbe_inputs import OPTIMIZERS, check_lookup, check_update, optimizer_state_shapes
 from . import native, sparse
 
-OPTIMIZERS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
-WEIGHT_DECAY_MODES = ("l2", "decoupled")
 # The weights' storage types and the C kernels' codes for them (half.h's W_*).
 WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 POOLED_DTYPES = (torch.float32, torch.bfloat16)  # what the forward writes
 POOLINGS = ("sum", "mean", "max")
 _OPTIMIZER_CODE = {name: code for code, name in enumerate(OPTIMIZERS)}  # matches the C enum
-
-
-def optimizer_state_shapes(optimizer: str, rows: int, dim: int) -> dict[str, tuple[int, ...]]:
-    """Shapes of the state tensors ``tbe_backward_update`` expects (all fp32, zero-initialised)."""
-    if optimizer == "sgd":
-        return {}
-    if optimizer == "rowwise_adagrad":
-        return {"momentum1": (rows,)}
-    if optimizer == "adagrad":
-        return {"momentum1": (rows, dim)}
-    if optimizer == "adam":
-        return {"momentum1": (rows, dim), "momentum2": (rows, dim)}
-    raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -155,28 +141,15 @@ def _offsets_ok(offsets: torch.Tensor, n: int) -> bool:
 
 
 def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights):
-    if weights.dim() != 2 or weights.dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weights must be a 2-D float32/float16/bfloat16 tensor, got {weights.dtype} "
-                         f"{tuple(weights.shape)}")
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
-    if lin_indices.dim() != 1 or offsets.dim() != 1:
-        raise ValueError("lin_indices and offsets must be 1-D")
-    if offsets.numel() != T * B + 1:
-        raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {T * B + 1}")
+    check_lookup(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     # The C kernels trust offsets to index lin_indices: check what makes that safe (cheap,
     # O(T*B)); validate_inputs gives the detailed, per-table diagnosis.
     if not _offsets_ok(offsets, lin_indices.numel()):
         raise ValueError("offsets must start at 0, be non-decreasing and end at "
                          f"len(lin_indices) = {lin_indices.numel()}; run validate_inputs for "
                          "the table and bag at fault")
-    if per_sample_weights is not None:
-        if pooling != "sum":
-            raise ValueError("per_sample_weights are only supported with pooling='sum' "
-                             f"(got pooling={pooling!r}), like nn.EmbeddingBag")
-        if per_sample_weights.shape != lin_indices.shape:
-            raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
-                             f"expected {tuple(lin_indices.shape)} (one per index)")
 
 
 def _num_threads() -> int:
@@ -330,35 +303,6 @@ def gather_rows_reference(weights, flat, rows, hsc, tables=None) -> tuple[torch.
 # ----------------------------------------------------------------------------- backward
 
 
-def _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode="l2"):
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
-    if weight_decay_mode not in WEIGHT_DECAY_MODES:
-        raise ValueError(f"unknown weight_decay_mode {weight_decay_mode!r}; expected one of {WEIGHT_DECAY_MODES}")
-    R, D = weights.shape
-    for name, shape in optimizer_state_shapes(optimizer, R, D).items():
-        s = state.get(name)
-        if s is None:
-            raise ValueError(f"optimizer {optimizer!r} needs state[{name!r}] of shape {shape}")
-        if s.dtype != torch.float32 or s.numel() != R * (D if len(shape) == 2 else 1):
-            raise ValueError(f"state[{name!r}] must be float32 of shape {shape}, got "
-                             f"{s.dtype} {tuple(s.shape)}")
-    if tuple(grad_output.shape) != (B, T * D):
-        raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, expected "
-                         f"(B, T*D) = ({B}, {T * D})")
-
-
-def _check_key_rows(weights: torch.Tensor, key_rows: torch.Tensor | None) -> None:
-    if key_rows is None:
-        return
-    R = weights.shape[0]
-    if key_rows.dtype != torch.int64 or key_rows.dim() != 1 or key_rows.numel() != R:
-        raise ValueError(f"key_rows must be a 1-D int64 tensor of one entry per weight row ({R}), got "
-                         f"{key_rows.dtype} {tuple(key_rows.shape)}")
-    if key_rows.device != weights.device:
-        raise ValueError(f"key_rows is on {key_rows.device}, weights on {weights.device}")
-
-
 def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.Tensor],
                                   lin_indices: torch.Tensor, offsets: torch.Tensor,
                                   grad_output: torch.Tensor, *, T: int, B: int,
@@ -373,8 +317,7 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
     """Pure-torch backward + fused optimizer: unique + index_add + one row update. ``winners``:
     max pooling's, from ``max_pool`` at forward (else recomputed from the current weights)."""
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
-    _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
-    _check_key_rows(weights, key_rows)
+    check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows)
     R, D = weights.shape
     N = lin_indices.numel()
     if N == 0:
@@ -621,8 +564,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
     if pooling == "max":
         raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
     _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
-    _check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode)
-    _check_key_rows(weights, key_rows)
+    check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows)
     if key_rows is not None:
         key_rows = key_rows.contiguous()
     if not _native_update_ok(weights, state, optimizer):

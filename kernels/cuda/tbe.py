@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from recc.kernels.cpu.tbe import OPTIMIZERS, WEIGHT_DECAY_MODES, optimizer_state_shapes, validate_inputs
+from recc.kernels.cpu.tbe import validate_inputs
+from recc.kernels.tbe_inputs import OPTIMIZERS, check_lookup, check_update
 
 KERNEL_POOLINGS = ("sum", "mean")
 
@@ -85,9 +86,7 @@ def _suffix(weights: torch.Tensor, V: int) -> str:
 def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights):
     if not loader.kernel_device(weights.device):
         raise ValueError(f"the CUDA TBE kernels need CUDA tensors, got weights on {weights.device}")
-    if weights.dim() != 2 or weights.dtype not in _WEIGHT_SUFFIX:
-        raise ValueError(f"weights must be a 2-D float32, float16 or bfloat16 tensor, got {weights.dtype} "
-                         f"{tuple(weights.shape)}")
+    check_lookup(weights, indices, offsets, T, B, pooling, per_sample_weights)
     if not weights.is_contiguous():
         raise ValueError("weights must be contiguous (the kernels address rows as row * D)")
     if pooling not in KERNEL_POOLINGS:
@@ -96,11 +95,8 @@ def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sampl
     for name, x in (("indices", indices), ("offsets", offsets), ("hash_size_cumsum", hash_size_cumsum)):
         if x.device != weights.device:
             raise ValueError(f"{name} is on {x.device}, weights on {weights.device}")
-        if x.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
-    if offsets.numel() != T * B + 1:
-        raise ValueError(f"offsets has {offsets.numel()} entries, expected T*B+1 = {T * B + 1} "
-                         f"(T={T} tables, B={B} bags per table)")
+    if hash_size_cumsum.dim() != 1:
+        raise ValueError(f"hash_size_cumsum must be 1-D, got shape {tuple(hash_size_cumsum.shape)}")
     if T * B == 0 and indices.numel():
         # no bag to check on the device: offsets = [0] cannot end at len(indices)
         raise ValueError(f"offsets[-1] must equal len(indices) = {indices.numel()}, but there are "
@@ -111,13 +107,6 @@ def _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sampl
     if weights.shape[0] >= _INT32_MAX or indices.numel() > _INT32_MAX or T * B > _INT32_MAX:
         raise ValueError(f"the CUDA TBE kernels index rows, ids and bags with int32: got "
                          f"{weights.shape[0]} rows, {indices.numel()} ids, {T * B} bags")
-    if per_sample_weights is not None:
-        if pooling != "sum":
-            raise ValueError("per_sample_weights are only supported with pooling='sum' "
-                             f"(got pooling={pooling!r}), like nn.EmbeddingBag")
-        if per_sample_weights.shape != indices.shape:
-            raise ValueError(f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
-                             f"expected {tuple(indices.shape)} (one per index)")
 
 
 def _i64(x: torch.Tensor) -> torch.Tensor:
@@ -198,27 +187,9 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     slot -> group row map: each slot rounds as the row it holds would when resident; only the
     touched rows' entries are read)."""
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
-    if weight_decay_mode not in WEIGHT_DECAY_MODES:
-        raise ValueError(f"unknown weight_decay_mode {weight_decay_mode!r}; expected one of {WEIGHT_DECAY_MODES}")
+    check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows, in_place=True)
     R, D = weights.shape
-    for name, shape in optimizer_state_shapes(optimizer, R, D).items():
-        s = state.get(name)
-        if s is None or s.dtype != torch.float32 or s.numel() != R * (D if len(shape) == 2 else 1) \
-                or not s.is_contiguous() or s.device != weights.device:
-            got = "nothing" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
-            raise ValueError(f"optimizer {optimizer!r} needs contiguous float32 state[{name!r}] "
-                             f"of shape {shape} on {weights.device}, got {got}")
-    if tuple(grad_output.shape) != (B, T * D):
-        raise ValueError(f"grad_output has shape {tuple(grad_output.shape)}, expected "
-                         f"(B, T*D) = ({B}, {T * D})")
     if key_rows is not None:
-        if key_rows.dtype != torch.int64 or key_rows.dim() != 1 or key_rows.numel() != R:
-            raise ValueError(f"key_rows must be a 1-D int64 tensor of one entry per weight row ({R}), got "
-                             f"{key_rows.dtype} {tuple(key_rows.shape)}")
-        if key_rows.device != weights.device:
-            raise ValueError(f"key_rows is on {key_rows.device}, weights on {weights.device}")
         # fp32 rows are stored as they are: no rounding to key
         key_rows = key_rows.contiguous() if weights.dtype != torch.float32 else None
     N = indices.numel()

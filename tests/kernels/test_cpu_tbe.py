@@ -16,10 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from recc.kernels.cpu import native
+from recc.kernels.tbe_inputs import OPTIMIZERS, optimizer_state_shapes
 from recc.kernels.cpu.tbe import (
-    OPTIMIZERS,
     linearize_indices,
-    optimizer_state_shapes,
     tbe_backward_update,
     tbe_backward_update_native,
     tbe_backward_update_reference,

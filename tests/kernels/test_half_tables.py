@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from recc.kernels.cpu import native
-from recc.kernels.cpu.tbe import (OPTIMIZERS, optimizer_state_shapes, round_stochastically,
+from recc.kernels.tbe_inputs import OPTIMIZERS, optimizer_state_shapes
+from recc.kernels.cpu.tbe import (round_stochastically,
                                   tbe_backward_update_native, tbe_backward_update_reference, tbe_forward,
                                   tbe_forward_native, tbe_forward_reference)
 
