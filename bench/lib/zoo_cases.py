@@ -1,6 +1,6 @@
 """The zoo's models at the bench's sizes: ``--model NAME`` of bench/train_throughput.py.
 
-The zoo (``tests/frontend/zoo.py``: models written the way public code bases write them) keeps
+The zoo (``bench.lib.zoo``: models written the way public code bases write them) keeps
 its tables tiny so the tests train them on a few CPU processes. ``build_zoo_case`` builds the same
 classes with bigger vocabularies (the zoo's relative sizes, the largest ``--zoo-rows``),
 ``--zoo-dim`` wide, ``--zoo-fields`` sparse features and MLPs ``--zoo-width`` times the zoo's,
@@ -10,8 +10,6 @@ variant here) keeps the zoo's own sizes.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,23 +19,15 @@ from torch import nn
 
 from bench.lib.systems import embedding_modules
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZOO_BATCH_SIZE = 2048
 
 
 def load_zoo():
     """The zoo module, every entry registered (imported on first use: it imports TorchRec where installed)."""
-    # The zoo sits with the tests and tests/ is no package: the tests import it as a rootdir-style
-    # helper module (``from zoo import ZOO``). Do the same here, so the bench trains exactly those
-    # classes rather than copies of them.
-    folder = os.path.join(REPO, "tests", "frontend")
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    import zoo
+    from bench.lib import zoo
     # Entries kept in their own modules register into zoo.ZOO when imported: shared tables
     # (DeepFM/DIN/YouTube-DNN sharing embeddings) and modules built in forward (Dice, DIN pooling, MMoE).
-    import zoo_forward  # noqa: F401
-    import zoo_shared  # noqa: F401
+    from bench.lib import zoo_forward, zoo_shared  # noqa: F401
 
     return zoo
 

@@ -140,8 +140,7 @@ def test_torchrec_collections_tables_start_with_torchrecs_default():
     """A table of an EmbeddingBagCollection starts as TorchRec initialises it, U(+-sqrt(1/rows));
     a plain nn.EmbeddingBag beside it as torch does."""
     pytest.importorskip("torchrec")
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "frontend"))
-    import zoo
+    from bench.lib import zoo
     entry = zoo.ZOO["torchrec_dlrm"]
     torch.manual_seed(0)
     model = entry.make_model()

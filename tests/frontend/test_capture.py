@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 
 import recc
+from bench.lib.zoo import ZOO
 from recc.trace import CaptureError, untouched
-from zoo import ZOO
 
 # Tiny models on a shared machine: intra-op threads only add hand-offs (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_thread")

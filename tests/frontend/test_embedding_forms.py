@@ -381,8 +381,7 @@ def test_a_shared_tables_field_ids_are_checked_against_their_field(bad):
     """pytorch-fm's FeaturesEmbedding: one table for every field, numpy row offsets added in
     forward. An id past its field's size would read the next field's rows — eager accepts it
     (the row exists), recc refuses it naming the table and field, before any row changes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from zoo import FM_FIELD_DIMS, ZOO
+    from bench.lib.zoo import FM_FIELD_DIMS, ZOO
 
     entry = ZOO["fm"]
     (x,), y = entry.batch(0, 8)

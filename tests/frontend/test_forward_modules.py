@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 
 import recc
+from bench.lib import zoo_forward  # noqa: F401  (registers the entries in ZOO)
+from bench.lib.zoo import ZOO
+from bench.lib.zoo_forward import FORWARD_MODELS, Dice
 from recc.trace import CaptureError
 
-import zoo_forward  # noqa: F401  (registers the entries in ZOO)
-from zoo import ZOO
-from zoo_forward import FORWARD_MODELS, Dice
 from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, compile_zoo, eager_run, job,
                         labels_of)
 

@@ -19,8 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import recc
-import zoo_shared
-from zoo import ZOO
+from bench.lib import zoo_shared
+from bench.lib.zoo import ZOO
+
 from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, compile_zoo, eager_run, job, labels_of)
 
 MODELS = zoo_shared.SHARED_MODELS

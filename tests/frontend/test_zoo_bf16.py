@@ -10,8 +10,9 @@ import torch
 import torch.nn as nn
 
 import recc
+from bench.lib.zoo import ZOO
 from recc.ops import OPS, op_of
-from zoo import ZOO
+
 from zoo_worlds import EPS, GLOBAL_BATCH, LR, STEPS, dist_support, make, run_job
 
 # The zoo's models and what their pooled lookups are written in: bf16 where every reader is a

