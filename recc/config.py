@@ -51,7 +51,24 @@ def check_placement(placement) -> None:
             raise ValueError(f"CompileConfig.placement[{table!r}].cache_rows must be an int >= 1, got {rows!r}")
 
 
+# CompileConfig's names for OptimizerSpec's fields where they differ (``optimizer`` reads better
+# beside the other knobs than ``name``).
+_OPTIMIZER_FIELD_NAMES = {"name": "optimizer"}
+
+
+def _optimizer_fields_first(cls):
+    """Declares OptimizerSpec's fields, with their defaults, as ``cls``'s first fields (before
+    ``@dataclass`` reads its annotations): the sparse optimizer's knobs are declared once, in
+    OptimizerSpec, and CompileConfig takes each by name (``optimizer``, ``lr``, ``eps``, ...)."""
+    spec = {_OPTIMIZER_FIELD_NAMES.get(f.name, f.name): f for f in dataclasses.fields(OptimizerSpec)}
+    cls.__annotations__ = {**{name: f.type for name, f in spec.items()}, **cls.__annotations__}
+    for name, f in spec.items():
+        setattr(cls, name, f.default)
+    return cls
+
+
 @dataclass
+@_optimizer_fields_first
 class CompileConfig:
     """What to build. ``optimizer``/``lr``/``eps``/``beta1``/``beta2``/``weight_decay``/
     ``weight_decay_mode``/``adam_eps`` (``OptimizerSpec``: L2 or decoupled decay; adam's eps after the
@@ -101,14 +118,8 @@ class CompileConfig:
     run, and each rank keeps its own running statistics).
     """
 
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    eps: float = 1e-8
-    beta1: float = 0.9
-    beta2: float = 0.999
-    weight_decay: float = 0.0
-    weight_decay_mode: str = "l2"
-    adam_eps: str = "after_bias_correction"
+    # optimizer, lr, eps, beta1, beta2, weight_decay, weight_decay_mode, adam_eps: OptimizerSpec's
+    # fields, declared there (_optimizer_fields_first)
     sharding: str = "auto"
     comm_fwd: str = "fp16"
     comm_bwd: str = "bf16"
@@ -172,8 +183,8 @@ class CompileConfig:
 
     @property
     def sparse_optimizer(self) -> OptimizerSpec:
-        return OptimizerSpec(self.optimizer, self.lr, self.eps, self.beta1, self.beta2, self.weight_decay,
-                             self.weight_decay_mode, self.adam_eps)
+        return OptimizerSpec(**{f.name: getattr(self, _OPTIMIZER_FIELD_NAMES.get(f.name, f.name))
+                                for f in dataclasses.fields(OptimizerSpec)})
 
     @classmethod
     def from_dict(cls, d: dict) -> "CompileConfig":
