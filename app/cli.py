@@ -115,12 +115,12 @@ def _example(args, world: int, batch: int, data=None):
 
 def _check_passes(args, config) -> None:
     """Unknown names in --pipeline / --print-after: one line before anything is compiled (the
-    pass registry raises KeyError, and --print-after of a pass the pipeline lacks prints nothing)."""
-    from recc.compiler import _ensure_builtin_passes, default_pipeline
-    from recc.passmanager import resolve_pipeline
-    _ensure_builtin_passes()
+    pass registry raises KeyError, and --print-after of a pass the pipeline lacks prints nothing).
+    Without --pipeline, every pass the default pipeline may run counts (a conditional one runs
+    where its condition holds for the captured model, which is not known yet)."""
+    from recc.passmanager import DEFAULT_PASSES, resolve_pipeline
     try:
-        names = [info.name for info, _ in resolve_pipeline(args.pipeline or default_pipeline(config), config)]
+        names = [info.name for info, _ in resolve_pipeline(args.pipeline or ",".join(DEFAULT_PASSES), config)]
     except KeyError as e:
         raise ValueError(f"--pipeline: {e.args[0]}") from None
     if args.print_after and args.print_after != "all":

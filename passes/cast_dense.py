@@ -139,7 +139,8 @@ def _module_as_function(gm: fx.GraphModule, node: fx.Node) -> None:
     rename(new, name)
 
 
-@register_pass(after=("fuse_linear_act",), from_config={"dtype": "dense_dtype"})
+@register_pass(after=("fuse_linear_act",), from_config={"dtype": "dense_dtype"},
+               when=lambda config, cluster, gm: config.dense_dtype != "fp32", required=True, tolerance=3e-2)
 def cast_dense(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> fx.GraphModule:
     """Place the casts that run the dense products in ``dtype`` with fp32 master weights."""
     if dtype not in DENSE_TORCH_DTYPES:

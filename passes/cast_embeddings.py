@@ -122,7 +122,8 @@ def _path(lookup: fx.Node, low: torch.dtype):
     return quantizes, dequantizes, casts
 
 
-@register_pass(after=("cast_dense",), from_config={"dtype": "dense_dtype"})
+@register_pass(after=("cast_dense",), from_config={"dtype": "dense_dtype"},
+               when=lambda config, cluster, gm: config.dense_dtype != "fp32")
 def cast_embeddings(gm: fx.GraphModule, ctx: PassContext, *, dtype: str = "fp32") -> fx.GraphModule:
     """Pooled rows that only bf16 consumers read: looked up, sent and received in bf16."""
     if dtype not in ("fp32", "bf16", "fp16"):

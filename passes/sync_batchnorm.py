@@ -148,7 +148,8 @@ def _call_name(n: fx.Node) -> str:
     return "F.batch_norm" if n.target is F.batch_norm else "torch.batch_norm"
 
 
-@register_pass(after=("shard_tables",), from_config={"mode": "batchnorm"})
+@register_pass(after=("shard_tables",), from_config={"mode": "batchnorm"},
+               when=lambda config, cluster, gm: cluster.world_size > 1 and needs_sync_batchnorm(gm))
 def sync_batchnorm(gm: fx.GraphModule, ctx: PassContext, *, mode: str = "sync") -> fx.GraphModule:
     """Normalise training-mode BatchNorm by the global batch's statistics (one all-reduce of
     per-channel sums per layer, each way); ``mode="local"`` keeps each rank's own."""

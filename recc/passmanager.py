@@ -1,8 +1,12 @@
-"""The pass manager: registration, pipeline spec strings, and running passes with verification.
+"""The pass manager: registration, the default pipeline, pipeline spec strings, and running
+passes with verification after every one (``run_passes``).
 
 A pass is ``fn(gm, ctx, **options) -> gm`` registered with ``@register_pass``; its keyword-only
-arguments are its options. A pipeline spec names passes in order with options in braces and
-round-trips through ``parse_spec``/``format_spec``:
+arguments are its options. What the manager needs to know about a pass it declares there too:
+the passes it must follow, the config fields its options come from, the condition under which
+the default pipeline runs it, and how far it lets the graph's values drift from eager. A
+pipeline spec names passes in order with options in braces and round-trips through
+``parse_spec``/``format_spec``:
 
     discover_tables,shard_tables{strategy=auto},batch_tables,lower
 
@@ -12,12 +16,32 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+import torch.fx as fx
 
+from recc import ir
 from recc.cluster import Cluster
 from recc.config import CompileConfig
+from recc.heap import trim_heap
+from recc.program import Stage, snapshot
+from recc.trace import Capture, propagate_shapes
+
+# The default pipeline, in order. A pass registered with ``when=`` runs in it only where its
+# condition holds for the compile (``default_pipeline``); the others always run.
+DEFAULT_PASSES = ("discover_tables", "shard_tables", "batch_tables", "insert_comm", "cache_tables", "quantize_comm",
+                  "pipeline_comm", "fuse_gathers", "fuse_interaction", "fold_column_cat", "align_linear",
+                  "fuse_linear_act", "cast_dense", "cast_embeddings", "sync_batchnorm", "lower")
+
+# How close each stage's output must stay to eager's (verification level 2) until a pass
+# declares a looser ``tolerance``.
+TOLERANCE = 1e-4
+
+Condition = Callable[[CompileConfig, Cluster, fx.GraphModule], bool]
 
 
 @dataclass
@@ -42,6 +66,14 @@ class PassInfo:
     defaults: dict[str, Any]
     doc: str
     from_config: dict[str, str] = field(default_factory=dict)
+    when: Optional[Condition] = None
+    required: bool = False
+    tolerance: Optional[float] = None
+
+    def holds(self, config: CompileConfig, cluster: Cluster, gm: fx.GraphModule) -> bool:
+        """Whether this compile asks for the pass: its condition, asked of the captured graph
+        (a pass without one: always)."""
+        return self.when is None or bool(self.when(config, cluster, gm))
 
     def __call__(self, gm, ctx, **opts):
         return self.fn(gm, ctx, **opts)
@@ -51,13 +83,23 @@ PASSES: dict[str, PassInfo] = {}
 
 
 def register_pass(fn: Optional[Callable] = None, *, name: Optional[str] = None, after: Sequence[str] = (),
-                  from_config: Optional[dict[str, str]] = None):
-    """Register a pass (built-in or user). ``after`` names passes that must run before it when
-    they are in the pipeline; ``from_config`` maps an option to the ``CompileConfig`` field that
-    sets it (e.g. ``{"strategy": "sharding"}``), so the stage banner shows the value in force.
-    Usable as ``@register_pass`` or ``@register_pass(after=(...))``."""
+                  from_config: Optional[dict[str, str]] = None, when: Optional[Condition] = None,
+                  required: bool = False, tolerance: Optional[float] = None):
+    """Register a pass (built-in or user). Usable as ``@register_pass`` or ``@register_pass(after=(...))``.
+
+    - ``after`` names passes that must run before it when they are in the pipeline;
+    - ``from_config`` maps an option to the ``CompileConfig`` field that sets it (e.g.
+      ``{"strategy": "sharding"}``), so the stage banner shows the value in force;
+    - ``when(config, cluster, gm)``, asked of the captured graph: the default pipeline runs the
+      pass only where it holds (``cast_dense``: a dense dtype other than fp32);
+    - ``required``: where ``when`` holds, a pipeline without the pass is an error (a bf16 config
+      compiled without ``cast_dense`` would compute in fp32, silently unlike what it asks);
+    - ``tolerance``: from this pass on, where ``when`` holds, level-2 verification compares the
+      stages with eager within this relative tolerance instead of ``TOLERANCE`` (bf16 products
+      round their inputs to 3 significant digits)."""
     def deco(f):
-        info = _info_for(f, name=name, after=after, from_config=from_config)
+        info = _info_for(f, name=name, after=after, from_config=from_config, when=when, required=required,
+                         tolerance=tolerance)
         PASSES[info.name] = info
         f.recc_pass = info
         return f
@@ -65,7 +107,8 @@ def register_pass(fn: Optional[Callable] = None, *, name: Optional[str] = None, 
 
 
 def _info_for(f: Callable, *, name: Optional[str] = None, after: Sequence[str] = (),
-              from_config: Optional[dict[str, str]] = None) -> PassInfo:
+              from_config: Optional[dict[str, str]] = None, when: Optional[Condition] = None,
+              required: bool = False, tolerance: Optional[float] = None) -> PassInfo:
     sig = inspect.signature(f)
     params = list(sig.parameters.values())
     if len(params) < 2 or params[0].kind == params[0].KEYWORD_ONLY:
@@ -78,7 +121,10 @@ def _info_for(f: Callable, *, name: Optional[str] = None, after: Sequence[str] =
     for opt in from_config or {}:
         if opt not in defaults:
             raise TypeError(f"pass {f.__name__}: from_config names {opt!r}, which is not one of its options")
-    return PassInfo(name or f.__name__, f, tuple(after), defaults, inspect.getdoc(f) or "", dict(from_config or {}))
+    if required and when is None:
+        raise TypeError(f"pass {f.__name__}: required=True needs the condition (when=) under which it is required")
+    return PassInfo(name or f.__name__, f, tuple(after), defaults, inspect.getdoc(f) or "", dict(from_config or {}),
+                    when, required, tolerance)
 
 
 def get_pass(name: str) -> PassInfo:
@@ -286,3 +332,94 @@ def resolve_pipeline(pipeline: Union[str, Sequence[PipelineItem]], config: Compi
     if unknown_disabled:
         raise ValueError(f"disable names unknown pass(es) {sorted(unknown_disabled)}")
     return out
+
+
+# ----------------------------------------------------------------------------- the default pipeline
+
+def default_pipeline(config: CompileConfig, cluster: Cluster, gm: fx.GraphModule) -> str:
+    """The default pipeline's spec for a compile: ``DEFAULT_PASSES``, each conditional pass only
+    where its condition holds for ``config``, ``cluster`` and the captured graph ``gm``."""
+    return ",".join(name for name in DEFAULT_PASSES if get_pass(name).holds(config, cluster, gm))
+
+
+def unconditional_pipeline() -> str:
+    """The spec of the default passes that run in every compile (``recc.DEFAULT_PIPELINE``)."""
+    return ",".join(name for name in DEFAULT_PASSES if get_pass(name).when is None)
+
+
+def check_required(passes: Sequence[tuple[PassInfo, dict[str, Any]]], config: CompileConfig, cluster: Cluster,
+                   gm: fx.GraphModule) -> None:
+    """A pass registered ``required`` whose condition holds for this compile must be in ``passes``."""
+    names = {info.name for info, _ in passes}
+    for info in PASSES.values():
+        if info.required and info.name not in names and info.holds(config, cluster, gm):
+            asks = ", ".join(f"{f}={getattr(config, f)!r}" for f in dict.fromkeys(info.from_config.values()))
+            following = DEFAULT_PASSES[DEFAULT_PASSES.index(info.name) + 1:] if info.name in DEFAULT_PASSES else ()
+            where = next((f"before {n}" for n in following if get_pass(n).when is None), "to the pipeline")
+            raise ValueError(f"recc.compile: CompileConfig({asks}) needs the {info.name} pass, which the pipeline "
+                             f"does not run; add it {where}")
+
+
+# ----------------------------------------------------------------------------- running
+
+def run_passes(captured: Capture, passes: Sequence[tuple[PassInfo, dict[str, Any]]], ctx: PassContext,
+               show: Union[set[str], frozenset[str]] = frozenset()) -> tuple[fx.GraphModule, "OrderedDict[str, Stage]"]:
+    """Run ``passes`` on the captured graph: the final graph, and the stages (``trace``, then one
+    per pass).
+    After every pass, the graph's nodes are tagged with the pass that made them, its shapes are
+    propagated on the example inputs, it is verified (``ir.verify`` at ``ctx.config.verify``,
+    against the model's eager output at level 2) and kept as a stage: a snapshot, its text and the
+    diff from the stage before. Stages named in ``show`` are printed to stderr."""
+    gm, config = captured.graph, ctx.config
+    total = len(passes)
+    # Asked of the captured graph, before any pass changes it.
+    loosens = {info.name: info.tolerance for info, _ in passes
+               if info.tolerance is not None and info.holds(config, ctx.cluster, gm)}
+    tolerance = TOLERANCE
+
+    t0 = time.perf_counter()
+    ir.verify(gm, pass_name="trace", level=config.verify)
+    verified = "ok" if config.verify else "off"
+    text = ir.format(gm)
+    n_nodes = len(gm.graph.nodes)
+    stages: "OrderedDict[str, Stage]" = OrderedDict()
+    stages["trace"] = Stage(0, total, "trace", "trace", snapshot(gm), text, "", captured.ms, n_nodes, n_nodes,
+                            verified, captured.check_ms + (time.perf_counter() - t0) * 1e3)
+    _maybe_print(stages["trace"], show)
+
+    for idx, (info, opts) in enumerate(passes, start=1):
+        before_nodes = set(gm.graph.nodes)
+        before_text, before_n = text, len(gm.graph.nodes)
+        t0 = time.perf_counter()
+        out = info.fn(gm, ctx, **opts)
+        gm = out if out is not None else gm
+        gm.recompile()
+        t1 = time.perf_counter()
+        for n in gm.graph.nodes:
+            if n not in before_nodes and "recc.pass" not in n.meta:
+                n.meta["recc.pass"] = info.name
+        try:
+            got = propagate_shapes(gm, ctx.example_inputs, ctx.abstract)
+            trim_heap()   # else each stage's freed activations stay mapped, ~20 MB a stage on `small`
+        except Exception as e:
+            raise RuntimeError(f"recc: the graph after pass '{info.name}' does not run on the example "
+                               f"inputs (passes before it: {', '.join(ctx.passes_run) or '(none)'}): {e}") from e
+        tolerance = max(tolerance, loosens.get(info.name, tolerance))
+        ir.verify(gm, pass_name=info.name, passes_before=list(ctx.passes_run), level=config.verify,
+                  reference=captured.eager_out, run_reference=lambda: got, tolerance=tolerance)
+        ctx.passes_run.append(info.name)
+        text = ir.format(gm)
+        key = info.name if info.name not in stages else f"{info.name}#{idx}"
+        if config.verify >= 2 and captured.eager_out is not None:
+            verified = "ok+eager"
+        stages[key] = Stage(idx, total, info.name, format_item(info.name, shown_options(info, opts)), snapshot(gm), text,
+                            ir.diff(before_text, text, before_name=list(stages)[-1], after_name=key),
+                            (t1 - t0) * 1e3, before_n, len(gm.graph.nodes), verified)
+        stages[key].check_ms = (time.perf_counter() - t1) * 1e3
+        _maybe_print(stages[key], show)
+    return gm, stages
+
+
+def _maybe_print(stage: Stage, show: set[str]):
+    if stage.name in show:
+        print(stage.ir, file=sys.stderr)

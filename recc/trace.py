@@ -1,4 +1,5 @@
-"""Capture: tracing a user's model into the IR, and annotating every node with its value's shape.
+"""Capture: tracing a user's model into the IR, and annotating every node with its value's shape
+(``capture`` runs both as ``recc.compile`` does, with the example inputs and the model's autocast).
 
 recc captures with a ``torch.fx`` tracer whose proxies carry the example inputs' values: every
 node is run on the example as it is recorded. Ordinary Python in ``forward`` then works as it
@@ -30,13 +31,16 @@ calls the user's objects' methods).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import linecache
 import operator
 import os
 import random
+import time
 import traceback
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -44,6 +48,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from recc.config import DENSE_DTYPE_NAMES, CompileConfig
 from recc.graph_utils import is_matrix_product
 from recc.ops import Handle, SparseBatch, op_of
 
@@ -963,3 +968,103 @@ def default_example_inputs(model: nn.Module, batch_size: int = 8, seed: int = 0)
     offsets = [torch.arange(0, 2 * batch_size, 2, dtype=torch.int64) for _ in bags]
     indices = [torch.randint(0, m.num_embeddings, (2 * batch_size,), generator=g) for m in bags]
     return [dense, offsets, indices]
+
+
+# ----------------------------------------------------------------------------- capture, as compile runs it
+
+@dataclass
+class Capture:
+    """What ``capture`` hands the passes: the graph with every node's shape, and what it learnt."""
+
+    graph: fx.GraphModule
+    config: CompileConfig          # the caller's, with the dense dtype the model's own autocast asks for
+    example_inputs: list           # one rank's example (the model's own guess when none was given)
+    batch: Optional[int]           # the example's batch, as capture identified it
+    abstract: bool                 # shapes propagate by shape rules (meta state, or several ranks)
+    float_dtypes: dict             # eager_float_dtypes of the captured graph
+    eager_out: Any                 # the model's eager output on the example (verification level 2), or None
+    ms: float                      # tracing and the first shape propagation
+    check_ms: float                # the dtype probe after it
+
+
+def capture(model: nn.Module, cluster, config: CompileConfig, example_inputs: Optional[Sequence[Any]]) -> Capture:
+    """Capture ``model`` for ``cluster`` as ``recc.compile`` does: example inputs (one rank's slice
+    of the batch; guessed for DLRM-shaped models when not given), the eager reference output
+    (verification level 2, real models on one rank), the trace, the config the model's own
+    autocast asks for, every node's shape, and the floating dtypes eager takes for each input."""
+    # Graphs for several ranks are annotated with shape rules (rank 0's view): their
+    # collectives cannot run in one process.
+    abstract = model_is_meta(model) or cluster.world_size > 1
+    if example_inputs is None:
+        example_inputs = default_example_inputs(
+            model, max(1, (config.batch_size or 8 * cluster.world_size) // cluster.world_size))
+    example_inputs = list(example_inputs)
+    eager_out = None
+    if not abstract and config.verify >= 2:
+        with torch.no_grad():
+            eager_out = model(*example_inputs)
+
+    t0 = time.perf_counter()
+    batch = _example_batch(example_inputs, config, cluster)
+    gm = trace(model, to_meta(example_inputs) if model_is_meta(model) else example_inputs, batch)
+    config = _follow_autocast(gm, config, cluster.device_type, type(model).__name__)
+    propagate_shapes(gm, example_inputs, abstract)
+    t1 = time.perf_counter()
+    # Which floating dtypes eager takes for each dense input, asked of the captured graph before
+    # any pass (the compiled model refuses the others as eager does: InputSignature).
+    float_dtypes = eager_float_dtypes(gm, example_inputs)
+    return Capture(gm, config, example_inputs, batch, abstract, float_dtypes, eager_out, (t1 - t0) * 1e3,
+                   (time.perf_counter() - t1) * 1e3)
+
+
+def _example_batch(example_inputs, config: CompileConfig, cluster) -> Optional[int]:
+    """One rank's batch in the example: ``CompileConfig.batch_size`` / world size when that is a
+    size of an example tensor (it names the batch when the first argument's leading size is not
+    it, e.g. stacked ``[T, B]`` ids), else the leading size of the first tensor argument."""
+    if config.batch_size and config.batch_size % cluster.world_size == 0:
+        per_rank = config.batch_size // cluster.world_size
+        stack = list(example_inputs)
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (list, tuple)):
+                stack.extend(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, torch.Tensor) and per_rank in v.shape:
+                return per_rank
+    return example_batch(example_inputs)
+
+
+def _follow_autocast(gm, config: CompileConfig, device_type: str, name: str) -> CompileConfig:
+    """The config the user's own ``torch.autocast`` asks for. A forward that runs every matrix
+    product under one autocast (``with torch.autocast("cpu", torch.bfloat16): ...`` around its
+    body) compiles as ``dense_dtype`` of that dtype: ``cast_dense`` makes autocast's per-op
+    choice as graph nodes (fx records no node for the autocast itself, so without this the
+    products ran in fp32, silently unlike eager). Autocast around only some products, or two
+    autocast dtypes, is an error naming them: recc chooses one dense dtype for the whole model."""
+    inside, outside = autocast_of(gm, device_type)
+    if not inside:
+        return config
+    dtypes = {DENSE_DTYPE_NAMES.get(d, "fp32") for d in inside.values()}
+    first = next(iter(inside))
+    site = first.meta.get(AUTOCAST_SITE, "(unknown location)")
+    if outside or len(dtypes) > 1:
+        split = (f"{', '.join(n.name for n in outside[:4])} outside it (or where it is switched off)" if outside
+                 else f"others under {' and '.join(sorted(dtypes))}")
+        raise ValueError(
+            f"recc.compile: {name}.forward runs some of its matrix products under torch.autocast({device_type!r}) "
+            f"and not others: {first.name} inside it ({site}), {split}. recc compiles one dense dtype for the "
+            f"whole model: remove the autocast and compile with CompileConfig(dense_dtype='bf16') (autocast's "
+            f"per-op choice for every product), or run every product under the one autocast")
+    (want,) = dtypes
+    if want == "fp16" and device_type == "cpu":
+        raise ValueError(f"recc.compile: {name}.forward runs under torch.autocast('cpu', float16) ({site}); fp16 "
+                         f"dense compute needs dynamic loss scaling and fp16 GEMMs, which recc runs on CUDA only: "
+                         f"on CPU use torch.autocast('cpu', torch.bfloat16), or remove it and compile with "
+                         f"CompileConfig(dense_dtype='bf16')")
+    if want == config.dense_dtype or want == "fp32":
+        return config
+    if config.dense_dtype != "fp32":
+        raise ValueError(f"recc.compile: {name}.forward runs under torch.autocast({device_type!r}) in {want} "
+                         f"({site}) but CompileConfig(dense_dtype={config.dense_dtype!r}) asks for another dtype")
+    return dataclasses.replace(config, dense_dtype=want)

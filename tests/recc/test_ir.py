@@ -173,14 +173,14 @@ def test_the_traced_graph_is_verified(monkeypatch):
 
 
 def test_a_traced_graph_that_breaks_an_invariant_fails_at_trace(monkeypatch):
-    import recc.compiler
-    real = recc.compiler.propagate_shapes
+    import recc.trace
+    real = recc.trace.propagate_shapes  # capture's shape propagation (the passes' is the pass manager's)
 
     def lose_a_shape(gm, example_inputs, abstract):
         got = real(gm, example_inputs, abstract)
         del next(n for n in gm.graph.nodes if n.name == "bot_l_1").meta["val"]
         return got
-    monkeypatch.setattr(recc.compiler, "propagate_shapes", lose_a_shape)
+    monkeypatch.setattr(recc.trace, "propagate_shapes", lose_a_shape)
     with pytest.raises(ir.VerificationError, match=r"after pass 'trace' \(passes before it: \(none\)\)") as e:
         _compile(pipeline="discover_tables")
     assert (e.value.invariant, e.value.node) == ("shapes", "bot_l_1")

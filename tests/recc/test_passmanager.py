@@ -406,3 +406,68 @@ def test_groups_are_emitted_in_order():
     program = recc.compile(M(), example_inputs=ex)
     groups = [n.target for n in program.graph.graph.nodes if n.op == "get_attr" and n.target.startswith("tbe_")]
     assert groups == ["tbe_g0", "tbe_g1", "tbe_g2"]
+
+
+# ----------------------------------------------------------------------------- the default pipeline
+
+def test_the_default_pipeline_runs_a_conditional_pass_where_its_condition_holds(tiny):
+    from recc.passmanager import DEFAULT_PASSES, default_pipeline
+    assert recc.DEFAULT_PIPELINE == ",".join(n for n in DEFAULT_PASSES if PASSES[n].when is None)
+    gm = recc.compile(tiny, pipeline="discover_tables").stages["trace"].graph
+    fp32, bf16 = recc.CompileConfig(), recc.CompileConfig(dense_dtype="bf16")
+    assert default_pipeline(fp32, recc.Cluster.local(2), gm) == recc.DEFAULT_PIPELINE
+    assert default_pipeline(bf16, recc.Cluster.local(1), gm) == \
+        recc.DEFAULT_PIPELINE.replace(",lower", ",cast_dense,cast_embeddings,lower")
+
+
+def test_compiler_names_no_pass():
+    """What a pass needs from the compile (its condition, verification's tolerance) is declared
+    where it is registered: no built-in pass's name appears in compiler.py's code."""
+    import ast
+    import inspect
+
+    import recc.compiler
+    tree = ast.parse(inspect.getsource(recc.compiler))
+    named = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in PASSES}
+    assert not named
+
+
+def _require_for_test(config, cluster, gm):
+    return config.init_seed == 424242
+
+
+@recc.register_pass(from_config={"seed": "init_seed"}, when=_require_for_test, required=True, tolerance=0.5)
+def required_for_test(gm, ctx, *, seed: int = 0):
+    return gm
+
+
+def test_a_required_pass_missing_where_its_condition_holds_is_an_error(tiny):
+    with pytest.raises(ValueError, match=r"CompileConfig\(init_seed=424242\) needs the required_for_test pass, "
+                                         r"which the pipeline does not run; add it to the pipeline"):
+        recc.compile(tiny, pipeline="discover_tables", config=recc.CompileConfig(init_seed=424242))
+    recc.compile(tiny, pipeline="discover_tables", config=recc.CompileConfig(init_seed=7))  # condition false: fine
+
+
+def test_required_needs_a_condition():
+    def always(gm, ctx):
+        return gm
+    with pytest.raises(TypeError, match=r"pass always: required=True needs the condition \(when=\)"):
+        recc.register_pass(always, required=True)
+    assert "always" not in PASSES
+
+
+def test_a_pass_tolerance_loosens_verification_from_it_on_where_its_condition_holds(tiny, monkeypatch):
+    from recc import ir
+    seen = []
+    verify = ir.verify
+
+    def spy(gm, *, pass_name="?", **kw):
+        seen.append((pass_name, kw.get("tolerance")))
+        return verify(gm, pass_name=pass_name, **kw)
+    monkeypatch.setattr(ir, "verify", spy)
+    spec = "discover_tables,required_for_test,shard_tables"
+    recc.compile(tiny, pipeline=spec, config=recc.CompileConfig(init_seed=424242))
+    assert seen == [("trace", None), ("discover_tables", 1e-4), ("required_for_test", 0.5), ("shard_tables", 0.5)]
+    seen.clear()
+    recc.compile(tiny, pipeline=spec, config=recc.CompileConfig(init_seed=7))
+    assert seen == [("trace", None), ("discover_tables", 1e-4), ("required_for_test", 1e-4), ("shard_tables", 1e-4)]
