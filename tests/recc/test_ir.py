@@ -2,7 +2,9 @@
 environment overrides that turn printing and dumping on."""
 from __future__ import annotations
 
+import difflib
 import operator
+import random
 import re
 
 import pytest
@@ -245,6 +247,47 @@ def test_diff_of_an_annotation_only_pass_is_small():
 
 def test_diff_of_identical_text_is_empty():
     assert ir.diff("a\nb\n", "a\nb\n") == ""
+
+
+def _edited(rng, lines: list[str]) -> list[str]:
+    """``lines`` after a few random edits: lines changed, added, removed, moved, repeated, or
+    every few lines changed (what a pass that annotates every lookup does)."""
+    out = list(lines)
+    for _ in range(rng.randint(0, 6)):
+        op = rng.random()
+        if op < 0.3 and out:
+            out[rng.randrange(len(out))] = f"x{rng.randrange(10 ** 6)}\n"
+        elif op < 0.5:
+            out.insert(rng.randint(0, len(out)), f"n{rng.randrange(10 ** 6)}\n")
+        elif op < 0.7 and out:
+            del out[rng.randrange(len(out))]
+        elif op < 0.8 and len(out) > 1:
+            out.insert(rng.randint(0, len(out) - 1), out.pop(rng.randrange(len(out))))
+        elif op < 0.9 and out:
+            out.insert(rng.randint(0, len(out)), rng.choice(out))
+        else:
+            for k in range(0, len(out), rng.randint(1, 4)):
+                out[k] = out[k].rstrip("\n") + " changed\n"
+    return out
+
+
+def test_diff_is_difflibs_unified_diff():
+    """ir.diff finds the matching lines in linear time where the texts share their lines once each
+    and in one order, and leaves the rest to difflib: either way, difflib's text."""
+    rng = random.Random(0)
+    linear = 0
+    for _ in range(3000):
+        before = [f"line{k}\n" for k in range(rng.choice([0, 1, 2, 5, 10, 40, 300]))]
+        after = _edited(rng, before)
+        if rng.random() < 0.3:
+            before = _edited(rng, before)   # repeated lines in the text before too
+        if after and rng.random() < 0.1:
+            after[-1] = after[-1].rstrip("\n")
+        a, b = "".join(before), "".join(after)
+        want = "".join(difflib.unified_diff(before, b.splitlines(True), fromfile="x", tofile="y"))
+        assert ir.diff(a, b, before_name="x", after_name="y") == want, (a, b)
+        linear += ir._ordered_runs(before, b.splitlines(True)) is not None
+    assert 1500 < linear < 3000   # both ways taken
 
 
 def test_diff_only_shows_lines_the_pass_changed():
