@@ -15,25 +15,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recc.models.layers import embedding_bags, mlp, reset_embedding, reset_linear, resolve_dims
+from recc.models.layers import embedding_bags, mlp, pooled_lookups, reset_embedding, reset_linear, resolve_dims
 
 
 class DCNv2(nn.Module):
     """Bottom MLP, embedding bags, low-rank cross network, top MLP ending in a Sigmoid.
 
+    ``ln_emb``, ``ln_bot`` (e.g. ``[13, 512, 256, 128]``), ``pooling``, ``device`` and
+    ``forward(dense_x, lS_o, lS_i)`` are DLRM's; the rest differs:
+
     Args:
-        ln_emb: rows of each embedding table.
-        m_spa: embedding width of every table (unless ``emb_dims`` is given).
-        ln_bot: bottom MLP sizes including the dense input, e.g. ``[13, 512, 256, 128]``.
+        m_spa: embedding width of every table (unless ``emb_dims`` is given); the bottom
+            MLP's output width need not equal it.
         ln_top: top MLP sizes after the cross network, ending in 1; its input width
             ``ln_bot[-1] + sum(table widths)`` is computed.
         num_cross_layers: number of cross layers.
         cross_rank: rank of each cross layer's ``W_l V_l`` factorisation.
-        emb_dims: per-table widths (the concatenation needs no common width).
-        pooling: ``nn.EmbeddingBag`` mode ("sum", "mean" or "max").
-        device: where to allocate; ``"meta"`` allocates nothing and skips initialisation.
-
-    ``forward(dense_x, lS_o, lS_i)`` returns click probabilities of shape ``[B, 1]``.
+        emb_dims: per-table widths (the concatenation needs no common width, and no table is
+            projected).
     """
 
     def __init__(
@@ -106,11 +105,7 @@ class DCNv2(nn.Module):
     def forward(
         self, dense_x: torch.Tensor, lS_o: list[torch.Tensor], lS_i: list[torch.Tensor]
     ) -> torch.Tensor:
-        x = self.bot_l(dense_x)
-        ly = []
-        for k, emb in enumerate(self.emb_l):
-            ly.append(emb(lS_i[k], lS_o[k]))
-        x0 = torch.cat([x, *ly], dim=1)
+        x0 = torch.cat([self.bot_l(dense_x), *pooled_lookups(self.emb_l, lS_o, lS_i)], dim=1)
         xl = x0
         for v, w in zip(self.cross_v, self.cross_w):
             xl = x0 * w(v(xl)) + xl

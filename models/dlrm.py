@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from recc.models.layers import embedding_bags, mlp, reset_embedding, reset_linear, resolve_dims
+from recc.models.layers import embedding_bags, mlp, pooled_lookups, reset_embedding, reset_linear, resolve_dims
 
 
 class DLRM(nn.Module):
@@ -118,9 +118,7 @@ class DLRM(nn.Module):
         self, dense_x: torch.Tensor, lS_o: list[torch.Tensor], lS_i: list[torch.Tensor]
     ) -> torch.Tensor:
         x = self.bot_l(dense_x)
-        ly = []
-        for k, emb in enumerate(self.emb_l):
-            ly.append(emb(lS_i[k], lS_o[k]))
+        ly = pooled_lookups(self.emb_l, lS_o, lS_i)
         for k, proj in self.proj_l.items():
             ly[int(k)] = proj(ly[int(k)])
         return self.top_l(self.interact(x, ly))

@@ -27,6 +27,13 @@ def mlp(sizes: list[int], *, sigmoid_last: bool, device=None) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def pooled_lookups(tables: nn.ModuleList, lS_o: list[torch.Tensor],
+                   lS_i: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each table's pooled bags, ``tables[k](lS_i[k], lS_o[k])`` in table order (the reference
+    DLRM's ``apply_emb``): one ``call_module`` per table when the model is traced."""
+    return [emb(lS_i[k], lS_o[k]) for k, emb in enumerate(tables)]
+
+
 def embedding_bags(rows: list[int], dims: list[int], pooling: str, device=None) -> nn.ModuleList:
     """One ``nn.EmbeddingBag`` per table, each taking (indices, offsets)."""
     if pooling not in ("sum", "mean", "max"):
