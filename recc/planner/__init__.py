@@ -59,8 +59,8 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
     access_profile = check_access_profile(access_profile, tables)
     resident_error = None
     try:
-        placements, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy,
-                                                   check_memory)
+        placements, estimate, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes,
+                                                             strategy, check_memory)
     except OverMemory as e:
         # Cache tables instead, when there is a tier to cache them in and a table the user has
         # not pinned resident: the shards are then placed for time, memory left to the tiers.
@@ -68,11 +68,11 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
                 or all(choice == "resident" for choice, _ in forced.values())):
             raise
         resident_error = e
-        placements, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy,
-                                                   False)
+        placements, estimate, notes, reasons = _place_shards(tables, cluster, model, profiles, cons, bag_sizes,
+                                                             strategy, False)
         notes.append("the tables do not fit resident: shards placed for time, then tables cached until every rank fits")
     shards = {n: spec_for(tables[n], placements[n], cluster) for n in tables}
-    base_mem = estimate_placements(tables, placements, model, bag_sizes)[2]
+    base_mem = estimate[2]
     try:
         tiers = place_tiers(tables, shards, model, bag_sizes, base_mem, placement=placement,
                             access_profile=access_profile, id_samples=id_samples, check_memory=check_memory)
@@ -81,13 +81,14 @@ def plan_tables(tables: dict[str, TableSpec], cluster: Cluster, *, strategy: str
             raise
         raise resident_error from None
     plan = build_plan(tables, shards, cluster, model, bag_sizes, strategy=strategy,
-                      dense_flops_per_sample=dense_flops_per_sample, notes=notes, tiers=tiers, placements=placements)
+                      dense_flops_per_sample=dense_flops_per_sample, notes=notes, tiers=tiers, estimate=estimate)
     plan.table_reasons = reasons
     return plan
 
 
 def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, check_memory):
-    """The shard search: ``(placements, notes, table reasons)``; ``OverMemory`` when nothing fits."""
+    """The shard search: ``(placements, their estimate_placements, notes, table reasons)``;
+    ``OverMemory`` when nothing fits."""
 
     def search(kind: str, start: Optional[dict[str, tuple]] = None) -> dict[str, tuple]:
         units = units_of(tables, profiles, cons, kind, model, cluster)
@@ -107,7 +108,8 @@ def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, c
     reasons = {}
     if strategy == "auto":
         plan = search("auto")
-        best = estimate_placements(tables, plan, model, bag_sizes)[3]
+        estimate = estimate_placements(tables, plan, model, bag_sizes)
+        best = estimate[3]
         notes.append(f"auto: greedy + refinement {fmt_ms(best * 1e3)} ms")
         tried, uniform, alternatives = [], None, {}
         for kind in SHARDING_KINDS:
@@ -117,28 +119,32 @@ def _place_shards(tables, cluster, model, profiles, cons, bag_sizes, strategy, c
                 tried.append(f"{kind} -")
                 continue
             alternatives[kind] = alt
-            obj = estimate_placements(tables, alt, model, bag_sizes)[3]
+            alt_estimate = estimate_placements(tables, alt, model, bag_sizes)
+            obj = alt_estimate[3]
             tried.append(f"{kind} {fmt_ms(obj * 1e3)}")
             if uniform is None or obj < uniform[0] * (1 - 1e-9):
-                uniform = (obj, kind, alt)
+                uniform = (obj, kind, alt, alt_estimate)
         if uniform is not None and uniform[0] < best * (1 - 1e-9):
             # The best uniform plan beats the greedy one: keep it, then let refinement mix in
             # other kinds where that helps.
-            obj, kind, alt = uniform
+            obj, kind, alt, alt_estimate = uniform
             refined = search("auto", start=alt)
-            robj = estimate_placements(tables, refined, model, bag_sizes)[3]
+            refined_estimate = estimate_placements(tables, refined, model, bag_sizes)
+            robj = refined_estimate[3]
             # refinement never raises the objective; it may only have tidied (fewer bytes, same time)
-            best, plan = (robj, refined) if robj <= obj * (1 + 1e-9) else (obj, alt)
+            best, plan, estimate = ((robj, refined, refined_estimate) if robj <= obj * (1 + 1e-9)
+                                    else (obj, alt, alt_estimate))
             notes[0] += (f"; uniform {kind} {fmt_ms(obj * 1e3)} ms is better" +
                          (f", refined to {fmt_ms(robj * 1e3)} ms" if robj < obj * (1 - 1e-9) else "") + ", kept")
         if cluster.world_size > 1:
             notes.append("uniform strategies (ms; - does not fit): " + ", ".join(tried))
-            reasons = table_reasons(tables, plan, alternatives, model, bag_sizes, check_memory, cons)
+            reasons = table_reasons(tables, plan, estimate, alternatives, model, bag_sizes, check_memory, cons)
             notes.append("why = the kind that would come next for that table, and how much slower the plan "
                          "would be with only that table moved to it (its placement in that kind's uniform plan)")
     else:
         plan = search(strategy)
-    return plan, notes, reasons
+        estimate = estimate_placements(tables, plan, model, bag_sizes)
+    return plan, estimate, notes, reasons
 
 
 

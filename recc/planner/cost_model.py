@@ -179,6 +179,7 @@ class CostModel:
         self.slot_bytes = SLOT_MAP_BYTES if cluster.device_type == "cpu" else 0
         self.node = [r // self.G for r in range(self.W)]
         self.rank_node = np.asarray(self.node, dtype=np.intp)
+        self._links: dict[tuple, tuple] = {}   # _block_links of one owner
         self.granule = ACCESS_BYTES[cluster.device_type]
         slow = cluster.inter_node if self.N > 1 else cluster.intra_node
         self.i_slow = 1.0 / (slow.bw_gbps * 1e9) if self.W > 1 else 0.0
@@ -305,18 +306,14 @@ class CostModel:
             placement, kind = (TW, 0), TW
         node = self.rank_node
         if kind in (TW, CW):
-            owners = np.asarray((placement[1],) if kind == TW else placement[1], dtype=np.intp)
-            k = len(owners)
-            c, peer, m = self.tw_terms(p, p.dim // k, optimizer)
-            # A rank's traffic depends only on its node and whether it owns a block: one value
-            # per node for the others, one per node for owners.
-            per_node = np.bincount(node[owners], minlength=self.N)
-            comm = (peer * (per_node * self.ii + (k - per_node) * self.ie))[node]
+            owners = (placement[1],) if kind == TW else tuple(placement[1])
+            c, peer, m = self.tw_terms(p, p.dim // len(owners), optimizer)
+            at, links, own_links = self._block_links(owners)
+            comm = peer * links
+            comm[at] = peer * self.S + peer * own_links
             comp, mem = np.zeros(W), np.zeros(W)
-            comp[owners] = c
-            mem[owners] = m
-            pn = per_node[node[owners]]
-            comm[owners] = peer * self.S + peer * ((pn - 1) * self.ii + (k - pn) * self.ie)
+            comp[at] = c
+            mem[at] = m
         elif kind in (RW, TWRW):
             parts = W if kind == RW else self.G
             base = 0 if kind == RW else placement[1] * self.G
@@ -369,6 +366,26 @@ class CostModel:
                      + self.out(p, self.B, p.dim))
             comp, comm, mem = np.full(W, c, dtype=float), np.full(W, ex, dtype=float), np.full(W, m, dtype=float)
         return comp, comm, mem
+
+    def _block_links(self, owners: tuple[int, ...]):
+        """``(owners, links, own_links)`` of k blocks on ``owners``: per rank the seconds per byte
+        of its traffic with every owner, ``per_node[n] ii + (k - per_node[n]) ie`` (a rank's
+        traffic depends only on its node and whether it owns a block), and for the owners the
+        same less themselves, ``(per_node[n] - 1) ii + (k - per_node[n]) ie``. Kept for the
+        table-wise owners (W of them), the placements asked for most."""
+        hit = self._links.get(owners)
+        if hit is not None:
+            return hit
+        node = self.rank_node
+        at = np.asarray(owners, dtype=np.intp)
+        k = len(owners)
+        per_node = np.bincount(node[at], minlength=self.N)
+        links = (per_node * self.ii + (k - per_node) * self.ie)[node]
+        pn = per_node[node[at]]
+        out = (at, links, (pn - 1) * self.ii + (k - pn) * self.ie)
+        if k == 1:
+            self._links[owners] = out
+        return out
 
     def batchnorm_sync(self, channels: int) -> tuple[float, float, float]:
         """``(bytes sent per rank per step, seconds per step, latency per collective)`` of one

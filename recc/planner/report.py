@@ -18,13 +18,14 @@ from recc.planner.tiers import TierPlan, tier_notes
 from recc.specs import SHARDING_KINDS, Plan, RankEstimate, ShardSpec, StepEstimate, TableSpec, compress_ranks, fmt_ms
 
 
-def table_reasons(tables, placements, alternatives, model: CostModel, bag_sizes, check_memory: bool,
+def table_reasons(tables, placements, estimate, alternatives, model: CostModel, bag_sizes, check_memory: bool,
                   cons: dict) -> dict[str, str]:
     """Per table: its runner-up kind and what moving only this table there would cost the plan
     (a kind's placement of it taken from that kind's uniform plan; row_wise and data_parallel,
     which have one placement, also where their uniform plan did not fit), or why no kind could
-    take it instead. ``placements`` and ``alternatives`` (kind -> plan) map tables to placements."""
-    comp, comm, mem, base, _ = estimate_placements(tables, placements, model, bag_sizes)
+    take it instead. ``placements`` and ``alternatives`` (kind -> plan) map tables to placements;
+    ``estimate`` is the plan's ``estimate_placements``."""
+    comp, comm, mem, base, _ = estimate
     comp, comm, mem = np.asarray(comp), np.asarray(comm), np.asarray(mem)
     profiles = {n: model.profile(tables[n], (bag_sizes or {}).get(n, 1.0)) for n in placements}
     groups = {n: model.collective(profiles[n], placements[n]) for n in placements}
@@ -100,14 +101,11 @@ def estimate_placements(tables: dict[str, TableSpec], placements: dict[str, tupl
 def build_plan(tables: dict[str, TableSpec], shards: dict[str, ShardSpec], cluster: Cluster, model: CostModel,
                bag_sizes: Optional[dict[str, float]] = None, *, strategy: str = "auto",
                dense_flops_per_sample: Optional[float] = None, notes: Optional[list[str]] = None,
-               tiers: Optional[TierPlan] = None, placements: Optional[dict[str, tuple]] = None) -> Plan:
+               tiers: Optional[TierPlan] = None, estimate: Optional[tuple] = None) -> Plan:
     """A ``Plan`` for ``shards`` with the cost model's per-table and per-rank estimates; ``tiers``
-    (``place_tiers``) adds its cached tables' memory, I/O and stores. ``placements``: the shards'
-    placements, when the caller has them."""
-    if placements is None:
-        comp, comm, mem, _, cost = estimate_shards(tables, shards, model, bag_sizes)
-    else:
-        comp, comm, mem, _, cost = estimate_placements(tables, placements, model, bag_sizes)
+    (``place_tiers``) adds its cached tables' memory, I/O and stores. ``estimate``: the shards'
+    ``estimate_shards``, when the caller has it."""
+    comp, comm, mem, _, cost = estimate or estimate_shards(tables, shards, model, bag_sizes)
     W = model.W
     io = [0.0] * W
     store = [0.0] * W

@@ -58,13 +58,14 @@ class _State:
         self.tot = np.zeros(model.W)
         self.mem = np.zeros(model.W)
         self.groups: dict[tuple, int] = {}  # collective groups in the plan (CostModel.collective) -> tables
+        self._latency = None
+        self._latency_with: dict[frozenset, float] = {}
         self._changed()
 
     def _changed(self):
         self._T = None
         self._top = None
         self._per_rank = None
-        self._latency = None
 
     @property
     def T(self) -> float:
@@ -111,13 +112,16 @@ class _State:
 
     @property
     def latency(self) -> float:
-        if self._latency is None:   # asked for every candidate; the groups change only in apply
+        if self._latency is None:   # asked for every candidate; changes only when a group comes or goes
             self._latency = self.m.latency(k for k, c in self.groups.items() if c > 0)
         return self._latency
 
-    def latency_with(self, keys: Iterable[tuple]) -> float:
-        new = [k for k in set(keys) if self.groups.get(k, 0) <= 0]
-        return self.latency + self.m.latency(new)
+    def latency_with(self, keys: frozenset) -> float:
+        lat = self._latency_with.get(keys)
+        if lat is None:
+            new = [k for k in keys if self.groups.get(k, 0) <= 0]
+            lat = self._latency_with[keys] = self.latency + self.m.latency(new)
+        return lat
 
     def objective(self) -> float:
         return self.top + self.latency
@@ -133,7 +137,11 @@ class _State:
             self.tot = self.tot - dt
             self.mem = self.mem - dmem
         for k in keys:
-            self.groups[k] = self.groups.get(k, 0) + (1 if sign > 0 else -1)
+            before = self.groups.get(k, 0)
+            self.groups[k] = before + (1 if sign > 0 else -1)
+            if (before > 0) != (self.groups[k] > 0):   # the plan's groups changed: so do latencies
+                self._latency = None
+                self._latency_with.clear()
         self._changed()
 
 
@@ -181,8 +189,8 @@ class Search:
             u.cache[key] = self._dense(u, key)
         dt, dmem = u.cache[key]
         if kind == TWRW and placement[1]:
-            k = placement[1] * self.m.G
-            dt, dmem = np.roll(dt, k), np.roll(dmem, k)
+            rot = _rotations(self.m.W, self.m.G, self.m.N)[placement[1]]
+            dt, dmem = dt[rot], dmem[rot]
         return dt, dmem
 
     def _dense(self, u: Unit, placement: tuple):
@@ -223,15 +231,34 @@ class Search:
             u.cache[key] = work
         return u.cache[key]
 
+    def least_time(self, u: Unit, kind: str, k: int = 1) -> float:
+        """A lower bound on the time the unit adds to any one rank in any placement of ``kind``
+        (``k`` column blocks): the least of its delta where that does not depend on the plan;
+        for CW, ``k`` blocks' traffic at the fastest link (every rank talks to every owner, and
+        an owner to every other rank), less a margin far above rounding; 0 for TW."""
+        key = ("time", kind, k)
+        if key not in u.cache:
+            m = self.m
+            if kind == TW:
+                least = 0.0
+            elif kind == CW:
+                links = [x for x, n in ((m.ii, m.G > 1), (m.ie, m.N > 1)) if n]
+                least = self.tw_terms(u, k)[1] * k * min(links) * (1 - WORK_MARGIN) if links else 0.0
+            else:
+                least = float(self.dense(u, (kind, 0) if kind == TWRW else (kind,))[0].min())
+            u.cache[key] = least
+        return u.cache[key]
+
     def _floor(self, u: Unit, kind: str, k: int = 1) -> float:
         """A lower bound on the first element of any key of the unit in ``kind`` (``k`` blocks):
         every key is ``max(slowest rank after it, average rank after every table) + latencies``;
-        no rank gets faster, and the average is least with the least work (added in the order
-        the evaluations add it, so the bound holds in floats too)."""
+        the slowest rank now gets at least the unit's least time, and the average is least with
+        the least work (added in the order the evaluations add them, so the bound holds in
+        floats too)."""
         st = self.state
         bound = (st.T + self.least_work(u, kind, k) + self.remaining) / self.m.W
         stand_in = (kind, (0,) * k) if kind == CW else (kind, 0) if kind in (TW, TWRW) else (kind,)
-        return max(st.top, bound) + st.latency_with(self.keys(u, stand_in))
+        return max(st.top + self.least_time(u, kind, k), bound) + st.latency_with(self.keys(u, stand_in))
 
     def _over(self, u: Unit, placement: tuple, rank: int, need: float):
         over = need - self.cap
@@ -303,20 +330,20 @@ class Search:
 
     def candidates(self, u: Unit, cutoff: float = math.inf, work_below: float = math.inf, least: bool = True):
         """The best key and placement for each allowed kind (``[(key, placement, dense or None)]``),
-        leaving out the kinds that cannot matter to the caller: those whose every key's first
-        element is above ``cutoff``, or (``least``: the caller takes the least key) above the
-        first element of a key found already, and those whose every placement's work is
-        ``>= work_below`` (``tidy``'s test). Which entry an evaluated kind contributes never
-        changes: column_wise's block counts are left out one by one only when their keys' first
-        elements are all above the kind's best's."""
+        leaving out what cannot matter to the caller: a kind (or a column_wise block count)
+        whose keys' first element is provably above ``cutoff``, or (``least``: the caller takes
+        the least key) whose keys are provably above one found already, and a kind whose every
+        placement's work is ``>= work_below`` (``tidy``'s test). The bounds are ``_floor`` and
+        ``least_work``. With ``least`` the kinds are evaluated most promising first (the least
+        is the same in any order); without it in kind order, and every kind that can pass the
+        caller's tests contributes the entry it always did."""
         m = self.m
-        found = []
         best = (cutoff, math.inf)  # a key whose (first element, work) is above this cannot matter
 
-        def hopeless(kind, k=1):
-            floor, work = self._floor(u, kind, k), self.least_work(u, kind, k)
-            return floor > best[0] or (floor == best[0] and work > best[1])
+        def hopeless(bound, limit):
+            return bound[0] > limit[0] or (bound[0] == limit[0] and bound[1] > limit[1])
 
+        todo = []
         for kind in u.kinds:
             if kind in (RW, TWRW, DP) and TW in u.kinds and (m.W == 1 or (kind == TWRW and m.G == 1)):
                 continue  # one block on one rank: the table_wise layout under another name
@@ -326,34 +353,50 @@ class Search:
                 splits = [k for k in splits if not (k == 1 and (TW in u.kinds or len(splits) > 1))]
                 if all(self.least_work(u, CW, k) >= work_below for k in splits):
                     continue
-                options = []
-                for k in splits:
-                    if hopeless(CW, k):
+            elif self.least_work(u, kind) >= work_below:
+                continue
+            else:
+                splits = [1]
+            bounds = [((self._floor(u, kind, k), self.least_work(u, kind, k)), k) for k in splits]
+            bounds = [(bound, k) for bound, k in bounds if not hopeless(bound, best)]
+            if bounds:
+                todo.append((min(bound for bound, _ in bounds), KIND_INDEX[kind], kind, bounds))
+        if least:
+            todo.sort()
+        found = []
+        for _, _, kind, bounds in todo:
+            if least and all(hopeless(bound, best) for bound, _ in bounds):
+                continue
+            if kind == CW:
+                entry = None  # the best block count so far: a count whose keys are above it cannot win
+                for bound, k in bounds:
+                    if hopeless(bound, best) or (entry is not None and hopeless(bound, entry[0][:2])):
                         continue
                     scores = self.tw_best(u, k, CW, u.ranks, k)
                     if len(scores) >= k:  # the k ranks that take a block best
-                        options.append((CW, tuple(s[-1] for s in scores[:k])))
-                self._add_best(u, options, found)
-            else:
-                if self.least_work(u, kind) >= work_below or hopeless(kind):
-                    continue
-                if kind == TW:
-                    scores = self.tw_best(u, 1, TW, u.ranks)
-                    if scores:
-                        key = scores[0]
-                        found.append((key, (TW, key[-1]), None))
-                elif kind == TWRW:
-                    if u.node is None and m.N > 1 and _SEQUENTIAL_SUM:
-                        self._add_best_twrw(u, found)
-                    else:
-                        self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))],
-                                       found)
-                else:  # RW, DP
-                    placement = (kind,)
-                    dt, dmem = self.dense(u, placement)
-                    key = self.eval_dense(u, placement, dt, dmem)
-                    if key is not None:
-                        found.append((key, placement, (dt, dmem)))
+                        placement = (CW, tuple(s[-1] for s in scores[:k]))
+                        dt, dmem = self.dense(u, placement)
+                        key = self.eval_dense(u, placement, dt, dmem)
+                        if key is not None and (entry is None or key < entry[0]):
+                            entry = (key, placement, (dt, dmem))
+                if entry is not None:
+                    found.append(entry)
+            elif kind == TW:
+                scores = self.tw_best(u, 1, TW, u.ranks)
+                if scores:
+                    key = scores[0]
+                    found.append((key, (TW, key[-1]), None))
+            elif kind == TWRW:
+                if u.node is None and m.N > 1 and _SEQUENTIAL_SUM:
+                    self._add_best_twrw(u, found)
+                else:
+                    self._add_best(u, [(TWRW, n) for n in ([u.node] if u.node is not None else range(m.N))], found)
+            else:  # RW, DP
+                placement = (kind,)
+                dt, dmem = self.dense(u, placement)
+                key = self.eval_dense(u, placement, dt, dmem)
+                if key is not None:
+                    found.append((key, placement, (dt, dmem)))
             if least and found and found[-1][0][:2] < best:
                 best = found[-1][0][:2]
         return found
