@@ -21,7 +21,7 @@ from recc.planner.layouts import column_split, column_splits, placement_of, row_
 from recc.planner.report import build_plan, estimate_placements, estimate_shards, no_fit_message, table_reasons
 from recc.planner.search import NoFit, OverMemory, Search
 from recc.planner.tiers import CannotCache, check_access_profile, forced_choices, place_tiers
-from recc.specs import SHARDING_KINDS, Plan, ShardSpec, TableSpec, fmt_ms
+from recc.specs import SHARDING_KINDS, Plan, TableSpec, fmt_ms
 
 __all__ = ["plan_tables", "dense_flops_per_sample", "tables_from_preset", "normalize_constraints", "CostModel",
            "estimate_shards", "build_plan", "column_split", "column_splits", "row_blocks", "spec_for", "placement_of",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import sys
 from typing import Iterable, Optional
 
