@@ -85,6 +85,8 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
             if dp_exchange != "auto" and group.pooling in ("sum", "mean"):
                 op = f"dp_grad_{dp_exchange}"
             group.dp_comm = CommSpec(op, everyone, name=f"{op} {suffix}")
+            # The runtime runs this exchange inside the lookup's backward (recc.runtime.table_update):
+            # the lookup's line of the IR says so, "# comm dp_grad_allgather over [0, 1]".
             lookup.meta["recc.comm"] = group.dp_comm
             if any(t.jagged for t in group.tables):
                 unchecked.append(lookup)

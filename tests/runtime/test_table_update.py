@@ -86,3 +86,16 @@ def test_data_parallel_max_pooling_trains_like_eager_and_refuses_two_lookups_per
         for k, v in eager.state_dict().items():
             torch.testing.assert_close(r["state"][k], v, msg=k)
         assert r["refused"] is not None and "data-parallel max pooling recomputes the winners" in r["refused"]
+
+
+def test_the_lookup_line_says_where_backward_communicates():
+    """The exchange the path runs inside a data-parallel lookup's backward is on the lookup's
+    line of the IR (``insert_comm`` sets it, ``quantize_comm`` adds its codec): both kinds."""
+    for exchange in ("allgather", "allreduce"):
+        program = recc.compile(MaxAndSum(), recc.Cluster.local(2), example_inputs=_rank_batch(0, 0),
+                               config=recc.CompileConfig(sharding="data_parallel", comm_bwd="fp32",
+                                                         pass_options={"insert_comm": {"dp_exchange": exchange}}))
+        lookups = [line for line in program.ir.splitlines() if "recc.tbe_lookup" in line]
+        ops = sorted(line.split("# comm ")[1].split(" over ")[0] for line in lookups)
+        assert ops == sorted(["dp_grad_allgather", f"dp_grad_{exchange}"]), lookups   # max pooling always gathers
+        assert all("over [0, 1]" in line for line in lookups), lookups
