@@ -2,9 +2,10 @@
 
 ``recc.tbe_lookup[cuda]`` runs the table-update path (``recc.runtime.table_update``) on the
 CuPy TBE forward and, in backward, the fused sort / run-length / per-row optimizer kernels, in
-place, like the CPU backend (no weight gradient is ever built).  ``recc.pack_sparse[cuda]`` packs and validates on the device with a single host
-sync.  Collectives go through ``recc.runtime.comm`` (NCCL on GPUs), and every other op uses its
-torch reference, which runs on CUDA tensors as it is.
+place, like the CPU backend (no weight gradient is ever built); the path's collectives go
+through ``recc.runtime.comm`` (NCCL on GPUs). ``recc.pack_sparse[cuda]`` packs and validates on
+the device with a single host sync. Every other op uses its torch reference, which runs on
+CUDA tensors as it is.
 
 Importing this module needs neither CuPy nor a GPU: kernels load on their first launch.
 """
