@@ -27,12 +27,16 @@
  *     a zipf distribution) are cut into chunks of `seg` ids counted from the run's own start
  *     (chunk k: the run's ids [k*seg, (k+1)*seg)), each summed by its own group of threads
  *     into a partial row.
- *  5. tbe_update_*: one group of `lanes` threads per run (grid-stride), gradient summed in
+ *  5. tbe_long_run_combine_*, once per level of a tree cut from the run's own start: each
+ *     launch adds `fanin` rows of the level below into one, in a fixed order, until a long
+ *     run's whole gradient is one row (deterministic, and a group adds at most 2 * fanin rows
+ *     for a level-segment it owns, however many ids the row has).
+ *  6. tbe_update_*: one group of `lanes` threads per run (grid-stride), gradient summed in
  *     registers (D <= lanes*V*MAX_CHUNKS) — a short run's ids in index order, a long run's
- *     partials in chunk order (deterministic) — and the optimizer applied once.  A row's sum
- *     so depends only on its own ids in index order, never on the rows around it in the
- *     batch or on the row numbering (a cached group's slots sum as the rows they hold).
- *  Both kernels return at once when `err` is set (a bad id or, checked by tbe_linearize, a
+ *     one combined row — and the optimizer applied once.  A row's sum so depends only on
+ *     its own ids in index order, never on the rows around it in the batch or on the row
+ *     numbering (a cached group's slots sum as the rows they hold).
+ *  Kernels 4-6 return at once when `err` is set (a bad id or, checked by tbe_linearize, a
  *  malformed bag), so a bad batch writes nothing.
  *  fp16 and bf16 weights are read and updated in fp32 and written back with stochastic
  *  rounding (an unbiased rounding keyed by (seed, row, column), so small updates are not lost
@@ -361,7 +365,7 @@ __device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64
  * are spread over many groups instead of one: a long run [s, e) of the sorted ids is cut into
  * chunks of `seg` ids counted from its own start, chunk k = [s + k*seg, min(s + (k+1)*seg, e)),
  * tbe_long_run_partials sums each chunk (its ids one at a time, in index order) into a partial
- * row, and the update kernel adds a run's partials in chunk order.  The cuts are relative to the
+ * row, and tbe_long_run_combine adds a run's partials up (below).  The cuts are relative to the
  * run, so its sum depends only on its own ids: not on the schedule, nor on where the run lands
  * in the sorted batch (how many ids the rows sorted before it have, how rows are numbered).
  *
@@ -435,25 +439,84 @@ __device__ __forceinline__ void long_run_partials_body(
 PARTIALS(tbe_long_run_partials_v4, 4)
 PARTIALS(tbe_long_run_partials_v1, 1)
 
-/* A long run's gradient: its chunks' partials added in chunk order (0 + chunk 0 + chunk 1 ...). */
+/* A long run's chunk partials are then added up by a tree of launches, `fanin` children a node:
+ * level l (1, 2, ...) sums node m of a run, its level-(l-1) values for chunks
+ * [m*fanin^l, (m+1)*fanin^l) (children i = 0..fanin-1, fanin^(l-1) chunks each), one after another
+ * in child order, and writes the sum in place of the node's first child (the partial of chunk
+ * m*fanin^l).  After the last level a run's whole gradient is its first chunk's partial, and the
+ * update reads that one row.  The tree is cut from the run's own start, like its chunks, so the
+ * order of additions depends only on the run's ids; a group adds at most 2 * fanin rows for a
+ * level-segment, however long the run (the host launches levels while span < N: log_fanin(N / seg)).
+ *
+ * Who sums a node at level l: with span = seg * fanin^(l-1) (the ids under one child), the
+ * group of level-segment c = [c*span, (c+1)*span) of the sorted positions, for each child start
+ * in it that starts a node (child index a multiple of fanin) with a sibling after it.  Only runs
+ * longer than span have such a node, so, as for chunks, such a child belongs to the run covering
+ * the level-segment's first position or the one covering its last, and a run has at most one
+ * child start in a level-segment (its child starts are span apart).  Nodes are disjoint, so no
+ * group reads a row another group of the same launch writes. */
 template <int V>
-__device__ __forceinline__ void sum_partials(float (&g)[MAX_CHUNKS][V], i64 s, i64 e, int seg,
-                                             int d_first, int nchunks, int lanes, int D,
-                                             const float* __restrict__ partials) {
-    for (i64 q = s; q < e; q += seg) {
-        const int slot = q == s ? 1 : 0;
-        const float* row = partials + ((q / seg) * 2 + slot) * (i64)D;
+__device__ __forceinline__ void long_run_combine_body(
+        const int* __restrict__ run_idx, const int* __restrict__ run_start, i64 N, int D,
+        int lanes, int seg, i64 span, int fanin, float* __restrict__ partials, const u64* err) {
+    if (err[0] != ERR_NONE || err[1] != ERR_NONE) return;
+    const int lane = threadIdx.x % lanes;
+    const i64 group = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / lanes;
+    const i64 groups = ((i64)gridDim.x * blockDim.x) / lanes;
+    const int nchunks = (D + lanes * V - 1) / (lanes * V);
+    const i64 segments = (N + span - 1) / span;
+    for (i64 c = group; c < segments; c += groups) {
+        const i64 p0 = c * span, p1 = min(p0 + span, N);
+        const int first = run_idx[p0] - 1, last = run_idx[p1 - 1] - 1;
+        for (int which = 0; which < 2; ++which) {
+            const int run = which == 0 ? first : last;
+            if (which == 1 && last == first) break;
+            const i64 s = run_start[run], e = run_start[run + 1];
+            if (e - s <= span) continue;
+            /* the run's first child start at or after p0 */
+            const i64 k = s >= p0 ? 0 : (p0 - s + span - 1) / span;
+            const i64 q = s + k * span;
+            if (q >= p1 || k % fanin != 0 || q + span >= e) continue;
+            float g[MAX_CHUNKS][V];
 #pragma unroll
-        for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
-            const int d0 = d_first + cc * lanes * V;
-            if (cc >= nchunks || d0 >= D) continue;
-            Vec<V> r;
-            load_row(row + d0, r);
+            for (int cc = 0; cc < MAX_CHUNKS; ++cc)
 #pragma unroll
-            for (int k = 0; k < V; ++k) g[cc][k] += r.v[k];
+                for (int kk = 0; kk < V; ++kk) g[cc][kk] = 0.0f;
+            for (int i = 0; i < fanin; ++i) {
+                const i64 qi = q + i * span;
+                if (qi >= e) break;
+                const float* row = partials + ((qi / seg) * 2 + (qi == s ? 1 : 0)) * (i64)D;
+#pragma unroll
+                for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+                    const int d0 = lane * V + cc * lanes * V;
+                    if (cc >= nchunks || d0 >= D) continue;
+                    Vec<V> r;
+                    load_row(row + d0, r);
+#pragma unroll
+                    for (int kk = 0; kk < V; ++kk) g[cc][kk] += r.v[kk];
+                }
+            }
+            float* out = partials + ((q / seg) * 2 + (k == 0 ? 1 : 0)) * (i64)D;
+#pragma unroll
+            for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+                const int d0 = lane * V + cc * lanes * V;
+                if (cc < nchunks && d0 < D)
+#pragma unroll
+                    for (int kk = 0; kk < V; ++kk) out[d0 + kk] = g[cc][kk];
+            }
         }
     }
 }
+
+#define COMBINE(NAME, V)                                                                        \
+    extern "C" __global__ void NAME(const int* run_idx, const int* run_start, i64 N, int D,      \
+                                    int lanes, int seg, i64 span, int fanin, float* partials,   \
+                                    const u64* err) {                                          \
+        long_run_combine_body<V>(run_idx, run_start, N, D, lanes, seg, span, fanin, partials,   \
+                                 err);                                                          \
+    }
+COMBINE(tbe_long_run_combine_v4, 4)
+COMBINE(tbe_long_run_combine_v1, 1)
 
 /* Applies the optimizer to one row.  All lanes of the warp call it (inactive groups with
  * active = false), because rowwise_adagrad reduces over the group with shuffles. */
@@ -528,7 +591,7 @@ __device__ __forceinline__ void apply_row(float (&g)[MAX_CHUNKS][V], bool active
 }
 
 /* One group of `lanes` threads per run (grid-stride over runs): a short run's ids summed in
- * index order, a long run's partials in chunk order; the optimizer applied once. */
+ * index order, a long run's gradient read from its combined row; the optimizer applied once. */
 template <typename W, int V>
 __device__ __forceinline__ void update_body(
         W* __restrict__ weights, int D, float* __restrict__ m1, float* __restrict__ m2,
@@ -561,9 +624,20 @@ __device__ __forceinline__ void update_body(
         for (int c = 0; c < MAX_CHUNKS; ++c)
 #pragma unroll
             for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
-        if (active && e - s > seg)
-            sum_partials<V>(g, s, e, seg, lane * V, nchunks, lanes, D, partials);
-        else if (active)
+        if (active && e - s > seg) {
+            /* a long run: its whole gradient, left by the last combine level in place of its
+             * first chunk's partial */
+            const float* row = partials + ((s / seg) * 2 + 1) * (i64)D;
+#pragma unroll
+            for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+                const int d0 = lane * V + cc * lanes * V;
+                if (cc >= nchunks || d0 >= D) continue;
+                Vec<V> r;
+                load_row(row + d0, r);
+#pragma unroll
+                for (int k = 0; k < V; ++k) g[cc][k] += r.v[k];
+            }
+        } else if (active)
             accumulate<V>(g, s, e, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
                           go, psw, mean);
         apply_row<W, V>(g, active, active ? (i64)sorted[s] : 0, lane * V, nchunks, lanes, D,

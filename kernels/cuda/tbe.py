@@ -39,6 +39,10 @@ MAX_CHUNKS = 8  # matches tbe.cu
 # ids), each summed by its own group of threads (tbe.cu: tbe_long_run_partials); a group sums at
 # most that many ids one after another.
 MIN_SEGMENT = 64
+# The chunks' partial rows of a long run are added up by a tree of tbe_long_run_combine
+# launches, this many rows into one per level: a thread adds at most 2 * COMBINE_FANIN rows per
+# launch, and log_COMBINE_FANIN(N / chunk) levels cover any run (3 at a million ids, chunk 64).
+COMBINE_FANIN = 32
 
 
 def long_run_segment(D: int) -> int:
@@ -247,13 +251,24 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     partials = None
     if N > segment:  # only then can a run be long
         # [segment][slot][D]: chunk k of a long run starting at sorted position q goes to
-        # [q // segment][k == 0]; only those are written, and only those are read
+        # [q // segment][k == 0]; only those are written, and only those are read (the combine
+        # levels add them up in place, into the run's first chunk's row)
         segments = -(-N // segment)
         partials = torch.empty(segments * 2 * D, dtype=torch.float32, device=dev)
         loader.launch(SOURCE, f"tbe_long_run_partials_v{V}", dev, min(-(-segments // groups_per_block), sms * 16),
                       THREADS, (sorted_rows, run_idx, run_start, perm, bag_of, off, np.int32(T), np.int64(B), go,
                                 psw, np.int32(pooling == "mean"), np.int64(N), np.int32(D), np.int32(lanes),
                                 np.int32(segment), partials, err))
+        # Level l adds up nodes of COMBINE_FANIN children of span = segment * fanin^(l-1) ids
+        # each; a run with more than span ids has such a node, and no run has more than N.
+        span = segment
+        while span < N:
+            level_segments = -(-N // span)
+            loader.launch(SOURCE, f"tbe_long_run_combine_v{V}", dev,
+                          min(-(-level_segments // groups_per_block), sms * 16), THREADS,
+                          (run_idx, run_start, np.int64(N), np.int32(D), np.int32(lanes), np.int32(segment),
+                           np.int64(span), np.int32(COMBINE_FANIN), partials, err))
+            span *= COMBINE_FANIN
     loader.launch(SOURCE, f"tbe_update_{_suffix(weights, V)}", dev, min(-(-N // groups_per_block), sms * 16),
                   THREADS, args + (partials, err))
     _bump_version(weights)
