@@ -3,9 +3,13 @@ reference.
 
 A row with more ids than ``L = long_run_segment(D)`` is summed chunk by chunk, chunk k being its
 ids ``[s + k L, s + (k + 1) L)`` counted from the run's own start ``s``: ``tbe_long_run_partials``
-writes chunk k, starting at sorted position q, into ``partials[q // L][k == 0]`` and the update
-adds the run's chunks in order. The edge cases are a run that starts or ends exactly on a
-multiple of ``L`` — and the batch ends there too. ``test_cuda_emulated``'s long-run
+writes chunk k, starting at sorted position q, into ``partials[q // L][k == 0]``, and
+``tbe_long_run_combine`` adds a run's chunks up by a tree cut from the run's start, ``fanin``
+rows into one per level, in place of each node's first child, until the update reads the run's
+first chunk's row. The edge cases are a run that starts or ends exactly on a multiple of ``L``
+— and the batch ends there too — and, for the tree, a node with one child, a run of exactly
+``fanin ** l`` chunks, and runs whose chunks are trees several levels deep (a fan-in of 2 or 3
+here, so a small batch has them). ``test_cuda_emulated``'s long-run
 test shuffles 50 random ids into its batch, so its run boundaries land where they may and never
 exactly on one; here the ids are laid out so they do, and the sums are exact in fp32 (integer
 gradients, lr a power of two), so the result must equal the reference bit for bit: a segment of
@@ -41,6 +45,10 @@ LAYOUTS = {
     "starts-inside-ends-on": (10, 2 * SEG - 10, 2 * SEG, 1),
     # exactly one segment (the longest run summed directly) next to runs one more than a segment
     "one-segment-and-one-more": (SEG, SEG + 1, SEG - 1, SEG + 1, SEG - 1),
+    # trees: 9 chunks ending on a boundary (one child more than 8 = 2**3), 8 chunks from inside a
+    # segment, 27 chunks plus one id (one more than 3**3: a last node of one child at every level),
+    # 4 chunks (a full tree for fan-in 2), and a short run at the end
+    "trees": (9 * SEG, 5, 8 * SEG, 27 * SEG + 1, 4 * SEG, 2),
 }
 
 
@@ -58,10 +66,12 @@ def _run_bounds(ids):
     return list(zip((ends - counts).tolist(), ends.tolist()))
 
 
+@pytest.mark.parametrize("fanin", [2, 3, gpu.COMBINE_FANIN], ids=lambda f: f"fanin{f}")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("seed", [None, 3], ids=["in-order", "seeded"])
-def test_long_runs_on_segment_boundaries_equal_the_reference_exactly(layout, seed):
+def test_long_runs_on_segment_boundaries_equal_the_reference_exactly(layout, seed, fanin, monkeypatch):
     assert gpu.long_run_segment(D) == SEG
+    monkeypatch.setattr(gpu, "COMBINE_FANIN", fanin)   # the kernels take it as an argument
     lengths = LAYOUTS[layout]
     g = torch.Generator().manual_seed(11)
     ids, offsets = _batch(lengths, g)
@@ -83,7 +93,7 @@ def test_long_runs_on_segment_boundaries_equal_the_reference_exactly(layout, see
     emulator.launches.clear()
     with emulator.emulated(seed=seed, sm_count=1):
         gpu.tbe_backward_update(w, {}, ids, offsets, hsc, grad, T=1, B=B, optimizer="sgd", lr=0.5)
-    assert "tbe_long_run_partials_v4" in emulator.launches
+    assert "tbe_long_run_partials_v4" in emulator.launches and "tbe_long_run_combine_v4" in emulator.launches
     wrong = [r for r in range(R) if not torch.equal(w[r], w_ref[r])]
     assert not wrong, (f"rows {wrong} differ from the reference (runs {bounds}): max diff "
                        f"{float((w - w_ref).abs().max())}")

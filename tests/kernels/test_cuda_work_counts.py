@@ -3,29 +3,29 @@ are spread over threads, so no thread's loads grow with the row's id count, and 
 gradient row, each touched weight row and its state are read and written once.
 
 One table, D = 32 (8 lanes of 4 columns per row, chunks of ``long_run_segment(32)`` = 64 ids),
-a hot row with 64, 1,000 or 4,000 ids among 4 cold rows of 2 ids each.  What is measured
-(``counting.py``): global-memory accesses per CUDA thread over a launch, as g++ compiles the
-kernel (an fp32 row's 4 columns are 4 loads).  ``max_loads_per_thread`` bounds the longest chain
-of dependent loads from above; it is not a trace of the chain.
+a hot row with 64, 1,000, 4,000, 16,000 or 64,000 ids among 4 cold rows of 2 ids each.  What is
+measured (``counting.py``): global-memory accesses per CUDA thread over a launch, as g++ compiles
+the kernel (an fp32 row's 4 columns are 4 loads).  ``max_loads_per_thread`` bounds the longest
+chain of dependent loads from above; it is not a trace of the chain.
 
 The bounds, with L = 64 and one id costing a lane 2 index loads (its position in the sort, its
-bag) and 4 row loads:
+bag) and 4 row loads, F = ``COMBINE_FANIN`` = 32:
 
 - every kernel: at most ``2 * L * 6 + 32`` loads per thread (a group sums at most two chunks;
   the 32 covers the run bounds, the optimizer's row and state);
-- every kernel but the update makes the same number of loads per thread at 1,000 ids as at
-  4,000;
-- the update adds a long run's chunk partials one after another: its busiest thread makes 4
-  more loads per chunk (one partial row), and that is all that grows, at 1/64 of the id count.
-  It is the design's remaining growth: past ~6,000 ids of one row the update's thread makes more
-  loads than a chunk's, past ~12,600 it breaks the bound above (a second level of partials, or a
-  whole block adding a run's partials, would make it flat);
+- every kernel but the combine makes the same number of loads per thread at 1,000, 4,000,
+  16,000 and 64,000 ids: the update reads a long run's gradient as one combined row;
+- the combine (a tree of launches adding F rows of the level below into one) makes at most
+  ``2 * F * 4 + 8`` loads per thread in a launch, the same at 4,000 ids as at 64,000: a longer
+  run adds levels (launches, one per factor F of the batch's chunks), never loads to a thread;
+- each partial row written (a chunk's, a node's) is read exactly once, by the next level or the
+  update;
 - bytes: the gradient is read exactly once per id (``N * D * 4`` bytes); the touched weight
   rows are read once and written once; reads of arrays (not of the 16-byte error record and the
   run count, which every thread reads) are within 3x of the minimum (the ids, one gradient row per
   id, the touched rows and their state), the excess being the index arrays each lane reads for
   itself; writes are the touched rows and state plus the sort's scratch
-  (12 bytes per id: row and bag, run flags) and one partial row per chunk.
+  (12 bytes per id: row and bag, run flags) and the partial rows (chunks and tree nodes).
 """
 from __future__ import annotations
 
@@ -48,10 +48,27 @@ SEG = 64
 LANES, COLUMNS = 8, 4  # a row of 32 fp32 columns: 8 lanes of 4 (tbe.py: _lanes, _vector_width)
 LOADS_PER_ID = 2 + COLUMNS
 LOADS_BOUND = 2 * SEG * LOADS_PER_ID + 32
-HOT_IDS = (64, 1000, 4000)
-# tbe.cu's parameter positions of grad_output (the PARTIALS and UPDATE macros)
+FANIN = gpu.COMBINE_FANIN
+COMBINE_BOUND = 2 * FANIN * COLUMNS + 8  # two nodes of F rows, and the run bounds
+HOT_IDS = (64, 1000, 4000, 16000, 64000)
+# tbe.cu's parameter positions (the PARTIALS, COMBINE and UPDATE macros)
 GRAD_ARG = {"tbe_long_run_partials": 8, "tbe_update": 12}
-PARTIALS_ARG = 15  # tbe_long_run_partials' output
+PARTIALS_ARG = {"tbe_long_run_partials": 15, "tbe_long_run_combine": 8, "tbe_update": 28}
+
+
+def _chunks(n: int) -> int:
+    """Partial rows of a run of n ids: one per chunk, if the run is long."""
+    return math.ceil(n / SEG) if n > SEG else 0
+
+
+def _node_rows(chunks: int) -> int:
+    """Rows the combine levels write for a run of that many chunks: level l's nodes with two
+    children or more (children of F**(l-1) chunks each)."""
+    rows, width = 0, 1
+    while width < chunks:
+        rows += math.ceil((chunks - width) / (width * FANIN))
+        width *= FANIN
+    return rows
 
 
 def _batch(n_hot: int):
@@ -91,18 +108,35 @@ def test_no_threads_loads_grow_with_a_hot_rows_ids(opt, wdtype):
     assert gpu.long_run_segment(D) == SEG  # the bounds are L's
     for n, (counts, w, w_ref, N) in runs.items():
         if wdtype == torch.float32:
-            # 4,000 terms summed chunk by chunk, the reference one by one: within rounding
-            assert float((w - w_ref).abs().max()) <= 1e-4 * float(w_ref.abs().max()), n
-        partials, = counts.of("tbe_long_run_partials")   # launched: the batch has more than L ids
-        # a run of L ids is summed directly (no partial row written), a longer one in chunks
-        assert partials.by_argument[PARTIALS_ARG][1] == (math.ceil(n / SEG) * D * 4 if n > SEG else 0), n
-    # flat in the id count: every kernel but the update
-    (c1, *_), (c4, *_) = runs[1000], runs[4000]
-    for prefix in ("tbe_linearize", "tbe_run_flags", "tbe_run_bounds", "tbe_long_run_partials"):
-        assert _max_loads(c4, prefix) == _max_loads(c1, prefix), prefix
-    # the update: one partial row (COLUMNS loads per lane) per chunk of the hot row, nothing else
-    chunks = {n: math.ceil(n / SEG) for n in (1000, 4000)}
-    assert _max_loads(c4, "tbe_update") - _max_loads(c1, "tbe_update") == COLUMNS * (chunks[4000] - chunks[1000])
+            # the reference adds the n terms one by one (within n fp32 roundings of the exact
+            # sum), the kernels chunk by chunk and node by node
+            assert float((w - w_ref).abs().max()) <= n * 2 ** -24 * float(w_ref.abs().max()), n
+    # flat in the id count: every kernel but the combine, the update included (it reads a long
+    # run's gradient as one row, whatever the run's length)
+    big = [n for n in HOT_IDS if n >= 1000]
+    for prefix in ("tbe_linearize", "tbe_run_flags", "tbe_run_bounds", "tbe_long_run_partials", "tbe_update"):
+        loads = {n: _max_loads(runs[n][0], prefix) for n in big}
+        assert len(set(loads.values())) == 1, (prefix, loads)
+    # the combine: at most two nodes of F rows a thread, reached once a node is full (4,000 ids:
+    # 63 chunks) and never passed; longer runs add levels, one per factor F of the batch's chunks
+    for n in big:
+        counts = runs[n][0]
+        combine = counts.of("tbe_long_run_combine")
+        levels = next(l for l in range(1, 10) if SEG * FANIN ** l >= runs[n][3])   # a run of N ids
+        assert len(combine) == levels, n
+        assert _max_loads(counts, "tbe_long_run_combine") <= COMBINE_BOUND, n
+    full = [_max_loads(runs[n][0], "tbe_long_run_combine") for n in big if _chunks(n) >= FANIN]
+    assert len(full) >= 2 and len(set(full)) == 1, full
+    # every partial row is written once and read once (by the next level, or by the update: the
+    # combined row, one per long run)
+    for n, (counts, *_) in runs.items():
+        assert counts.of("tbe_long_run_partials")[0].by_argument[PARTIALS_ARG["tbe_long_run_partials"]][1] \
+            == _chunks(n) * D * 4, n
+        moved = {p: [sum(r.by_argument[PARTIALS_ARG[p]][i] for r in counts.of(p)) for i in (0, 1)]
+                 for p in PARTIALS_ARG}
+        assert moved["tbe_long_run_combine"][1] == _node_rows(_chunks(n)) * D * 4, n
+        assert moved["tbe_update"][0] == (D * 4 if _chunks(n) else 0), n
+        assert sum(r for r, _ in moved.values()) == sum(w for _, w in moved.values()), (n, moved)
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -126,5 +160,5 @@ def test_the_backward_reads_and_writes_each_row_once(opt, wdtype):
         min_read = N * 8 + N * D * 4 + touched * (D * w_size + state_row)
         min_written = touched * (D * w_size + state_row)
         assert read <= 3 * min_read, (n, read, min_read)
-        partial_rows = math.ceil(n / SEG) if n > SEG else 0
+        partial_rows = _chunks(n) + _node_rows(_chunks(n))
         assert written <= min_written + 12 * N + 4 * (touched + 1) + partial_rows * D * 4, (n, written)
