@@ -471,3 +471,23 @@ def test_a_pass_tolerance_loosens_verification_from_it_on_where_its_condition_ho
     seen.clear()
     recc.compile(tiny, pipeline=spec, config=recc.CompileConfig(init_seed=7))
     assert seen == [("trace", None), ("discover_tables", 1e-4), ("required_for_test", 1e-4), ("shard_tables", 1e-4)]
+
+
+def test_compile_leaves_the_cycle_collector_as_it_found_it(tiny, monkeypatch):
+    """Collection is off while compiling (a full collection walks every stage's objects) and back
+    to the caller's setting after, also when the compile fails."""
+    import gc
+    seen = []
+    monkeypatch.setattr(recc.ir, "verify", lambda gm, **kw: seen.append(gc.isenabled()))
+    assert gc.isenabled()
+    recc.compile(tiny, pipeline="discover_tables")
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(KeyError):
+        recc.compile(tiny, pipeline="no_such_pass")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        recc.compile(tiny, pipeline="discover_tables")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
