@@ -107,3 +107,67 @@ def test_equal_table_row_wise_tables_spread_one_per_node(nodes):
     assert used == list(range(nodes)), {n: s.describe() for n, s in plan.shards.items()}
     times = [e.lookup_ms + e.comm_ms for e in plan.rank_estimates]
     assert max(times) == pytest.approx(min(times), rel=1e-6), times
+
+
+def _mixed_tables(strategy: str, n: int = 60):
+    """Tables of mixed sizes, widths, pooling and bag sizes, so that every kind wins somewhere."""
+    import random
+    rng = random.Random(7)
+    tables, bags = {}, {}
+    for i in range(n):
+        pooling = rng.choice(["sum", "sum", "none"] if strategy == "table_row_wise" else ["sum", "mean", "none"])
+        tables[f"t{i}"] = TableSpec(name=f"t{i}", short=f"t{i}", rows=int(10 ** rng.uniform(1, 6)),
+                                    dim=rng.choice([4, 8, 16, 64, 128]), pooling=pooling, weight_key=f"t{i}.weight")
+        bags[f"t{i}"] = float(rng.choice([1, 3, 20]))
+    return tables, bags
+
+
+def _named_cluster(name: str) -> Cluster:
+    from pathlib import Path
+    if name == "3x2":
+        return cluster(3)
+    return Cluster.from_yaml(Path(__file__).resolve().parents[2] / "clusters" / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "column_wise", "table_row_wise"])
+@pytest.mark.parametrize("clusters", ["3x2", "zionex-16x8"])
+def test_the_search_s_bounds_hold_for_every_candidate(monkeypatch, strategy, clusters):
+    """The search leaves out kinds and column counts whose keys its lower bounds put above a key
+    found already (``Search._floor`` on a key's first element, ``least_work`` on its work). At
+    every choice the search makes, each kind's best key, evaluated in full, is at or above its
+    bounds."""
+    c = _named_cluster(clusters)
+    tables, bags = _mixed_tables(strategy)
+    checked = []
+    full = Search.candidates
+
+    def candidates(self, u, *args, **kwargs):
+        for key, placement, _ in full(self, u, least=False):   # every kind, every block count
+            kind = placement[0]
+            k = len(placement[1]) if kind == "column_wise" else 1
+            assert key[0] >= self._floor(u, kind, k), (u.label, placement, key)
+            assert key[1] >= self.least_work(u, kind, k), (u.label, placement, key)
+            checked.append(kind)
+        return full(self, u, *args, **kwargs)
+
+    monkeypatch.setattr(Search, "candidates", candidates)
+    plan_tables(tables, c, strategy=strategy, batch_size=4096, bag_sizes=bags)
+    assert len(set(checked)) > 1 or strategy != "auto", set(checked)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "column_wise", "table_row_wise"])
+@pytest.mark.parametrize("clusters", ["3x2", "zionex-16x8"])
+def test_the_search_s_bounds_never_change_a_plan(monkeypatch, strategy, clusters):
+    """With the bounds off (every candidate evaluated) the plan is the same, to the last digit
+    of its estimates and reasons."""
+    c = _named_cluster(clusters)
+    tables, bags = _mixed_tables(strategy)
+
+    def plan():
+        p = plan_tables(tables, c, strategy=strategy, batch_size=4096, bag_sizes=bags)
+        return p.shards, p.notes, p.table_reasons, p.rank_estimates
+
+    bounded = plan()
+    monkeypatch.setattr(Search, "_floor", lambda self, u, kind, k=1: -float("inf"))
+    monkeypatch.setattr(Search, "least_work", lambda self, u, kind, k=1: -float("inf"))
+    assert plan() == bounded
