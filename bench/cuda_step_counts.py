@@ -1,6 +1,6 @@
 """Launches and kernel work per training step of the CUDA backend, counted on the CPU emulator.
 
-    python bench/cuda_step_counts.py [--preset small] [--batch 256] [--steps 3]
+    python -m bench.cuda_step_counts [--preset small] [--batch 256] [--steps 3]
                                      [--optimizer rowwise_adagrad] [--table-dtype fp32]
 
 A ``small``-like DLRM (its tables cut to 2,000 rows each, so a small batch has hot rows) is

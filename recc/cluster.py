@@ -106,7 +106,7 @@ class StorageSpec:
         return max(t, n / iops) if iops else t
 
 
-# This machine's disk as `python bench/disk_tier.py --dir /var/tmp/recc-disk` measured it on
+# This machine's disk as `python -m bench.disk_tier --dir /var/tmp/recc-disk` measured it on
 # 2026-12-05 (root ext4 volume, /dev/vda, 256 GB; page cache dropped before each read): the median
 # of three runs on a VM whose disk other jobs were using (they spread 2-5x: sequential read
 # 0.41-2.17 GB/s, write 0.11-0.38 GB/s with fdatasync; 4 KiB random pread with 4 threads in

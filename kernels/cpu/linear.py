@@ -3,7 +3,7 @@ oneDNN and MKL for its shape on this CPU.
 
 torch's ``F.linear`` on CPU calls MKL's sgemm, which on non-Intel x86 CPUs (this project's AMD
 EPYC with AVX-512) runs a slower code path; oneDNN dispatches on the CPU's instruction set
-instead. On the EPYC (one core, B=2048, ``python bench/dense_kernels.py``) forward and input
+instead. On the EPYC (one core, B=2048, ``python -m bench.dense_kernels``) forward and input
 gradient ran ~10% faster through oneDNN and the weight gradient 1.6-1.75x; on an Intel Xeon MKL's
 weight gradient was 1.2-2.4x oneDNN's, and its forward + ReLU 0.55-1.1x oneDNN's fused one,
 layer by layer and from one day to the next. So each large product (forward, input gradient,
