@@ -242,10 +242,174 @@ def _zoo_user_tower(z, rows, dim, fields, width):
                           f"dim {dim}, rows {min(vocab.values()):,}-{max(vocab.values()):,}; hidden {8 * width}")
 
 
+# The issue-41 entries (bench.lib.zoo_shared, bench.lib.zoo_forward). Where a class reads its sizes
+# from module constants (zoo_forward's), ``_same_class`` builds an instance of that very class with
+# its modules at the bench's sizes: the forward that runs is the zoo's, unchanged.
+
+def _same_class(cls, **modules):
+    model = cls.__new__(cls)
+    nn.Module.__init__(model)
+    for name, value in modules.items():
+        setattr(model, name, value)
+    return model
+
+
+def _zoo_deepfm_shared(z, rows, dim, fields, width):
+    from bench.lib import zoo_shared as zs
+
+    base = zs.SHARED_FM_COLUMNS  # C3 reads C2's table: every fourth feature shares the one before
+    n = fields or len(base)
+    vocab = _scaled_vocab([f.vocabulary_size for f in base], rows, n)
+    cols = []
+    for i in range(n):
+        shares = base[i % len(base)].embedding_name != base[i % len(base)].name
+        cols.append(zs.SharedFeat(f"C{i}", vocab[i - 1] if shares else vocab[i], dim, f"C{i - 1}" if shares else f"C{i}"))
+    _float_ids_ok(vocab)
+    torch.manual_seed(21)
+    hidden = (16 * width, 8 * width)
+    model = zs.SharedDeepFM(cols, zs.SHARED_FM_DENSE, hidden)
+
+    def batch(step, B):  # zoo_shared.batch_deepfm_shared: ids as float columns, then dense columns
+        g = z._gen(21, step)
+        ids = [torch.randint(0, f.vocabulary_size, (B, 1), generator=g).float() for f in cols]
+        return (torch.cat(ids + [torch.rand(B, zs.SHARED_FM_DENSE, generator=g)], dim=1),), z._labels(g, (B, 1))
+
+    tables = len({f.embedding_name for f in cols})
+    return model, batch, (f"{n} features on {tables} tables x dim {dim} (+ {tables} dim-1), each read by the FM and "
+                          f"DNN parts, rows {min(vocab):,}-{max(vocab):,}; DNN {hidden}")
+
+
+def _zoo_din(z, rows, dim, fields, width):
+    from bench.lib import zoo_shared as zs
+
+    # DIN's forward names its user, candidate and history features: the field count stays the zoo's.
+    L = 20
+    vocab = dict(zip(["user", "item_id", "cate_id"], _scaled_vocab([f.vocabulary_size for f in zs.DIN_COLUMNS], rows, 3)))
+    _float_ids_ok(vocab.values())
+    cols = [zs.SharedFeat(f.name, vocab[f.embedding_name], dim, f.embedding_name) for f in zs.DIN_COLUMNS]
+    seq = [zs.SeqFeat(f.name, vocab[f.embedding_name], dim, f.embedding_name, L) for f in zs.DIN_SEQ]
+    torch.manual_seed(22)
+    hidden = (16 * width, 8 * width)
+    model = zs.DIN(cols, seq, hidden)
+
+    def batch(step, B):  # zoo_shared.batch_din: ids from 1, histories padded with 0, all as floats
+        g = z._gen(22, step)
+        ids = [torch.randint(1, f.vocabulary_size, (B, 1), generator=g) for f in cols]
+        length = torch.randint(1, L + 1, (B, 1), generator=g)
+        keep = torch.arange(L)[None, :] < length
+        hist = [torch.randint(1, f.vocabulary_size, (B, L), generator=g) * keep for f in seq]
+        return (torch.cat(ids + hist, dim=1).float(),), z._labels(g, (B, 1))
+
+    return model, batch, (f"user + candidate item/category + a padded history [B, {L}] on the item and category "
+                          f"tables, dim {dim}, rows {min(vocab.values()):,}-{max(vocab.values()):,}; DNN {hidden}")
+
+
+def _zoo_youtube_dnn(z, rows, dim, fields, width):
+    from bench.lib import zoo_shared as zs
+
+    # YouTubeDNN's forward names its inputs: the field count stays the zoo's (items 50 : users 20).
+    items, users = _scaled_vocab([50, 20], rows, 2)
+    torch.manual_seed(23)
+    model = zs.YouTubeDNN(items, users, dim)
+    hidden = 16 * width
+    model.tower = nn.Sequential(nn.Linear(3 * dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+    watched_max = 20
+
+    def batch(step, B):  # zoo_shared.batch_youtube_dnn with 1-20 watched items
+        g = z._gen(23, step)
+        lengths = torch.randint(1, watched_max + 1, (B,), generator=g)
+        watched = torch.randint(0, items, (int(lengths.sum()),), generator=g)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        return ((torch.randint(0, users, (B,), generator=g), watched, offsets,
+                 torch.randint(0, items, (B,), generator=g), torch.randint(0, items, (B, 3), generator=g)),
+                z._labels(g, (B,)))
+
+    return model, batch, (f"item table {items:,} x {dim} read as a sum bag (1-{watched_max} watched), 3 recent "
+                          f"clicks and the candidate; users {users:,}; tower {hidden}")
+
+
+def _zoo_mmoe(z, rows, dim, fields, width):
+    from bench.lib import zoo_forward as zf
+
+    # MMOE's forward counts zf.MMOE_VOCAB's fields: the field count stays the zoo's.
+    vocab = _scaled_vocab(zf.MMOE_VOCAB, rows, len(zf.MMOE_VOCAB))
+    experts, expert_dim, tower_dim = 3, 8 * width, 4 * width
+    d_in = len(vocab) * dim + zf.MMOE_DENSE
+    torch.manual_seed(43)
+    model = _same_class(
+        zf.MMOE,
+        embedding_dict=nn.ModuleDict({f"C{i}": nn.EmbeddingBag(v, dim, mode="sum") for i, v in enumerate(vocab)}),
+        experts=nn.ModuleList(nn.Sequential(nn.Linear(d_in, expert_dim), nn.ReLU()) for _ in range(experts)),
+        gates=nn.ModuleList(nn.Linear(d_in, experts, bias=False) for _ in range(2)),
+        towers=nn.ModuleList(nn.Sequential(nn.Linear(expert_dim, tower_dim), nn.ReLU(), nn.Linear(tower_dim, 1))
+                             for _ in range(2)))
+
+    def batch(step, B):  # zoo_forward.batch_mmoe: dense [B, 2] and ids [B, F]
+        g = z._gen(43, step)
+        dense = torch.rand(B, zf.MMOE_DENSE, generator=g)
+        ids = torch.stack([torch.randint(0, v, (B,), generator=g) for v in vocab], dim=1)
+        return (dense, ids), z._labels(g, (B, 2))
+
+    return model, batch, (f"{len(vocab)} sum bags x dim {dim}, rows {min(vocab):,}-{max(vocab):,}; "
+                          f"{experts} experts of {expert_dim}, 2 gates, 2 towers of {tower_dim}")
+
+
+def _zoo_dice_mlp(z, rows, dim, fields, width):
+    from bench.lib import zoo_forward as zf
+
+    # DiceMLP's forward names zf.DICE_VOCAB's fields: the field count stays the zoo's.
+    keys = list(zf.DICE_VOCAB)
+    vocab = _scaled_vocab([zf.DICE_VOCAB[k] for k in keys], rows, len(keys))
+    _float_ids_ok(vocab)
+    hidden = (16 * width, 8 * width)
+    dims = [len(keys) * dim + zf.DICE_DENSE, *hidden]
+    torch.manual_seed(41)
+    model = _same_class(
+        zf.DiceMLP,
+        embedding_dict=nn.ModuleDict({k: nn.Embedding(v, dim) for k, v in zip(keys, vocab)}),
+        linears=nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:])),
+        activations=nn.ModuleList(zf.Dice(b) for b in hidden),
+        out=nn.Linear(hidden[-1], 1))
+
+    def batch(step, B):  # zoo_forward.batch_dice_mlp: ids as float columns, then dense columns
+        g = z._gen(41, step)
+        ids = [torch.randint(0, v, (B, 1), generator=g).float() for v in vocab]
+        return (torch.cat(ids + [torch.rand(B, zf.DICE_DENSE, generator=g)], dim=1),), z._labels(g, (B, 1))
+
+    return model, batch, f"{len(keys)} tables x dim {dim}, rows {min(vocab):,}-{max(vocab):,}; Dice MLP {hidden}"
+
+
+def _zoo_din_pooling(z, rows, dim, fields, width):
+    from bench.lib import zoo_forward as zf
+
+    # DIN's forward names its user, item and history: the field count stays the zoo's.
+    users, items = _scaled_vocab([zf.DIN_USERS, zf.DIN_ITEMS], rows, 2)
+    L, hidden = 20, 8 * width
+    torch.manual_seed(42)
+    model = _same_class(
+        zf.DIN,
+        user_emb=nn.Embedding(users, dim), item_emb=nn.Embedding(items, dim),
+        hist_emb=nn.Embedding(items, dim, padding_idx=0), attention=zf.LocalActivationUnit(dim, hidden),
+        mlp=nn.Sequential(nn.Linear(3 * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)))
+
+    def batch(step, B):  # zoo_forward.batch_din with a [B, 20] history, padded with id 0
+        g = z._gen(42, step)
+        user = torch.randint(0, users, (B,), generator=g)
+        item = torch.randint(1, items, (B,), generator=g)
+        hist = torch.randint(1, items, (B, L), generator=g)
+        length = torch.randint(1, L + 1, (B, 1), generator=g)
+        return (user, item, hist * (torch.arange(L)[None, :] < length)), z._labels(g, (B,))
+
+    return model, batch, (f"user + item + a padded history [B, {L}] (padding_idx 0, its own table), dim {dim}, "
+                          f"rows {users:,}-{items:,}; attention and MLP {hidden}")
+
+
 ZOO_BUILDERS = {
     "ref_dlrm": _zoo_ref_dlrm, "ref_dlrm_list": _zoo_ref_dlrm_list, "deepfm": _zoo_deepfm, "dcn": _zoo_dcn,
     "fm": _zoo_fm, "wide_deep": _zoo_wide_deep, "xdeepfm_cin": _zoo_xdeepfm_cin,
     "torchrec_dlrm": _zoo_torchrec_dlrm, "torchrec_seq": _zoo_torchrec_seq, "user_tower": _zoo_user_tower,
+    "deepfm_shared": _zoo_deepfm_shared, "din": _zoo_din, "youtube_dnn": _zoo_youtube_dnn, "mmoe": _zoo_mmoe,
+    "dice_mlp": _zoo_dice_mlp, "din_pooling": _zoo_din_pooling,
 }
 
 
