@@ -173,14 +173,17 @@ def long_run_batch(lengths, B: int, R: int, g: torch.Generator):
 def check_long_runs(report: Report, dev) -> None:
     """Rows with more ids than a segment, in the sorted order: a short run between two long ones
     inside one segment (the second's partial in slot 1), runs of exactly a segment and one more,
-    runs that start or end a segment. Rows 0, 1, ... get ``lengths`` ids each, shuffled."""
+    runs that start or end a segment, runs of more than 32 chunks (two combine levels). Rows 0, 1, ...
+    get ``lengths`` ids each, shuffled."""
     from recc.kernels import optimizer_state_shapes
     from recc.kernels.cpu import tbe as cpu
     from recc.kernels.cuda import tbe as gpu
     g = torch.Generator().manual_seed(4)
     B, D, R = 4, 32, 40
     seg = gpu.long_run_segment(D)
-    for lengths in ((600, 3, 530, 700), (seg + 1, 1, 2, seg, 2 * seg + 2), (10 * seg + 3, seg - 1, 5 * seg)):
+    # 40 and 33 chunks: more than one combine level's fan-in (32), so a second level runs
+    for lengths in ((600, 3, 530, 700), (seg + 1, 1, 2, seg, 2 * seg + 2), (10 * seg + 3, seg - 1, 5 * seg),
+                    (40 * seg + 5, 2, 33 * seg)):
         ids, offsets = long_run_batch(lengths, B, R, g)
         hsc = torch.tensor([0, R])
         w0 = torch.randn(R, D, generator=g)
