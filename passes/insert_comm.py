@@ -30,10 +30,12 @@ all-reduces the rows' summed gradients, so all replicas apply one identical upda
 group with more rows than the global batch has bags (``recc.planner.cost_model.dp_exchange``)
 or max pooling, ``op="dp_grad_allgather"``, which gathers every rank's ids and gradients instead.
 A data-parallel group with jagged gathers has a different bag count on every rank by design, so
-its exchange cannot compare the ranks' batches as other groups do (``check_same_batches``): when
+its exchange cannot compare the ranks' batches as other groups do (``check_same_batches``), and
+a padded sharded group's input dist compares the counts after padding, when they are equal: when
 no group of the graph compares them (an unpadded sharded group's input dist, a data-parallel
-group without jagged tables), ``recc.check_batches`` before its lookup compares the batch read
-from the input that carries it (one int64 all-gather), and refuses uneven batches in the same words.
+group without jagged tables), ``recc.check_batches`` compares the batch read from the input that
+carries it (one int64 all-gather; before the first such group's lookup, or before its padding),
+and refuses uneven batches in the same words.
 Ensures every ``*_start`` has exactly one later ``*_wait`` and the output dist's splits add up.
 Must not change what the graph computes (per rank, on its batch slice).
 
@@ -75,7 +77,9 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
         return gm
     everyone = tuple(range(world))
     graph = gm.graph
-    unchecked, checked = [], False   # data-parallel groups that cannot see an uneven batch; one that can
+    # Groups that cannot see an uneven batch, as (the node to check before, its sparse input, the
+    # group's suffix); whether one group can.
+    unchecked, checked = [], False
     for lookup in [n for n in graph.nodes if op_of(n.target) is OPS["tbe_lookup"]]:
         group_node, sparse = lookup.args
         group: TableGroup = gm.get_submodule(group_node.target)
@@ -89,7 +93,7 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
             # the lookup's line of the IR says so, "# comm dp_grad_allgather over [0, 1]".
             lookup.meta["recc.comm"] = group.dp_comm
             if any(t.jagged for t in group.tables):
-                unchecked.append(lookup)
+                unchecked.append((lookup, sparse, suffix))
             continue
         for k, rank, r0, r1, c0, c1 in group.placements:
             t = group.tables[k]
@@ -113,12 +117,14 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
         checked = checked or not group.padded   # its input dist compares the ranks' bag counts
         local = sparse
         if group.padded:
-            # A different bag count on every rank: pad to the largest (see recc.pad_bags).
+            # A different bag count on every rank: pad to the largest (see recc.pad_bags). The
+            # padded counts are equal whatever the batches, so the input dist cannot compare them.
             with graph.inserting_after(sparse):
                 sparse = graph.call_function(OPS["pad_bags"], (local,), {
                     "comm": CommSpec("bag_count_max", everyone, name=f"pad_bags {suffix}")})
             sparse.meta["recc.comm"] = sparse.kwargs["comm"]
             rename(sparse, f"{local.name}_padded")
+            unchecked.append((sparse, local, suffix))
         out_spec = CommSpec("output_dist", everyone, splits=(b,) * world, split_dim=0, layout=layout, dims=dims,
                             rows=rows, width=group.dim, name=f"output_dist {suffix}", labels=labels,
                             node_size=group.node_size if two_level else 0)
@@ -143,26 +149,27 @@ def insert_comm(gm: fx.GraphModule, ctx: PassContext, *, two_level: bool = True,
                            (out, f"emb_{suffix}")):
             rename(node, name)
     if unchecked and not checked:
-        _check_batches(gm, ctx, unchecked[0], everyone)
+        _check_batches(gm, ctx, *unchecked[0], everyone)
     return gm
 
 
-def _check_batches(gm: fx.GraphModule, ctx: PassContext, lookup: fx.Node, everyone: tuple) -> None:
+def _check_batches(gm: fx.GraphModule, ctx: PassContext, before: fx.Node, sparse: fx.Node, suffix: str,
+                   everyone: tuple) -> None:
     """A data-parallel group with jagged gathers has a different number of bags on every rank by
     design, so its gradient exchange cannot compare the ranks' batches as other groups do
-    (``runtime.comm.dp_grads.check_same_batches``): when no group of the graph can,
-    ``recc.check_batches`` before its lookup compares the batch itself, read from the input that
-    carries it."""
+    (``runtime.comm.dp_grads.check_same_batches``); a padded sharded group's input dist sees the
+    padded counts, equal on every rank. When no group of the graph can compare them,
+    ``recc.check_batches`` compares the batch itself, read from the input that carries it: on
+    ``sparse`` where ``before`` (a data-parallel group's lookup, a sharded group's
+    ``recc.pad_bags``) takes it, so an uneven batch is refused before it is padded."""
     source = _batch_input(gm.graph, ctx.batch)
     if source is None:
         return
-    group_node, sparse = lookup.args
-    suffix = gm.get_submodule(group_node.target).group_name[4:]
     comm = CommSpec("batch_sizes", everyone, name=f"batch_sizes {suffix}")
-    with gm.graph.inserting_before(lookup):
+    with gm.graph.inserting_before(before):
         checked = gm.graph.call_function(OPS["check_batches"], (sparse, source), {"comm": comm})
     checked.meta["recc.comm"] = comm
-    lookup.replace_input_with(sparse, checked)
+    before.replace_input_with(sparse, checked)
     rename(checked, f"{sparse.name}_checked")
 
 

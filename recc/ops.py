@@ -886,8 +886,9 @@ def check_batches(sparse, batch, *, comm):
     ``ValueError`` on every rank alike. Data-parallel groups compare their bag counts in their
     gradient exchange, but a group of jagged gathers has a different count on every rank by
     design, so nothing there tells an uneven batch (whose update would not be the global
-    batch's) from an even one: ``insert_comm`` puts this before such a group's lookup when no
-    other group of the graph checks the batch."""
+    batch's) from an even one; nor does a padded sharded group's input dist, which sees the
+    counts after ``recc.pad_bags``: ``insert_comm`` puts this before such a group's lookup (or
+    its padding) when no other group of the graph checks the batch."""
     if len(comm.group) != 1:
         raise RuntimeError(f"recc.check_batches: the CPU reference runs one process; comparing batches over ranks "
                            f"{list(comm.group)} needs the runtime")

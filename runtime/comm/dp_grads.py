@@ -58,15 +58,15 @@ def check_same_batches(label: str, bags: list[int]) -> None:
                          f"batch sizes; {_SAME_SHARE}")
 
 
-_SAME_SHARE = ("data-parallel tables train like one process on the global batch only when every rank gets the same "
-               "share of it: give each rank global_batch / world_size samples (a short last batch padded, as recc's "
-               "training loop does, or dropped)")
+_SAME_SHARE = ("recc trains like one process on the global batch only when every rank gets the same share of it: "
+               "give each rank global_batch / world_size samples (a short last batch padded, as recc's training loop "
+               "does, or dropped)")
 
 
 def check_world_batches(batch: int, comm, device=None) -> None:
     """``recc.check_batches``: every rank's batch, one all-gather of an int64; refused, in
     ``check_same_batches``' words, when they differ (a data-parallel group of jagged gathers,
-    whose bag counts vary by design, cannot tell)."""
+    whose bag counts vary by design, cannot tell, nor a padded sharded group's input dist)."""
     world, me = dist.get_world_size(), dist.get_rank()
     mine = torch.tensor([batch], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(world)]

@@ -8,8 +8,8 @@ on the same inputs), never a table written here. The rules live in one place eac
 ``recc.ops.check_id_dtype`` (ids: int64/int32, after ATen's promotion with the offsets of a bag),
 ``recc.trace.eager_float_dtypes`` recorded in the ``InputSignature`` (dense dtypes: what the
 captured graph, run as eager runs it, accepts) and
-``recc.runtime.comm.dp_grads.check_same_batches`` beside the input dist's count check (uneven
-batches).
+``recc.runtime.comm.dp_grads.check_same_batches`` beside the input dist's count check, and
+``recc.check_batches`` where no group's bag counts can tell (uneven batches).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 B = 8                      # global batch; 4 per rank at W=2, 2 at W=4
 KINDS_W2 = ("table_wise", "row_wise", "column_wise", "data_parallel")
 KINDS_W4 = ("row_wise", "table_row_wise", "data_parallel")
+JAGGED_SHARDED = {2: ("table_wise", "row_wise", "column_wise"), 4: ("table_wise",)}   # padded groups
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float64)
 
@@ -308,8 +309,9 @@ def _uneven_job(job: dict) -> dict:
 
 class Sequences(nn.Module):
     """Only jagged gathers: ``nn.Embedding`` over the 1-D ids of variable-length sequences, summed
-    per sample by their lengths (a data-parallel group of them has a different number of bags on
-    every rank by design, so its bag counts cannot tell an uneven batch)."""
+    per sample by their lengths (a group of them has a different number of bags on every rank by
+    design, so its bag counts cannot tell an uneven batch: a data-parallel group's exchange takes
+    any count, a sharded group's input dist sees them padded to the largest)."""
 
     def __init__(self):
         super().__init__()
@@ -337,17 +339,19 @@ def sequences_slice(args: dict, lo: int, n: int) -> dict:
             "lengths": args["lengths"][lo:lo + n]}
 
 
-def compile_sequences(world: int, exchange: str = "auto") -> recc.Program:
+def compile_sequences(world: int, kind: str = "data_parallel", exchange: str = "auto") -> recc.Program:
     program = recc.compile(Sequences(), recc.Cluster.local(world),
                            example_inputs=list(sequences_slice(sequences_args(B), 0, B // world).values()),
-                           config=recc.CompileConfig(sharding="data_parallel", batch_size=B,
+                           config=recc.CompileConfig(sharding=kind, batch_size=B,
                                                      pass_options={"insert_comm": {"dp_exchange": exchange}}))
-    assert "jagged" in program.ir
+    assert "jagged" in program.ir and program.plan.shards["items"].kind == kind
+    assert ("recc.pad_bags" in program.ir) == (kind != "data_parallel")
     return program
 
 
 def _uneven_sequences_job(job: dict) -> dict:
-    """Sequences: an even step (trains), then ranks with 3 and 1 samples (refused)."""
+    """Sequences: an even step (trains: the ranks' id counts differ, their batches do not), then
+    ranks with 3 and 1 samples (refused)."""
     rank, world = recc.rank(), recc.world_size()
     dmodel = job["program"].instantiate()
     full = sequences_args(B, seed=2)
@@ -355,9 +359,9 @@ def _uneven_sequences_job(job: dict) -> dict:
     sizes = [3, 1] if world == 2 else [3, 1, 2, 2]
     try:
         dmodel(*sequences_slice(full, sum(sizes[:rank]), sizes[rank]).values()).sum().backward()
-        return {"uneven": "trained", "error": None}
+        return {"even": "trained", "uneven": "trained", "error": None}
     except Exception as e:
-        return {"uneven": f"{type(e).__name__}: {e}", "error": None}
+        return {"even": "trained", "uneven": f"{type(e).__name__}: {e}", "error": None}
 
 
 def _jobs(world: int, kinds) -> dict:
@@ -378,9 +382,10 @@ def _jobs(world: int, kinds) -> dict:
                                                          pass_options={"insert_comm": {"dp_exchange": "allreduce"}}))
         assert "dp_grad_allreduce" in program.ir
         jobs["uneven/data_parallel_allreduce"] = {"program": program, "run": _uneven_job}
-        jobs["uneven/jagged_data_parallel_allreduce"] = {"program": compile_sequences(2, "allreduce"),
+        jobs["uneven/jagged_data_parallel_allreduce"] = {"program": compile_sequences(2, exchange="allreduce"),
                                                          "run": _uneven_sequences_job}
-    jobs["uneven/jagged_data_parallel"] = {"program": compile_sequences(world), "run": _uneven_sequences_job}
+    for kind in ("data_parallel",) + JAGGED_SHARDED[world]:
+        jobs[f"uneven/jagged_{kind}"] = {"program": compile_sequences(world, kind), "run": _uneven_sequences_job}
     return jobs
 
 
@@ -436,23 +441,32 @@ def test_every_kind_refuses_uneven_batches_alike(worlds, world, kind):
         assert f"the ranks have different bag counts per table ({sizes} by rank)" in r["uneven"], r["uneven"]
 
 
-JAGGED = [(2, "jagged_data_parallel"), (2, "jagged_data_parallel_allreduce"), (4, "jagged_data_parallel")]
+JAGGED = [(w, f"jagged_{k}") for w in (2, 4) for k in ("data_parallel",) + JAGGED_SHARDED[w]] + \
+         [(2, "jagged_data_parallel_allreduce")]
 
 
 @pytest.mark.parametrize("world,kind", JAGGED, ids=[f"w{w}-{k}" for w, k in JAGGED])
-def test_data_parallel_jagged_gathers_refuse_uneven_batches(worlds, world, kind):
-    """A data-parallel group of jagged gathers only: its bag counts differ by design, so the batch
-    itself is compared (``recc.check_batches``) and refused in the same words on every rank."""
+def test_jagged_gathers_refuse_uneven_batches(worlds, world, kind):
+    """A group of jagged gathers only, data-parallel or sharded (padded to the ranks' largest bag
+    count): its bag counts differ by design, so the batch itself is compared
+    (``recc.check_batches``) and refused in the same words on every rank; an even batch trains."""
     sizes = "[3, 1]" if world == 2 else "[3, 1, 2, 2]"
     for r in _results(worlds, world, f"uneven/{kind}"):
+        assert r["even"] == "trained"
         assert r["uneven"].startswith("ValueError"), r["uneven"]
-        assert f"the ranks have different batch sizes ({sizes} by rank); data-parallel tables train like one " \
-               f"process on the global batch only when every rank gets the same share of it" in r["uneven"], r["uneven"]
+        assert f"the ranks have different batch sizes ({sizes} by rank); recc trains like one process on the " \
+               f"global batch only when every rank gets the same share of it" in r["uneven"], r["uneven"]
 
 
-def test_the_batch_check_reads_the_batch_not_the_sequence_ids():
-    """The compared input is the dense one ([B, 3]), never the ids (their count varies); a graph
-    with a group whose bag counts are compared gets no extra check."""
-    line = next(l for l in compile_sequences(2).ir.splitlines() if "recc.check_batches" in l)
+@pytest.mark.parametrize("kind", ("data_parallel",) + JAGGED_SHARDED[2])
+def test_the_batch_check_reads_the_batch_not_the_sequence_ids(kind):
+    """The compared input is the dense one ([B, 3]), never the ids (their count varies); a sharded
+    group is checked before its padding (which makes every rank's count the same); a graph with a
+    group whose bag counts are compared gets no extra check."""
+    lines = compile_sequences(2, kind).ir.splitlines()
+    line = next(l for l in lines if "recc.check_batches" in l)
     assert "recc.check_batches[cpu](sparse_g0, dense, comm=batch_sizes)" in line, line
+    if kind != "data_parallel":
+        assert any("recc.pad_bags[cpu](sparse_g0_checked," in l for l in lines), lines
     assert "recc.check_batches" not in compile_model("lookups", 2, "data_parallel").ir
+    assert "recc.check_batches" not in compile_model("lookups", 2, "table_wise").ir
