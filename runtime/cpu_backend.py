@@ -16,9 +16,9 @@ from recc.ops import (SparseBatch, bag_counts, check_id_dtypes, get_op, pad_tabl
                       stacked_names, use_references)
 from recc.runtime import table_update
 from recc.runtime.table_update import Bags, TableKernels
-from recc.kernels import (dot_interaction_backward, dot_interaction_forward, gather_rows, linear_backward,
-                          linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward, pairwise_dot_forward,
-                          tbe_backward_update, tbe_forward)
+from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs, gather_rows,
+                          linear_backward, linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward,
+                          pairwise_dot_forward, pairwise_dot_kernel_runs, tbe_backward_update, tbe_forward)
 
 
 @register_impl("pack_sparse", "cpu")
@@ -104,6 +104,10 @@ class PairwiseDot(torch.autograd.Function):
 
 @register_impl("pairwise_dot", "cpu")
 def pairwise_dot_cpu(x, li, lj):
+    """The C kernel; what it cannot run (``RECC_CPU_KERNELS=reference``, no compiler, fp64, more
+    vectors or pairs than it indexes) runs the op's torch reference, under autograd."""
+    if not pairwise_dot_kernel_runs(x, li, lj):
+        return get_op("pairwise_dot").reference(x, li, lj)
     return PairwiseDot.apply(x, li, lj)
 
 
@@ -125,6 +129,10 @@ class DotInteraction(torch.autograd.Function):
 
 @register_impl("dot_interaction", "cpu")
 def dot_interaction_cpu(dense, blocks, li, lj, features, pad=0):
+    """The C kernel; what it cannot run (as ``pairwise_dot_cpu``) runs the op's torch reference,
+    under autograd."""
+    if not dot_interaction_kernel_runs(dense, blocks, features, li, lj):
+        return get_op("dot_interaction").reference(dense, blocks, li, lj, features, pad)
     return DotInteraction.apply(dense, li, lj, features, pad, *blocks)
 
 

@@ -15,8 +15,8 @@ from .tbe import (
     validate_inputs,
 )
 from .native import backend as cpu_backend
-from .interaction import (dot_interaction_backward, dot_interaction_forward, dot_interaction_reference,
-                          pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
+from .interaction import (dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs,
+                          pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_kernel_runs)
 from .linear import linear_backward, linear_forward
 from .memory import huge_page_empty, release_memory
 from .sparse import pack_bags
@@ -24,7 +24,7 @@ from .sparse import pack_bags
 __all__ = [
     "dot_interaction_backward",
     "dot_interaction_forward",
-    "dot_interaction_reference",
+    "dot_interaction_kernel_runs",
     "gather_rows",
     "huge_page_empty",
     "release_memory",
@@ -33,7 +33,7 @@ __all__ = [
     "linear_forward",
     "pairwise_dot_backward",
     "pairwise_dot_forward",
-    "pairwise_dot_reference",
+    "pairwise_dot_kernel_runs",
     "OPTIMIZERS",
     "POOLINGS",
     "cpu_backend",

@@ -1,4 +1,4 @@
-"""The DLRM dot interaction on CPU: a C kernel and a torch reference.
+"""The DLRM dot interaction on CPU: the C kernel.
 
 ``pairwise_dot_forward(x, li, lj)`` returns ``out[b, p] = <x[b, li[p]], x[b, lj[p]]>`` and
 ``pairwise_dot_backward(x, li, lj, grad)`` the gradient for ``x`` (``recc.pairwise_dot``).
@@ -8,9 +8,11 @@ place, and the output row is ``[dense | pairs | pad zeros]``; ``dot_interaction_
 returns the gradients of ``dense`` and of every block. ``dense`` and each block may be fp32 or
 bf16 (each gradient comes back in its tensor's dtype); the products and sums are fp32 and the
 output has ``dense``'s dtype, so a bf16 bottom MLP, fp32 pooled embeddings and a bf16 top MLP
-meet with no cast. The C kernel (``interaction.c``) is built
-and cached like the TBE kernels (see ``native.py``) and honours ``RECC_CPU_KERNELS``; without it
-the references (``stack`` + ``bmm`` + gather + ``cat``, autograd for backward) run.
+meet with no cast. The C kernel (``interaction.c``) is built and cached like the TBE kernels
+(see ``native.py``) and honours ``RECC_CPU_KERNELS``. It runs only what
+``pairwise_dot_kernel_runs``/``dot_interaction_kernel_runs`` accept; everything else
+(``RECC_CPU_KERNELS=reference``, no compiler, fp64, more vectors or pairs than it indexes) is
+the op's torch reference's (``recc.ops``), which ``recc.runtime.cpu_backend`` runs instead.
 """
 from __future__ import annotations
 
@@ -75,10 +77,28 @@ _MAX_VECTORS, _MAX_PAIRS = 1 << 15, (1 << 31) - 2
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _native_ok(tensors, li, lj, f: int, dtypes=(torch.float32,)) -> bool:
+def _native_ok(tensors, li, lj, f: int, dtypes) -> bool:
     return (all(t.device.type == "cpu" and t.dtype in dtypes for t in tensors)
             and li.dtype == torch.int64 and lj.dtype == torch.int64 and f <= _MAX_VECTORS
             and li.numel() <= _MAX_PAIRS and _library() is not None)
+
+
+def pairwise_dot_kernel_runs(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> bool:
+    """Whether the C kernel runs ``recc.pairwise_dot`` on these inputs (fp32, int64 pairs, at most
+    2**15 vectors, the kernel built and not ``RECC_CPU_KERNELS=reference``)."""
+    return _native_ok([x], li, lj, x.shape[1] if x.dim() == 3 else 0, (torch.float32,))
+
+
+def dot_interaction_kernel_runs(dense: torch.Tensor, blocks, features, li: torch.Tensor, lj: torch.Tensor) -> bool:
+    """Whether the C kernel runs ``recc.dot_interaction`` on these inputs (fp32/bf16 tensors,
+    int64 pairs, at most 2**15 vectors, the kernel built and not ``RECC_CPU_KERNELS=reference``)."""
+    return _native_ok([dense, *blocks], li, lj, len(features) + 1, _KERNEL_DTYPES)
+
+
+def _require_kernel(runs: bool, what: str) -> None:
+    if not runs:
+        raise RuntimeError(f"{what}: the C kernel cannot run these inputs (see {what}_kernel_runs); the op's "
+                           f"torch reference (recc.ops) computes them")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -136,21 +156,9 @@ def _backward(blocks, fblk, fcol, d, li, lj, head, grad) -> list[torch.Tensor]:
     return grads
 
 
-def pairwise_dot_reference(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(x, x.transpose(1, 2))[:, li, lj]
-
-
-def _reference_grads(fn, inputs, grad):
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in inputs]
-        grads = torch.autograd.grad(fn(*leaves), leaves, grad, allow_unused=True)
-    return [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
-
-
 def pairwise_dot_forward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> torch.Tensor:
     _check(x, li, lj)
-    if not _native_ok([x], li, lj, x.shape[1]):
-        return pairwise_dot_reference(x, li, lj)
+    _require_kernel(pairwise_dot_kernel_runs(x, li, lj), "pairwise_dot")
     b, f, d = x.shape
     return _forward([x.contiguous().view(b, f * d)], [0] * f, range(0, f * d, d), d, li, lj, -1, 0)
 
@@ -161,8 +169,7 @@ def pairwise_dot_backward(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor, g
     _check(x, li, lj)
     if tuple(grad.shape) != (x.shape[0], li.numel()):
         raise ValueError(f"pairwise_dot: grad must be [B, P] = {(x.shape[0], li.numel())}, got {tuple(grad.shape)}")
-    if not _native_ok([x], li, lj, x.shape[1]):
-        return _reference_grads(lambda t: pairwise_dot_reference(t, li, lj), [x], grad)[0]
+    _require_kernel(pairwise_dot_kernel_runs(x, li, lj), "pairwise_dot")
     b, f, d = x.shape
     (gx,) = _backward([x.contiguous().view(b, f * d)], [0] * f, range(0, f * d, d), d, li, lj, -1, grad)
     return gx.view(b, f, d)
@@ -173,23 +180,9 @@ def _vectors(features):
     return [0] + [k + 1 for k, _ in features], [0] + [c for _, c in features]
 
 
-def dot_interaction_reference(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
-    """In fp32 whatever the inputs (fp64 stays fp64), returned in ``dense``'s dtype."""
-    d = dense.shape[1]
-    out_dtype, wide = dense.dtype, torch.promote_types(dense.dtype, torch.float32)
-    # One cast per input, so each gradient is summed in fp32 and rounded once.
-    dense, blocks = dense.to(wide), [t.to(wide) for t in blocks]
-    x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
-    parts = [dense, pairwise_dot_reference(x, li, lj)]
-    if pad:
-        parts.append(x.new_zeros(dense.shape[0], pad))
-    return torch.cat(parts, dim=1).to(out_dtype)
-
-
 def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
     _check_interaction(dense, blocks, features, li, lj, pad)
-    if not _native_ok([dense, *blocks], li, lj, len(features) + 1, _KERNEL_DTYPES):
-        return dot_interaction_reference(dense, blocks, features, li, lj, pad)
+    _require_kernel(dot_interaction_kernel_runs(dense, blocks, features, li, lj), "dot_interaction")
     return _forward([dense, *blocks], *_vectors(features), dense.shape[1], li, lj, 0, pad, dense.dtype)
 
 
@@ -199,10 +192,6 @@ def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
     want = (dense.shape[0], dense.shape[1] + li.numel() + pad)
     if tuple(grad.shape) != want:
         raise ValueError(f"dot_interaction: grad must be [B, D + P + pad] = {want}, got {tuple(grad.shape)}")
-    if not _native_ok([dense, *blocks], li, lj, len(features) + 1, _KERNEL_DTYPES):
-        n = len(blocks)
-        grads = _reference_grads(lambda x, *bl: dot_interaction_reference(x, list(bl), features, li, lj, pad),
-                                 [dense, *blocks], grad)
-        return grads[0], list(grads[1:1 + n])
+    _require_kernel(dot_interaction_kernel_runs(dense, blocks, features, li, lj), "dot_interaction")
     grads = _backward([dense, *blocks], *_vectors(features), dense.shape[1], li, lj, 0, grad)
     return grads[0], grads[1:]

@@ -1,29 +1,56 @@
-"""recc.pairwise_dot and recc.dot_interaction on CPU: the C kernel and the torch references
-against stack + bmm + gather + cat, forward and backward."""
+"""recc.pairwise_dot and recc.dot_interaction on CPU: the C kernel, and the ops' torch references
+(``recc.ops``, what the CPU backend runs where the kernel cannot), against stack + bmm + gather +
+cat, forward and backward."""
 import pytest
 import torch
 
+import recc  # noqa: F401  (registers the CPU backend's implementations)
 from recc.kernels.cpu import interaction
-from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_reference,
-                          pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_reference)
+from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs,
+                          pairwise_dot_backward, pairwise_dot_forward, pairwise_dot_kernel_runs)
+from recc.ops import OPS
 
 
 def _eager(x, li, lj):
     return torch.bmm(x, x.transpose(1, 2))[:, li, lj]
 
 
+def _under_autograd(fn, inputs, grad):
+    """``fn(*inputs)`` and the inputs' gradients for ``grad`` (zeros for an input it never reads)."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
+    return out.detach(), [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+
+
+def _run_pairwise(kernels, x, li, lj, grad):
+    """The output and x's gradient: the C kernel's, or (``kernels="reference"``) the op's reference's."""
+    if kernels == "native":
+        return pairwise_dot_forward(x, li, lj), pairwise_dot_backward(x, li, lj, grad)
+    out, (dx,) = _under_autograd(lambda t: OPS["pairwise_dot"].reference(t, li, lj), [x], grad)
+    return out, dx
+
+
+def _run_interaction(kernels, dense, blocks, features, li, lj, pad, grad):
+    """The output, dense's gradient and the blocks': the C kernel's, or the op's reference's."""
+    if kernels == "native":
+        out = dot_interaction_forward(dense, blocks, features, li, lj, pad)
+        return (out, *dot_interaction_backward(dense, blocks, features, li, lj, pad, grad))
+    out, grads = _under_autograd(lambda d, *bl: OPS["dot_interaction"].reference(d, list(bl), li, lj, features, pad),
+                                 [dense, *blocks], grad)
+    return out, grads[0], grads[1:]
+
+
 @pytest.mark.parametrize("kernels", ["native", "reference"])
 @pytest.mark.parametrize("f,d,offset", [(27, 16, -1), (9, 64, -1), (9, 64, 0), (5, 3, 0), (1, 1, 0), (17, 33, -1), (4, 1, -1)])
-def test_forward_and_backward_match_bmm_gather(monkeypatch, kernels, f, d, offset):
-    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
+def test_forward_and_backward_match_bmm_gather(kernels, f, d, offset):
     g = torch.Generator().manual_seed(f * 100 + d)
     x = torch.randn(13, f, d, generator=g, requires_grad=True)
     li, lj = torch.tril_indices(f, f, offset)
     ref = _eager(x, li, lj)
     grad = torch.randn(ref.shape, generator=g)
     ref.backward(grad)
-    out = pairwise_dot_forward(x.detach(), li, lj)
-    dx = pairwise_dot_backward(x.detach(), li, lj, grad)
+    out, dx = _run_pairwise(kernels, x.detach(), li, lj, grad)
     torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, x.grad, rtol=1e-5, atol=1e-5)
 
@@ -89,12 +116,6 @@ def test_bad_pairs_are_errors():
         pairwise_dot_forward(torch.randn(3, 4), torch.tensor([0]), torch.tensor([0]))
 
 
-def test_reference_is_bmm_gather():
-    x = torch.randn(3, 4, 2)
-    li, lj = torch.tril_indices(4, 4, -1)
-    torch.testing.assert_close(pairwise_dot_reference(x, li, lj), _eager(x, li, lj))
-
-
 @pytest.mark.parametrize("kernels", ["native", "reference"])
 def test_backward_checks_pairs_and_grad(monkeypatch, kernels):
     # The C backward scatters grad into an F x F buffer at (li, lj): an index >= F used to
@@ -129,14 +150,13 @@ def _eager_interaction(dense, blocks, features, li, lj, pad):
     return torch.nn.functional.pad(out, (0, pad))
 
 
-def _check_interaction(dense, blocks, features, li, lj, pad, g):
+def _check_interaction(kernels, dense, blocks, features, li, lj, pad, g):
     leaves = [t.detach().clone().requires_grad_(True) for t in [dense, *blocks]]
     ref = _eager_interaction(leaves[0], leaves[1:], features, li, lj, pad)
     grad = torch.randn(ref.shape, generator=g)
     ref.backward(grad)
-    out = dot_interaction_forward(dense, blocks, features, li, lj, pad)
+    out, gd, gb = _run_interaction(kernels, dense, blocks, features, li, lj, pad, grad)
     torch.testing.assert_close(out, ref.detach(), rtol=1e-5, atol=1e-5)
-    gd, gb = dot_interaction_backward(dense, blocks, features, li, lj, pad, grad)
     torch.testing.assert_close(gd, leaves[0].grad, rtol=1e-5, atol=1e-5)
     assert len(gb) == len(blocks)
     for k, (got, leaf) in enumerate(zip(gb, leaves[1:])):
@@ -146,25 +166,23 @@ def _check_interaction(dense, blocks, features, li, lj, pad, g):
 
 @pytest.mark.parametrize("kernels", ["native", "reference"])
 @pytest.mark.parametrize("tables,d,pad", [(26, 16, 1), (8, 64, 0), (3, 4, 5), (5, 7, 2), (1, 16, 0)])
-def test_interaction_matches_stack_bmm_gather_cat(monkeypatch, kernels, tables, d, pad):
+def test_interaction_matches_stack_bmm_gather_cat(kernels, tables, d, pad):
     """DLRM's shape: the vectors are the dense output and the column blocks of one batched lookup,
     in an order that is not the lookup's (a plan groups tables by rank)."""
-    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
     g = torch.Generator().manual_seed(tables * 10 + d)
     dense = torch.randn(11, d, generator=g)
     pooled = torch.randn(11, tables * d, generator=g)
     order = torch.randperm(tables, generator=g).tolist()
     features = tuple((0, k * d) for k in order)
     li, lj = torch.tril_indices(tables + 1, tables + 1, -1)
-    _check_interaction(dense, [pooled], features, li, lj, pad, g)
+    _check_interaction(kernels, dense, [pooled], features, li, lj, pad, g)
 
 
 @pytest.mark.parametrize("kernels", ["native", "reference"])
-def test_interaction_several_blocks_repeats_unread_columns_and_strided_rows(monkeypatch, kernels):
+def test_interaction_several_blocks_repeats_unread_columns_and_strided_rows(kernels):
     """Vectors from two blocks and a lone vector, one column block read twice, one never read
     (its gradient is zero), a block whose rows are a strided view, diagonal and repeated pairs
     (the backward's accumulation path)."""
-    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
     g = torch.Generator().manual_seed(3)
     d = 16
     dense = torch.randn(9, d, generator=g)
@@ -172,19 +190,70 @@ def test_interaction_several_blocks_repeats_unread_columns_and_strided_rows(monk
     lone = torch.randn(9, d, generator=g)
     features = ((0, 2 * d), (1, 0), (0, 0), (0, 2 * d), (0, 4 * d))  # wide's block 1 and 3 unread
     li, lj = torch.tril_indices(6, 6, -1)
-    _check_interaction(dense, [wide, lone], features, li, lj, 3, g)
+    _check_interaction(kernels, dense, [wide, lone], features, li, lj, 3, g)
     li, lj = torch.tensor([2, 5, 0, 2, 3]), torch.tensor([2, 1, 0, 2, 4])  # diagonal, repeated
-    _check_interaction(dense, [wide, lone], features, li, lj, 0, g)
+    _check_interaction(kernels, dense, [wide, lone], features, li, lj, 0, g)
 
 
-def test_interaction_reference_is_the_op_reference():
-    import recc
+def test_the_kernels_compute_the_ops_references():
+    """Forward and backward, the C kernel against the op's reference under autograd."""
     g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 6, 8, generator=g)
+    li, lj = torch.tril_indices(6, 6, -1)
+    grad = torch.randn(4, li.numel(), generator=g)
+    want, want_dx = _run_pairwise("reference", x, li, lj, grad)
+    got, got_dx = _run_pairwise("native", x, li, lj, grad)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_dx, want_dx, rtol=1e-5, atol=1e-5)
     dense, pooled = torch.randn(4, 8, generator=g), torch.randn(4, 24, generator=g)
     li, lj = torch.tril_indices(4, 4, -1)
     features = ((0, 16), (0, 0), (0, 8))
-    want = recc.ops.OPS["dot_interaction"](dense, [pooled], li, lj, features=features, pad=2)
-    torch.testing.assert_close(dot_interaction_reference(dense, [pooled], features, li, lj, 2), want)
+    grad = torch.randn(4, 8 + li.numel() + 2, generator=g)
+    want = _run_interaction("reference", dense, [pooled], features, li, lj, 2, grad)
+    got = _run_interaction("native", dense, [pooled], features, li, lj, 2, grad)
+    for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["reference mode", "fp64", "too many vectors"])
+def test_the_cpu_ops_run_the_references_where_the_kernels_cannot(monkeypatch, case):
+    """``recc.pairwise_dot``/``recc.dot_interaction`` on CPU run the op's reference (the same
+    bits, autograd's gradient) where the kernel cannot, and the kernel refuses those inputs.
+    Too many vectors: the kernel's int32 F x F tables, its limit lowered to 4 here (the real one,
+    2**15, would make the reference's F x F products tens of GB)."""
+    monkeypatch.setenv("RECC_CPU_KERNELS", "reference" if case == "reference mode" else "native")
+    if case == "too many vectors":
+        monkeypatch.setattr(interaction, "_MAX_VECTORS", 4)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 5, 4, generator=g, dtype=torch.float64 if case == "fp64" else torch.float32)
+    li, lj = torch.tensor([0, 4, 3, 1]), torch.tensor([4, 2, 3, 0])
+    assert not pairwise_dot_kernel_runs(x, li, lj)
+    grad = torch.randn(x.shape[0], li.numel(), generator=g, dtype=x.dtype)
+    got = _under_autograd(lambda t: OPS["pairwise_dot"].impl("cpu")(t, li, lj), [x], grad)
+    want = _under_autograd(lambda t: OPS["pairwise_dot"].reference(t, li, lj), [x], grad)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+    with pytest.raises(RuntimeError, match="pairwise_dot: the C kernel cannot run these inputs"):
+        pairwise_dot_forward(x, li, lj)
+
+    dense, block = x[:, 0], x[:, 1:].reshape(x.shape[0], -1)   # dense and 4 vectors: 5 in all
+    features = ((0, 12), (0, 0), (0, 8), (0, 4))
+    assert not dot_interaction_kernel_runs(dense, [block], features, li, lj)
+    grad = torch.randn(x.shape[0], 4 + li.numel() + 1, generator=g, dtype=x.dtype)
+    got = _under_autograd(lambda t, b: OPS["dot_interaction"].impl("cpu")(t, [b], li, lj, features, 1),
+                          [dense, block], grad)
+    want = _under_autograd(lambda t, b: OPS["dot_interaction"].reference(t, [b], li, lj, features, 1),
+                           [dense, block], grad)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    with pytest.raises(RuntimeError, match="dot_interaction: the C kernel cannot run these inputs"):
+        dot_interaction_forward(dense, [block], features, li, lj, 1)
+
+
+def test_the_kernels_run_fp32_and_bf16(monkeypatch):
+    monkeypatch.setenv("RECC_CPU_KERNELS", "native")
+    x, li, lj = torch.randn(2, 3, 4), *torch.tril_indices(3, 3, -1)
+    assert pairwise_dot_kernel_runs(x, li, lj) and not pairwise_dot_kernel_runs(x.bfloat16(), li, lj)
+    dense, block = torch.randn(2, 4).bfloat16(), torch.randn(2, 8)
+    assert dot_interaction_kernel_runs(dense, [block], ((0, 0), (0, 4)), li, lj)
 
 
 @pytest.mark.parametrize("kernels", ["native", "reference"])
@@ -222,11 +291,10 @@ def _rounded_once(got, want64):
 @pytest.mark.parametrize("kernels", ["native", "reference"])
 @pytest.mark.parametrize("tables,d,pad,diagonal", [(26, 16, 1, False), (8, 64, 0, False), (3, 5, 2, False),
                                                     (4, 16, 0, True)])
-def test_interaction_bf16_dense_fp32_lookups(monkeypatch, kernels, tables, d, pad, diagonal):
+def test_interaction_bf16_dense_fp32_lookups(kernels, tables, d, pad, diagonal):
     """cast_dense's case: a bf16 bottom MLP output, fp32 pooled embeddings, a bf16 output and its
     bf16 gradient. The products are fp32 and each bf16 result is rounded once: the output and the
     dense gradient are the float64 values rounded to bf16, the lookups' gradient is fp32."""
-    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
     g = torch.Generator().manual_seed(tables * 7 + d)
     b = 64
     dense = torch.randn(b, d, generator=g).bfloat16()
@@ -237,19 +305,17 @@ def test_interaction_bf16_dense_fp32_lookups(monkeypatch, kernels, tables, d, pa
     want = _eager_interaction(leaves[0], [leaves[1]], features, li, lj, pad)
     grad = torch.randn(want.shape, generator=g).bfloat16()
     want.backward(grad.double())
-    out = dot_interaction_forward(dense, [pooled], features, li, lj, pad)
+    out, gd, (gp,) = _run_interaction(kernels, dense, [pooled], features, li, lj, pad, grad)
     _rounded_once(out, want.detach())
-    gd, (gp,) = dot_interaction_backward(dense, [pooled], features, li, lj, pad, grad)
     _rounded_once(gd, leaves[0].grad)
     assert gp.dtype == torch.float32
     torch.testing.assert_close(gp.double(), leaves[1].grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernels", ["native", "reference"])
-def test_interaction_bf16_blocks_and_fp32_output(monkeypatch, kernels):
+def test_interaction_bf16_blocks_and_fp32_output(kernels):
     """Any mix: a bf16 block next to an fp32 one, fp32 dense (so an fp32 output and gradient);
     the bf16 block's gradient comes back in bf16, rounded once."""
-    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
     g = torch.Generator().manual_seed(11)
     d, b = 16, 32
     dense = torch.randn(b, d, generator=g)
@@ -261,10 +327,9 @@ def test_interaction_bf16_blocks_and_fp32_output(monkeypatch, kernels):
     want = _eager_interaction(leaves[0], leaves[1:], features, li, lj, 0)
     grad = torch.randn(want.shape, generator=g)
     want.backward(grad.double())
-    out = dot_interaction_forward(dense, [half, full], features, li, lj, 0)
+    out, gd, (gh, gf) = _run_interaction(kernels, dense, [half, full], features, li, lj, 0, grad)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
-    gd, (gh, gf) = dot_interaction_backward(dense, [half, full], features, li, lj, 0, grad)
     assert (gd.dtype, gf.dtype) == (torch.float32, torch.float32)
     torch.testing.assert_close(gd.double(), leaves[0].grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gf.double(), leaves[2].grad, rtol=1e-5, atol=1e-5)
@@ -279,13 +344,12 @@ def _tie_heavy(shape, g):
 
 
 @pytest.mark.parametrize("kernels", ["native", "reference"])
-def test_kaggle_layout_in_bf16_rounds_ties_to_even(monkeypatch, kernels):
+def test_kaggle_layout_in_bf16_rounds_ties_to_even(kernels):
     """kaggle's layout all in bf16 (a [B, 16] bottom output, one [B, 26 * 16] block the vectors
     exactly cover, DLRM's strict triangle, pad 1) with a bf16 output gradient: the output and
     both gradients are the exact results rounded once to nearest even, element for element —
     on inputs whose sums are exact in fp32 and land on bf16 ties (a kernel rounding ties up, or
     rounding twice, fails here where random inputs almost never tie)."""
-    monkeypatch.setenv("RECC_CPU_KERNELS", kernels)
     g = torch.Generator().manual_seed(5)
     b, d, tables = 96, 16, 26
     dense, pooled = _tie_heavy((b, d), g), _tie_heavy((b, tables * d), g)
@@ -295,8 +359,7 @@ def test_kaggle_layout_in_bf16_rounds_ties_to_even(monkeypatch, kernels):
     want = _eager_interaction(leaves[0], [leaves[1]], features, li, lj, 1)
     grad = _tie_heavy(want.shape, g)
     want.backward(grad.double())
-    out = dot_interaction_forward(dense, [pooled], features, li, lj, 1)
-    gd, (gp,) = dot_interaction_backward(dense, [pooled], features, li, lj, 1, grad)
+    out, gd, (gp,) = _run_interaction(kernels, dense, [pooled], features, li, lj, 1, grad)
     for got, exact in ((out, want.detach()), (gd, leaves[0].grad), (gp, leaves[1].grad)):
         assert got.dtype == torch.bfloat16
         f32 = exact.float()
