@@ -76,10 +76,11 @@ def bucketize_rows(ids: torch.Tensor, offsets: torch.Tensor, bounds: torch.Tenso
     loader.launch(SOURCE, "bucketize_scatter", dev, grid, THREADS,
                   (ids, offsets, np.int64(B), bounds, np.int32(K), starts, out_ids, perm, err))
     # one sync: a bad id must be an error before anything is sent
-    pos, bad_bag = (int(v) for v in err.tolist())
+    pos, bad_bag = loader.host_read(err, "bucketize error record")
     if bad_bag != -1:
         raise ValueError(f"offsets are malformed at bag {bad_bag}: they must start at 0, never "
                          f"decrease and end at len(ids) = {N}")
     if pos != -1:
-        _raise_bad(ids.cpu(), offsets, bounds.cpu(), pos)
+        why = "re-validate a flagged bucketize batch"
+        _raise_bad(loader.host_copy(ids, why), loader.host_copy(offsets, why), loader.host_copy(bounds, why), pos)
     return lengths, out_ids, perm

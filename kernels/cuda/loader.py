@@ -14,6 +14,11 @@ CuPy DLPack views of them (no copies) and runs on torch's current stream
 (``cupy.cuda.ExternalStream``), so kernels are ordered with the surrounding torch ops,
 autograd and NCCL collectives without extra synchronisation.
 
+Host reads: ``host_read`` (values) and ``host_copy`` (a tensor) are the only ways the CUDA path
+reads device memory back on the host, each a sync on a GPU; both count the read under its
+reason in ``host_reads``, so a test can hold a training step to its stated number of syncs (the
+emulator's tensors are CPU tensors, whose ``.cpu()`` and ``.tolist()`` no dispatch mode sees).
+
 ``nvcc_compile`` is the CI check: every source must compile with ``nvcc`` for sm_80 and sm_90.
 
 The CPU harness: inside ``recc.kernels.cuda.emulator.emulated()``, the kernels accept CPU
@@ -23,6 +28,7 @@ device's.  Outside it, CPU tensors are refused as before.
 """
 from __future__ import annotations
 
+import collections
 import shutil
 import subprocess
 import threading
@@ -40,6 +46,24 @@ _lock = threading.Lock()
 _modules: dict[tuple[str, int], object] = {}
 _streams: dict[tuple[int, int], object] = {}
 _functions: dict[tuple[str, int, str], object] = {}
+
+
+# reason -> device-to-host reads made through host_read / host_copy (process-wide, like the
+# emulator's launch counter: a backward may run on another thread)
+host_reads: collections.Counter = collections.Counter()
+
+
+def host_read(t: torch.Tensor, why: str):
+    """``t.tolist()`` (a Python scalar for a 0-d tensor): a device-to-host read, so a sync on a
+    GPU, counted in ``host_reads[why]``. Every deliberate host read of the CUDA path goes here."""
+    host_reads[why] += 1
+    return t.tolist()
+
+
+def host_copy(t: torch.Tensor, why: str) -> torch.Tensor:
+    """``t.cpu()``, counted like ``host_read`` (the slow paths that re-validate a bad batch)."""
+    host_reads[why] += 1
+    return t.cpu()
 
 
 def cupy():

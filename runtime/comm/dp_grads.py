@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from recc.kernels import codecs
+from recc.kernels.cuda.loader import host_read
 from recc.ops import SparseBatch
 from recc.runtime.comm import stats as comm_stats
 from recc.runtime.comm.groups import embedding_group
@@ -30,7 +31,7 @@ def _all_gather_varlen(t: torch.Tensor, label: str, st) -> list[torch.Tensor]:
     sizes = [torch.empty(1, dtype=torch.int64, device=t.device) for _ in range(world)]
     Transfer(label, [dist.all_gather(sizes, n, group=embedding_group(), async_op=True)], 8 * (world - 1), st,
              st.cross_node([8] * world, me)).wait()
-    sizes = [int(x) for x in sizes]
+    sizes = host_read(torch.cat(sizes), f"{label}: sizes")
     top = max(sizes)
     padded = torch.zeros((top,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
     padded[:t.shape[0]] = t
@@ -74,7 +75,7 @@ def check_world_batches(batch: int, comm, device=None) -> None:
     label = comm.name or "batch_sizes"
     Transfer(label, [dist.all_gather(sizes, mine, group=embedding_group(), async_op=True)], 8 * (world - 1), st,
              st.cross_node([8] * world, me)).wait()
-    sizes = torch.cat(sizes).tolist()
+    sizes = host_read(torch.cat(sizes), f"{label}: batch sizes")
     if len(set(sizes)) > 1:
         raise ValueError(f"{label}: the ranks have different batch sizes ({sizes} by rank); {_SAME_SHARE}")
 
@@ -123,7 +124,7 @@ def all_reduce_row_grads(lin: torch.Tensor, offsets: torch.Tensor, grad: torch.T
     rows = torch.nonzero(acc[:, dim] > 0).squeeze(1)
     n = rows.numel()
     if same_batch:
-        check_same_batches(label, torch.cat(bags).tolist())
+        check_same_batches(label, host_read(torch.cat(bags), f"{label}: batch sizes"))
     return rows, torch.arange(n + 1, dtype=torch.int64, device=grad.device), acc[rows, :dim], n
 
 
@@ -155,13 +156,17 @@ def gather_global_batch(sparse: SparseBatch, grad: torch.Tensor, comm, same_batc
         width = grad.shape[1]
         all_grad = [codecs.decode(w, n * width, codec).view(n, width) for w, n in zip(all_wire, [l.numel() // t for l in all_len])]
     bs = [l.numel() // t for l in all_len]
+    # each rank's tables' id ranges, one host read per rank
+    table_bounds = []
+    for s in range(world):
+        o = torch.zeros(t + 1, dtype=torch.int64, device=all_len[s].device)
+        torch.cumsum(all_len[s].view(t, bs[s]).sum(1), 0, out=o[1:])
+        table_bounds.append(host_read(o, "dp_grad_allgather: id ranges"))
     ids, lens, ws = [], [], []
     for k in range(t):
         for s in range(world):
             l = all_len[s].view(t, bs[s])
-            o = torch.zeros(t * bs[s] + 1, dtype=torch.int64, device=all_len[s].device)
-            torch.cumsum(all_len[s], 0, out=o[1:])
-            lo, hi = int(o[k * bs[s]]), int(o[(k + 1) * bs[s]])
+            lo, hi = table_bounds[s][k], table_bounds[s][k + 1]
             ids.append(all_ids[s][lo:hi])
             lens.append(l[k])
             if all_w is not None:

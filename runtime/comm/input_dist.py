@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recc.kernels.cpu import sparse as sparse_kernels
+from recc.kernels.cuda.loader import host_read
 from recc.ops import Handle, SparseBatch, pad_bag_offsets
 from recc.runtime.comm import stats as comm_stats
 from recc.runtime.comm.groups import embedding_all_to_all, embedding_group
@@ -53,7 +54,7 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     per_owner, row_split, shards_of, tables_of = owner_plan(comm, world)
     # Each table's id range, as Python ints in one transfer (slicing with 0-d tensors would
     # convert each bound on its own, a sync per table on a GPU).
-    bounds = sparse.offsets[::b].tolist() if b else [0] * (sparse.num_tables + 1)
+    bounds = host_read(sparse.offsets[::b], "input dist: table id ranges") if b else [0] * (sparse.num_tables + 1)
     psw = sparse.per_sample_weights
     # Ids travel as int32 when every table's rows fit (they were checked against the rows by
     # pack_sparse; a bag's length is at most its rank's id count): half the bytes of int64.
@@ -97,7 +98,7 @@ def input_dist_start(sparse: SparseBatch, comm) -> Handle:
     Transfer(label, [embedding_all_to_all(recv_counts, counts, [2] * world, [2] * world, async_op=True)],
              16 * (world - 1), st, st.cross_node([16] * world, me)).wait()
     j_me = shards_of[me]
-    got = recv_counts.view(world, 2).tolist()
+    got = host_read(recv_counts.view(world, 2), "input dist: split sizes")
     rc = [n for n, _ in got]
     bags = [nb for _, nb in got]
     if any(nb != b for nb in bags):
@@ -165,7 +166,7 @@ def input_dist_wait(handle: Handle) -> SparseBatch:
         pos += j_me * b + n
     lens_by_src = torch.stack([recv[p:p + j_me * b] for p in bases]).view(world, j_me, b) if world else recv[:0]
     lens = lens_by_src.transpose(0, 1).reshape(-1)
-    per_src = lens_by_src.sum(2).tolist()                              # ids per (source, shard)
+    per_src = host_read(lens_by_src.sum(2), "input dist: ids per shard")   # ids per (source, shard)
     id_pieces, w_pieces = [], []
     w_bases = [p - s_ * j_me * b for s_, p in enumerate(bases)]   # weights carry no lengths
     for j in range(j_me):
@@ -192,4 +193,4 @@ def pad_to_world_bags(sparse: SparseBatch, comm) -> SparseBatch:
     Transfer(comm.name or "pad_bags", [dist.all_reduce(n, op=dist.ReduceOp.MAX, group=embedding_group(),
                                                       async_op=True)],
              8 * (world - 1), st, st.cross_node([8] * world, me)).wait()
-    return pad_bag_offsets(sparse, int(n))
+    return pad_bag_offsets(sparse, host_read(n, "pad_bags: the world's bag count")[0])
