@@ -4,21 +4,145 @@
 CuPy TBE forward and, in backward, the fused sort / run-length / per-row optimizer kernels, in
 place, like the CPU backend (no weight gradient is ever built); the path's collectives go
 through ``recc.runtime.comm`` (NCCL on GPUs). ``recc.pack_sparse[cuda]`` packs and validates on
-the device with a single host sync. Every other op uses its torch reference, which runs on
-CUDA tensors as it is.
+the device. Every other op uses its torch reference, which runs on CUDA tensors as it is.
+
+Bounds checks without a sync (``DeferredChecks``): inside a ``DistributedModel`` step, the
+packing's validation flag and the TBE kernels' error records all land in one int64[2] record on
+the device, never read mid-step; the update kernels write nothing while it is set, so a bad batch
+changes no row. A backward's end copies it (non_blocking) to pinned host memory with an event;
+the next step's start reads the copy once its event has passed, and a state read (``state_dict``,
+``synchronize()``, an eval forward) reads the record itself. A set flag re-validates the step's
+kept batches on the host, which raise the error the CPU backend would (table and position),
+naming the step the batch came from. Outside a model's step (an op called on its own) each
+check reads its record at once, as before.
 
 Importing this module needs neither CuPy nor a GPU: kernels load on their first launch.
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from recc.kernels import cuda as cuda_kernels
+from recc.kernels.cuda import loader
+from recc.kernels.cuda.tbe import ERR_NONE
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.ops import (OPS, SlotBatch, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl,
                       stack_table_bags, stacked_names, use_references)
 from recc.runtime import table_update
 from recc.runtime.table_update import Bags, TableKernels
+
+
+class DeferredChecks:
+    """One ``DistributedModel``'s bounds checks on the CUDA kernels, read where they cost nothing.
+
+    ``record`` (int64[2] on the device, ``ERR_NONE`` until a check fails) is shared by every
+    kernel and the packing's flag of every step, and sticky: once set, every later update kernel
+    writes nothing until the error has been raised (then it is cleared). ``kept`` holds, per check
+    since the last copy, the step it ran in and a host validator that raises its error."""
+
+    # Copies of the record whose event has not passed after this many later backwards are
+    # waited for: the host is that far ahead of the device anyway.
+    MAX_PENDING = 2
+
+    def __init__(self):
+        self.record = None
+        self.step = 0
+        self.kept: list = []
+        self.pending: collections.deque = collections.deque()  # (host copy, event or None, kept)
+        self._copy_queued = False
+
+    def error_record(self, device) -> torch.Tensor:
+        if self.record is None or self.record.device != device:
+            self.record = cuda_kernels.tbe.new_error_record(device)  # (all ERR_NONE)
+        return self.record
+
+    def keep(self, validate) -> None:
+        """``validate()`` raises the error of a batch just checked on the device, on the host."""
+        self.kept.append((self.step, validate))
+
+    def flag(self, bad: torch.Tensor, device) -> None:
+        """Sets the record when the device bool ``bad`` is true (no sync)."""
+        self.error_record(device).masked_fill_(bad, 0)
+
+    def after_update(self) -> None:
+        """Called in a backward's update: the record is copied once that backward has finished."""
+        if not self._copy_queued:
+            self._copy_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._copy)
+
+    def _copy(self) -> None:
+        self._copy_queued = False
+        if not self.kept or self.record is None:
+            return
+        rec, event = self.record, None
+        host = torch.empty(rec.shape, dtype=rec.dtype, pin_memory=rec.is_cuda)
+        host.copy_(rec, non_blocking=True)
+        if rec.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((host, event, self.kept))
+        self.kept = []
+
+    def begin_step(self, step: int) -> None:
+        """A training step's start: the copies whose event has passed are read (no wait, unless
+        the host is more than ``MAX_PENDING`` backwards ahead) and a set flag raised. Checks of a
+        step that ran no backward (a forward only) are copied here, so none waits forever."""
+        if self.kept:
+            self._copy()
+        while self.pending:
+            host, event, kept = self.pending[0]
+            if event is not None and not event.query():
+                if len(self.pending) <= self.MAX_PENDING:
+                    break
+                event.synchronize()
+            self.pending.popleft()
+            # host memory the event has filled: no sync, so not a counted host read (and
+            # tolist, not a comparison whose bool() would look like one to the emulator's count)
+            if host.tolist() != [ERR_NONE] * 2:
+                self._raise(kept, step)
+        self.step = step
+
+    def synchronize(self, step: int, why: str = "deferred bounds check, state read") -> None:
+        """Reads the record now (a sync, only when a check ran since the last read) and raises a
+        set flag: what a user sees of the tables (``state_dict``, an eval forward's output) must
+        not come from a bad batch."""
+        kept = [k for _, _, ks in self.pending for k in ks] + self.kept
+        self.pending.clear()
+        self.kept = []
+        if not kept or self.record is None:
+            return
+        bad = loader.host_read(self.record, why)
+        if bad != [ERR_NONE] * 2:
+            self._raise(kept, step)
+
+    def check_now(self) -> None:
+        """Raises a flag set so far: a torch reference op (max pooling) has no device guard, so
+        the ids it indexes with must be known good first (a sync, off the fast path)."""
+        self.synchronize(self.step, "deferred bounds check, before a torch reference op")
+
+    def _raise(self, kept, step: int):
+        self.record.fill_(ERR_NONE)
+        self.pending.clear()
+        self.kept = []
+        for bad_step, validate in kept:
+            try:
+                validate()
+            except Exception as e:
+                where = "this step" if bad_step == step else f"step {bad_step}, found at the start of step {step}"
+                raise type(e)(f"{e} (the batch of {where}: no table row was updated by it"
+                              f"{'' if bad_step == step else ' or since'})") from None
+        raise RuntimeError("recc: the CUDA kernels flagged a batch that the CPU validators accept; please report this")
+
+
+# The checks of the DistributedModel whose step runs (``use``); None outside one.
+current: "DeferredChecks | None" = None
+
+
+def use(checks: "DeferredChecks | None") -> None:
+    global current
+    current = checks
 
 
 class CUDATableKernels(TableKernels):
@@ -46,11 +170,17 @@ class CUDATableKernels(TableKernels):
         return Bags(ids, offsets, psw, 1, t * b, hsc, (group.group_name,), checked, fold=t)
 
     def forward(self, weights, bags, pooling, out_dtype):
+        checks = current
+        err = None if checks is None else checks.error_record(weights.device)
         out = cuda_kernels.tbe_forward(weights, bags.ids, bags.offsets, bags.hsc, T=bags.t, B=bags.b,
-                                       pooling=pooling, per_sample_weights=bags.psw, table_names=bags.names)
+                                       pooling=pooling, per_sample_weights=bags.psw, table_names=bags.names, err=err)
+        if checks is not None:
+            checks.keep(_validator(bags))
         return _unfold(out, bags).to(out_dtype)
 
     def max_pool(self, weights, bags):  # no CUDA kernel: the torch reference, on the device
+        if current is not None:  # a reference op indexes with the ids: the packing's flag is read first
+            current.check_now()
         out, winners = max_pool(weights, bags.linear(), bags.offsets, T=bags.t, B=bags.b)
         return _unfold(out, bags), winners
 
@@ -76,7 +206,10 @@ class CUDATableKernels(TableKernels):
         if scale != 1.0:
             grad = grad * scale
         grad = grad.contiguous()
+        checks = current
         if pooling == "max":  # no CUDA kernel: the torch reference, on the device
+            if checks is not None:  # nothing guards the reference's writes: the record is read first
+                checks.check_now()
             tbe_backward_update_reference(group.weights.detach(), group.optimizer_state(), bags.linear(),
                                           bags.offsets, grad, T=bags.t, B=bags.b, pooling="max", winners=winners,
                                           **optim)
@@ -84,7 +217,18 @@ class CUDATableKernels(TableKernels):
             cuda_kernels.tbe_backward_update(group.weights.detach(), group.optimizer_state(), bags.ids, bags.offsets,
                                              bags.hsc, grad, T=bags.t, B=bags.b, pooling=pooling,
                                              per_sample_weights=bags.psw, table_names=bags.names,
-                                             checked=bags.checked, key_rows=key_rows, **optim)
+                                             checked=bags.checked, key_rows=key_rows,
+                                             err=None if checks is None else checks.error_record(group.weights.device),
+                                             **optim)
+            if checks is not None:
+                if not bags.checked:
+                    checks.keep(_validator(bags))
+                checks.after_update()
+
+
+def _validator(bags: Bags):
+    """The host re-validation of ``bags`` (the slow path of a flagged record)."""
+    return lambda: cuda_kernels.tbe.validate_on_host(bags.ids, bags.offsets, bags.hsc, bags.t, bags.b, bags.names)
 
 
 def _unfold(out: torch.Tensor, bags: Bags) -> torch.Tensor:
@@ -118,11 +262,13 @@ def tbe_lookup_cuda(group, sparse, *, dtype="fp32"):
 
 @register_impl("pack_sparse", "cuda")
 def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=False, stack=None):
-    """``recc.pack_sparse`` on the device: the reference's packing, validated with one sync.
+    """``recc.pack_sparse`` on the device: the reference's packing, validated on the device.
 
-    A bad batch is re-validated by the CPU reference on host copies, which raises the same
-    error (table and position) the CPU backend would. A stacked group (``stack=``) is stacked by
-    the reference's ``stack_table_bags`` first (which checks each lookup on its own)."""
+    Inside a model's step the flag goes into the step's ``DeferredChecks`` (no sync); outside
+    one it is read at once (one sync). A bad batch is re-validated by the CPU reference on host
+    copies, which raises the same error (table and position) the CPU backend would. A stacked
+    group (``stack=``) is stacked by the reference's ``stack_table_bags`` first (which checks
+    each lookup on its own)."""
     tables = tuple(tables)
     check_id_dtypes(stacked_names(tables, stack), indices, offsets)   # eager's rule, before padding adds offsets
     if pad:
@@ -141,10 +287,21 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=
         limit = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64, device=dev), counts,
                                         output_size=n)
         bad = bad | ((ids < 0) | (ids >= limit)).any()
-    if bool(bad):  # the one host sync
-        OPS["pack_sparse"].reference([i.cpu() for i in indices], [None if o is None else o.cpu() for o in offsets],
-                                     None if per_sample_weights is None else [w.cpu() for w in per_sample_weights],
+
+    def validate():
+        why = "re-validate a flagged pack_sparse batch"
+        OPS["pack_sparse"].reference([loader.host_copy(i, why) for i in indices],
+                                     [None if o is None else loader.host_copy(o, why) for o in offsets],
+                                     None if per_sample_weights is None else
+                                     [loader.host_copy(w, why) for w in per_sample_weights],
                                      tables=tables, rows=rows)
+
+    checks = current
+    if checks is not None:
+        checks.flag(bad, dev)
+        checks.keep(validate)
+    elif loader.host_read(bad, "pack_sparse validation flag"):  # an op run on its own: one sync
+        validate()
         raise RuntimeError("pack_sparse: the device validation flagged this batch but the CPU reference "
                            "accepts it; please report this")
     return packed_batch(tables, ids, off, counts, psw, batch)

@@ -23,6 +23,7 @@ from recc.kernels import huge_page_empty, optimizer_state_shapes, release_memory
 from recc.graph_utils import resolve_attr
 from recc.heap import keep_step_memory
 from recc.program import quiet_deepcopy
+from recc.runtime import cuda_backend
 from recc.runtime.comm import stats as comm_stats
 from recc.runtime.pipeline import split_sparse_stage
 from recc.runtime.table_init import TableInit, initial_block
@@ -193,6 +194,10 @@ class DistributedModel(nn.Module):
         self._mode_branches = list(gm.meta.get(MODE_BRANCHES, ()))
         self._compiled_mode = bool(gm.meta.get(MODE, True))
         self._stats = comm_stats.CommStats()
+        # The CUDA kernels' bounds checks, read at the next step's start or when state is read
+        # (no sync mid-step; nothing to read on the CPU backend); _steps names a bad batch's step.
+        self._checks = cuda_backend.DeferredChecks()
+        self._steps = 0
         config = program.config
         self._stats.budget = config.comm_error_budget
         self._stats.budget_action = config.comm_error_action
@@ -230,10 +235,20 @@ class DistributedModel(nn.Module):
 
     def _begin_step(self) -> None:
         if torch.is_grad_enabled():
+            self._steps += 1
+            self._checks.begin_step(self._steps)   # raises a bad batch of an earlier step
             self._stats.begin_step()
             if self._dense_bytes:
                 self._stats.add_payload(_DDP_LABEL, "fp32", self._dense_bytes, self._dense_bytes)
         comm_stats.use(self._stats)
+        cuda_backend.use(self._checks)
+
+    def synchronize(self) -> None:
+        """Raise now the error of a bad batch the CUDA kernels flagged on the device (naming its
+        table, position and step), instead of at the next training step's start: a host sync,
+        when a check ran since the last one (``state_dict`` and an eval forward do it too).
+        Nothing to do on the CPU backend, which raises before any row is touched."""
+        self._checks.synchronize(self._steps)
 
     def _as_compiled(self, stacklevel: int):
         """A context in which the graph runs with the dtypes it was compiled with.
@@ -281,6 +296,7 @@ class DistributedModel(nn.Module):
 
     def _stage(self, args):
         flat = self._split.flatten(args)
+        cuda_backend.use(self._checks)
         return flat, self._split.stage(*flat)
 
     def _main(self, flat, boundary):
@@ -293,8 +309,12 @@ class DistributedModel(nn.Module):
         self._begin_step()
         with self._as_compiled(stacklevel=5):   # the user's call: model(...), then torch's two call wrappers
             if self._split is None:
-                return (self._ddp or self.graph_module)(*args)
-            return self._main(*self._stage(args))
+                out = (self._ddp or self.graph_module)(*args)
+            else:
+                out = self._main(*self._stage(args))
+        if not torch.is_grad_enabled():   # an eval forward's output is what the user reads
+            self._checks.synchronize(self._steps, "deferred bounds check, eval forward")
+        return out
 
     def train_pipeline(self, batches: Iterable, inputs: Optional[Callable] = None) -> Iterator:
         """Iterate ``(batch, output)`` over ``batches``, running each batch's sparse dist (id
@@ -326,8 +346,10 @@ class DistributedModel(nn.Module):
                 out = self._main(*staged)
             nxt_args = inputs(nxt)
             self._program.signature.check(nxt_args)
+            self._checks.step = self._steps + 1   # a bad batch packed a step ahead is named by its own step
             with self._as_compiled(stacklevel=3):
                 staged = self._stage(nxt_args)
+            self._checks.step = self._steps
             yield cur, out
             cur = nxt
         self._begin_step()
@@ -395,6 +417,7 @@ class DistributedModel(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The user model's state_dict: same keys, order and shapes; tables are whole (gathered
         from their shards, so with several ranks every rank must call this together)."""
+        self.synchronize()   # tables a bad batch was flagged in are not handed out unreported
         out = OrderedDict() if destination is None else destination
         where = self._group_of()
         tables = self._program.stats.get("tables", {})
@@ -410,6 +433,7 @@ class DistributedModel(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a logical state dict (from the eager model, or any plan and world size): each
         rank copies its own shards out of the whole tables."""
+        self.synchronize()
         where = self._group_of()
         tables = self._program.stats.get("tables", {})
         expected = {}

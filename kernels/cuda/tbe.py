@@ -17,6 +17,12 @@ bad id or a malformed bag, and with ``checked=False`` the error is raised after 
 update.  Ids are also checked against the weight's rows, so a ``hash_size_cumsum`` that
 claims more rows than the weight has cannot make a kernel leave it.
 
+``err=`` (both functions): the caller's error record (``new_error_record``) instead of a fresh
+one, never read here (no sync): the kernels report into it, the update kernels write nothing
+while it is set (by any earlier launch), and the caller reads it once, where it costs nothing
+(``recc.runtime.cuda_backend.DeferredChecks``: one record per training step), re-validating the
+batch on the host with ``validate_on_host`` to word the error.
+
 Limits (ValueError, never a silent fallback): the backward keeps a row's gradient in
 registers, so D <= 1024 when D % 4 == 0 (else D <= 256); rows, ids and bags < 2^31.
 """
@@ -126,15 +132,22 @@ def new_error_record(device) -> torch.Tensor:
     return torch.full((2,), ERR_NONE, dtype=torch.int64, device=device)
 
 
+def validate_on_host(indices, offsets, hash_size_cumsum, T: int, B: int, table_names=None) -> None:
+    """The slow path of a flagged batch: the CPU validator finds the first fault and raises
+    naming its table, bag and position (host copies: syncs, on the error path only)."""
+    names = list(table_names) if table_names is not None else [f"#{t}" for t in range(T)]
+    why = "re-validate a flagged TBE batch"
+    validate_inputs(loader.host_copy(indices, why), loader.host_copy(offsets, why),
+                    loader.host_copy(hash_size_cumsum, why), T, B, names)
+
+
 def raise_for_error(err: torch.Tensor, indices, offsets, hash_size_cumsum, T: int, B: int,
                     table_names=None) -> None:
     """Reads the error record (a sync) and raises with the table, bag and position at fault."""
-    bad_id, bad_bag = (int(v) for v in err.tolist())
+    bad_id, bad_bag = loader.host_read(err, "TBE error record")
     if bad_id == ERR_NONE and bad_bag == ERR_NONE:
         return
-    names = list(table_names) if table_names is not None else [f"#{t}" for t in range(T)]
-    # The slow path: the CPU validator finds the first fault and words the message.
-    validate_inputs(indices.cpu(), offsets.cpu(), hash_size_cumsum.cpu(), T, B, names)
+    validate_on_host(indices, offsets, hash_size_cumsum, T, B, table_names)
     raise IndexError(f"the CUDA TBE kernel found a bad id at position {bad_id} / bag {bad_bag} "
                      f"that the CPU validator does not reproduce (does hash_size_cumsum claim "
                      f"more rows than the weight has, or were the inputs modified concurrently?)")
@@ -143,18 +156,19 @@ def raise_for_error(err: torch.Tensor, indices, offsets, hash_size_cumsum, T: in
 def tbe_forward(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
                 hash_size_cumsum: torch.Tensor, *, T: int, B: int, pooling: str = "sum",
                 per_sample_weights: torch.Tensor | None = None, table_names=None,
-                check: bool = True) -> torch.Tensor:
+                err: torch.Tensor | None = None) -> torch.Tensor:
     """Pooled embeddings ``[B, T*D]`` (fp32) of local ``indices``; see the module docstring.
 
-    ``check=False`` skips reading the error record (no sync; the caller must call
-    ``raise_for_error`` on the returned record before trusting the output) and returns
-    ``(out, err)`` instead of ``out``.
+    ``err``: the caller's error record, which the kernel reports into and this function does not
+    read (no sync; the output of a bad id's bag is not to be trusted until the caller has read it).
     """
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
     np = _np()
     R, D = weights.shape
     out = torch.empty(B, T * D, dtype=torch.float32, device=weights.device)
-    err = new_error_record(weights.device)
+    deferred = err is not None
+    if not deferred:
+        err = new_error_record(weights.device)
     ids, off, hsc = _i64(indices), _i64(offsets), _i64(hash_size_cumsum)
     psw = _f32(per_sample_weights)
     if T * B:
@@ -165,8 +179,8 @@ def tbe_forward(weights: torch.Tensor, indices: torch.Tensor, offsets: torch.Ten
                       (weights.detach(), np.int32(D), ids, off, hsc, np.int32(T), np.int64(B),
                        np.int64(R), psw, np.int32(pooling == "mean"), np.int64(ids.numel()), out,
                        err, np.int32(lanes)))
-    if not check:
-        return out, err
+    if deferred:
+        return out
     raise_for_error(err, indices, offsets, hash_size_cumsum, T, B, table_names)
     return out
 
@@ -183,13 +197,14 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         lr: float, eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999,
                         weight_decay: float = 0.0, step: int = 1, seed: int | None = None,
                         table_names=None, checked: bool = False, weight_decay_mode: str = "l2",
-                        key_rows: torch.Tensor | None = None) -> None:
+                        key_rows: torch.Tensor | None = None, err: torch.Tensor | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place; the math of
     ``recc.kernels.cpu.tbe.tbe_backward_update``.  ``seed`` keys the stochastic rounding of
     fp16/bf16 weights (default: ``step``); ``key_rows`` (int64 [R] on the weights' device, or
     None) keys weight row r's rounding on row ``key_rows[r]`` instead of r (a cached group's
     slot -> group row map: each slot rounds as the row it holds would when resident; only the
-    touched rows' entries are read)."""
+    touched rows' entries are read). ``err``: the caller's error record (see the module
+    docstring): nothing is written while it is set, and it is not read here."""
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
     check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows, in_place=True)
     R, D = weights.shape
@@ -218,7 +233,9 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     dev = weights.device
     ids, off, hsc = _i64(indices), _i64(offsets), _i64(hash_size_cumsum)
     psw = _f32(per_sample_weights)
-    err = new_error_record(dev)
+    deferred = err is not None
+    if not deferred:
+        err = new_error_record(dev)
     rows = torch.empty(N, dtype=torch.int32, device=dev)
     bag_of = torch.empty(N, dtype=torch.int32, device=dev)
     grid_n = -(-N // THREADS)
@@ -275,7 +292,7 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     for s in (m1, m2):
         if s is not None:
             _bump_version(s)
-    if not checked:
+    if not (checked or deferred):
         raise_for_error(err, indices, offsets, hash_size_cumsum, T, B, table_names)
 
 
