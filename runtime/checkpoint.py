@@ -795,6 +795,9 @@ def save_checkpoint(dmodel, dense_optimizer, path, *, step: int, extra: Optional
     (e.g. the data position). ``keep``: afterwards, keep only the newest ``keep`` checkpoints. The
     save is atomic: until it completes on every rank, ``path`` shows the checkpoints it had before.
     A directory another live run is saving into is refused (``CheckpointError``, on every rank)."""
+    # A bad batch the CUDA kernels flagged on the device (deferred bounds checks) is raised here,
+    # before anything is written: no checkpoint is made of a step that reported no error yet.
+    dmodel.synchronize()
     root = Path(path)
     rank = dist.get_rank() if _distributed() else 0
     if extra is not None:

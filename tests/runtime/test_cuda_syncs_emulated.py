@@ -189,6 +189,20 @@ def test_a_bad_id_is_raised_when_state_is_read():
             dmodel(*_bad(batch)[:3])
 
 
+def test_a_bad_id_is_raised_before_a_checkpoint_is_written(tmp_path):
+    """save_checkpoint reads the deferred checks first: a step whose bad batch is still unreported
+    is never saved as if it had trained."""
+    from recc.models import SyntheticData
+    from recc.runtime.checkpoint import save_checkpoint
+    dmodel = _tiny("sgd")
+    batch = SyntheticData("tiny", seed=1).batch(0)
+    with cuda_ops():
+        _train_step(dmodel, None, _bad(batch))
+        with pytest.raises(IndexError, match=BAD_ID + r".*the batch of this step"):
+            save_checkpoint(dmodel, None, tmp_path / "ckpt", step=1)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
 def test_a_bad_offset_is_raised_at_the_next_step():
     from recc.models import SyntheticData
     dmodel = _tiny("sgd")
