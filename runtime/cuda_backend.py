@@ -21,6 +21,7 @@ Importing this module needs neither CuPy nor a GPU: kernels load on their first 
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 
@@ -28,8 +29,8 @@ from recc.kernels import cuda as cuda_kernels
 from recc.kernels.cuda import loader
 from recc.kernels.cuda.tbe import ERR_NONE
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
-from recc.ops import (OPS, SlotBatch, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags, pooled_dtype, register_impl,
-                      stack_table_bags, stacked_names, use_references)
+from recc.ops import (OPS, SlotBatch, _bound, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags,
+                      pooled_dtype, register_impl, stack_table_bags, stacked_names, use_references)
 from recc.runtime import table_update
 from recc.runtime.table_update import Bags, TableKernels
 
@@ -308,3 +309,22 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=
 
 
 use_references("cuda")  # every other op: its torch reference runs on CUDA tensors as it is
+
+
+@contextlib.contextmanager
+def emulated_on_cpu(seed: "int | None" = None, sm_count: int = 2):
+    """Runs a program compiled for CPU ranks as a CUDA program runs, without a GPU: every op
+    bound to ``cpu`` calls its CUDA implementation (this module's lookup and packing, every other
+    op's torch reference), the kernels on the emulator (``recc.kernels.cuda.emulator``). What the
+    tests and ``bench/cuda_step_counts.py`` count a CUDA step on."""
+    from recc.kernels.cuda import emulator
+    saved = {}
+    for name, op in OPS.items():
+        bound = _bound(name, "cpu")
+        saved[bound], bound._fn = bound._fn, op.impl("cuda")
+    try:
+        with emulator.emulated(seed=seed, sm_count=sm_count):
+            yield
+    finally:
+        for bound, fn in saved.items():
+            bound._fn = fn

@@ -18,7 +18,6 @@ shards (``ids[keep]``); ``pad_bags`` 1; a data-parallel group's exchange its siz
 ``CommStats.error_steps`` steps measure each quantized collective's codec error (2 each)."""
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
 
@@ -28,7 +27,6 @@ import torch.nn.functional as F
 
 import recc
 from recc.kernels.cuda import emulator, loader
-from recc.ops import OPS, _bound
 from recc.runtime import cuda_backend
 
 pytestmark = [pytest.mark.cuda_emulated,
@@ -39,22 +37,9 @@ SYNCS_PER_STEP = 0  # at one rank; see the module docstring
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@contextlib.contextmanager
 def cuda_ops():
-    """Every op of the CPU program runs what a CUDA program runs (the CUDA backend's lookup and
-    packing, every other op's torch reference), the kernels on the emulator."""
-    saved = {}
-    for name, op in OPS.items():
-        impl = op.impl("cuda")
-        if impl is not None:
-            bound = _bound(name, "cpu")
-            saved[bound], bound._fn = bound._fn, impl
-    try:
-        with emulator.emulated(seed=3, sm_count=2):
-            yield
-    finally:
-        for bound, fn in saved.items():
-            bound._fn = fn
+    """Every op of the CPU program runs what a CUDA program runs, the kernels on the emulator."""
+    return cuda_backend.emulated_on_cpu(seed=3, sm_count=2)
 
 
 def _tiny(optimizer):
