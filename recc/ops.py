@@ -772,11 +772,31 @@ def dot_interaction(dense, blocks, li, lj, features, pad: int = 0):
     out_dtype, wide = dense.dtype, torch.promote_types(dense.dtype, torch.float32)
     # One cast per input, so each gradient is summed in fp32 and rounded once.
     dense, blocks = dense.to(wide), [t.to(wide) for t in blocks]
-    x = torch.stack([dense] + [blocks[k][:, c:c + d] for k, c in features], dim=1)
+    x = torch.cat([dense[:, None]] + _feature_runs(blocks, features, d), dim=1)
     parts = [dense, pairwise_dot(x, li, lj)]
     if pad:
         parts.append(x.new_zeros(dense.shape[0], pad))
     return torch.cat(parts, dim=1).to(out_dtype)
+
+
+def _feature_runs(blocks, features, d: int) -> list:
+    """The interacting vectors of ``features`` as ``[B, n, d]`` views of their blocks, one per run
+    of consecutive columns of one block (a whole batched lookup is one view, not a slice per
+    table): a GPU then runs one concatenation forward, and backward hands each block a view of
+    its gradient, where a slice per feature cost a zero-filled gradient each and the adds that
+    sum them."""
+    runs = []  # [block, first column, vectors]
+    for k, c in features:
+        if runs and runs[-1][0] == k and runs[-1][1] + runs[-1][2] * d == c:
+            runs[-1][2] += 1
+        else:
+            runs.append([k, c, 1])
+    views = []
+    for k, c, n in runs:
+        block = blocks[k]
+        cols = block if c == 0 and n * d == block.shape[1] else block[:, c:c + n * d]
+        views.append(cols.unflatten(1, (n, d)))
+    return views
 
 
 def _linear_meta(x, weight, bias, activation="none"):
