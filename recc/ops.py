@@ -625,12 +625,20 @@ def drop_padding(indices, offsets, per_sample_weights=None, *, padding_idx: int,
     if offsets is not None and indices.dim() != 1:
         raise ValueError(f"table {table}: indices of shape {list(indices.shape)} come with offsets; like "
                          f"nn.EmbeddingBag, offsets go with 1-D indices (2-D indices [B, L] take offsets=None)")
-    flat, ends = bag_offsets(indices, offsets)
-    b = ends.numel() - 1
-    lengths = ends[1:] - ends[:-1]
-    keep = flat != padding_idx
-    bag = torch.repeat_interleave(torch.arange(b, device=flat.device), lengths, output_size=flat.numel())
-    kept = torch.bincount(bag[keep], minlength=b)
+    if offsets is None and indices.dim() == 2:
+        # [B, L] ids (an nn.Embedding gather's [N, 1] among them): bags of L ids, so each bag's
+        # kept count is a row sum, with no per-id bag numbers (a third of this op's tensor ops).
+        b = indices.shape[0]
+        keep2d = indices != padding_idx
+        kept = keep2d.sum(1)
+        flat, keep = indices.reshape(-1), keep2d.reshape(-1)
+    else:
+        flat, ends = bag_offsets(indices, offsets)
+        b = ends.numel() - 1
+        keep = flat != padding_idx
+        bag = torch.repeat_interleave(torch.arange(b, device=flat.device), ends[1:] - ends[:-1],
+                                      output_size=flat.numel())
+        kept = torch.bincount(bag[keep], minlength=b)
     starts = torch.zeros(b, dtype=torch.int64, device=flat.device)
     if b > 1:
         torch.cumsum(kept[:-1], 0, out=starts[1:])
@@ -718,7 +726,10 @@ def split_bags(x, indices, offsets):
     bags (``offsets_f``' length, or ids_f's first dim without offsets), in order. Views; the
     gradient of x is the blocks' gradients one after another (zeros for a block not used).
     """
-    return torch.split(x, bag_counts(indices, offsets), dim=0)
+    counts = bag_counts(indices, offsets)
+    if len(counts) == 1 and counts[0] == x.shape[0]:
+        return (x,)   # one block: x itself (no split op, no split node in backward)
+    return torch.split(x, counts, dim=0)
 
 
 def _split_cols_meta(x, sizes):
@@ -732,6 +743,8 @@ def split_cols(x, sizes):
     One split rather than a slice per table: autograd then builds the batched gradient with one
     concatenation instead of zero-filling a full-width gradient for every table.
     """
+    if len(sizes) == 1 and sizes[0] == x.shape[1]:
+        return (x,)   # a one-table group: its output itself (no split op, no split node in backward)
     return torch.split(x, list(sizes), dim=1)
 
 
