@@ -199,12 +199,24 @@ class GatherRows(torch.autograd.Function):
         group.step += 1
         n = lin.numel()
         if n:
-            grad = torch.cat(grads).contiguous()
-            bags = kernels.bags(group, (group.group_name,), lin, torch.arange(n + 1, device=lin.device), None, n,
-                                linear=True)
+            grad = (torch.cat(grads) if len(grads) > 1 else grads[0]).contiguous()
+            bags = kernels.bags(group, (group.group_name,), lin, _one_id_offsets(n, lin.device), None, n, linear=True)
             _update(kernels, group, bags, grad, "sum", key_rows=kernels.key_rows(group, None),
                     segments=ctx.segments)
         return None, None, None, None, None, None
+
+
+_CPU_ONE_ID_OFFSETS = [torch.arange(1)]   # the last CPU arange(n + 1) built: a batch's id count repeats step after step
+
+
+def _one_id_offsets(n: int, device) -> torch.Tensor:
+    """``arange(n + 1)``: n one-id bags' offsets; on the CPU the last one is kept and reused for
+    the same n (the kernels only read it)."""
+    if device.type != "cpu":
+        return torch.arange(n + 1, device=device)
+    if _CPU_ONE_ID_OFFSETS[0].numel() != n + 1:
+        _CPU_ONE_ID_OFFSETS[0] = torch.arange(n + 1)
+    return _CPU_ONE_ID_OFFSETS[0]
 
 
 def _update(kernels: TableKernels, group, bags: Bags, grad: torch.Tensor, pooling: str, *, winners=None,
