@@ -20,8 +20,8 @@ Per step it prints
   made over the launch (an upper bound on its longest chain of dependent loads; a grid-stride
   kernel's threads take more turns on fewer SMs, hence ``--sm-count``, default an H100's 132).
 
-No timing: the counts are the same on any machine.  The dense optimizer's step is part of the
-counted step (on a GPU its foreach kernels are launches too).
+No timing: the counts are the same on any machine.  The dense optimizer's step (``torch.optim.SGD``,
+``foreach=True`` as torch picks on a GPU) is part of the counted step: its kernels are launches too.
 """
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def count_steps(preset: str, batch: int, steps: int, optimizer: str, table_dtype
     model = build_model(cfg)
     config = recc.CompileConfig(optimizer=optimizer, lr=0.05, table_dtype=table_dtype)
     dmodel = recc.compile(model, recc.Cluster.local(1), config=config).instantiate()
-    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.05)
+    # foreach: what torch picks for CUDA parameters (one launch per few tensors, not per tensor)
+    opt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.05, foreach=True)
     per_step = []
     for dense_x, lS_o, lS_i, y in SyntheticData(cfg, batch_size=batch).batches(steps):
         attribution, before = Attribution(), loader.host_reads.copy()

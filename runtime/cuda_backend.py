@@ -29,7 +29,7 @@ from recc.kernels import cuda as cuda_kernels
 from recc.kernels.cuda import loader
 from recc.kernels.cuda.tbe import ERR_NONE
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
-from recc.ops import (OPS, SlotBatch, _bound, check_id_dtypes, flatten_bags, packed_batch, pad_table_bags,
+from recc.ops import (OPS, SlotBatch, SparseBatch, _bound, check_id_dtypes, flatten_bags, pad_table_bags,
                       pooled_dtype, register_impl, stack_table_bags, stacked_names, use_references)
 from recc.runtime import table_update
 from recc.runtime.table_update import Bags, TableKernels
@@ -62,10 +62,6 @@ class DeferredChecks:
     def keep(self, validate) -> None:
         """``validate()`` raises the error of a batch just checked on the device, on the host."""
         self.kept.append((self.step, validate))
-
-    def flag(self, bad: torch.Tensor, device) -> None:
-        """Sets the record when the device bool ``bad`` is true (no sync)."""
-        self.error_record(device).masked_fill_(bad, 0)
 
     def after_update(self) -> None:
         """Called in a backward's update: the record is copied once that backward has finished."""
@@ -263,10 +259,11 @@ def tbe_lookup_cuda(group, sparse, *, dtype="fp32"):
 
 @register_impl("pack_sparse", "cuda")
 def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=False, stack=None):
-    """``recc.pack_sparse`` on the device: the reference's packing, validated on the device.
+    """``recc.pack_sparse`` on the device: the reference's concatenations, then one kernel
+    (``tbe.pack_offsets``) that packs the offsets and checks every table's offsets and ids.
 
-    Inside a model's step the flag goes into the step's ``DeferredChecks`` (no sync); outside
-    one it is read at once (one sync). A bad batch is re-validated by the CPU reference on host
+    Inside a model's step it reports into the step's ``DeferredChecks`` record (no sync);
+    outside one its own record is read at once (one sync). A bad batch is re-validated by the CPU reference on host
     copies, which raises the same error (table and position) the CPU backend would. A stacked
     group (``stack=``) is stacked by the reference's ``stack_table_bags`` first (which checks
     each lookup on its own)."""
@@ -277,17 +274,11 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=
     if stack is not None:
         indices, offsets, per_sample_weights = stack_table_bags(indices, offsets, per_sample_weights, stack, tables,
                                                                 rows)
-    ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
-    dev, n = ids.device, ids.numel()
-    bad = torch.zeros((), dtype=torch.bool, device=dev)
-    if batch:
-        bad = bad | (off[:, 0] != 0).any() | (off[:, -1] > counts).any()
-        if batch > 1:
-            bad = bad | (off[:, 1:] < off[:, :-1]).any()
-    if n:
-        limit = torch.repeat_interleave(torch.tensor(list(rows), dtype=torch.int64, device=dev), counts,
-                                        output_size=n)
-        bad = bad | ((ids < 0) | (ids >= limit)).any()
+    ids, off, _, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
+    checks = current
+    dev = ids.device
+    err = checks.error_record(dev) if checks is not None else cuda_kernels.tbe.new_error_record(dev)
+    packed = cuda_kernels.tbe.pack_offsets(ids, off, [i.numel() for i in indices], rows, err)
 
     def validate():
         why = "re-validate a flagged pack_sparse batch"
@@ -297,15 +288,13 @@ def pack_sparse_cuda(indices, offsets, per_sample_weights, *, tables, rows, pad=
                                      [loader.host_copy(w, why) for w in per_sample_weights],
                                      tables=tables, rows=rows)
 
-    checks = current
     if checks is not None:
-        checks.flag(bad, dev)
         checks.keep(validate)
-    elif loader.host_read(bad, "pack_sparse validation flag"):  # an op run on its own: one sync
+    elif loader.host_read(err, "pack_sparse validation flag") != [ERR_NONE] * 2:  # an op on its own: one sync
         validate()
         raise RuntimeError("pack_sparse: the device validation flagged this batch but the CPU reference "
                            "accepts it; please report this")
-    return packed_batch(tables, ids, off, counts, psw, batch)
+    return SparseBatch(tables, ids, packed, psw, batch)
 
 
 use_references("cuda")  # every other op: its torch reference runs on CUDA tensors as it is

@@ -148,6 +148,40 @@ __device__ __forceinline__ bool bag_ok(i64 start, i64 end, i64 j, i64 bags, i64 
              (j == bags - 1 && end != N));
 }
 
+/* ------------------------------------------------------------------ packing */
+
+/* recc.pack_sparse's device half (one launch for the whole group): T tables' start offsets
+ * `off` [T, B] (table t's into its own ids) become the packed offsets `out` [T*B+1] into the
+ * tables' ids back to back, table t's from starts[t] (`meta` = starts[0..T], starts[T] = N,
+ * then each table's rows[0..T-1]), and the inputs are checked as the CPU reference checks
+ * them: a table's offsets start at 0, never decrease and end within its ids (else err[1] =
+ * the first bad bag j = t*B + b, atomicMin), its ids lie in [0, rows[t]) (else err[0] = the
+ * first bad position).  Reads nothing out of bounds whatever the values.  The grid covers
+ * max(N, T*B + 1) threads. */
+extern "C" __global__ void tbe_pack(const i64* __restrict__ ids, const i64* __restrict__ off,
+                                    const i64* __restrict__ meta, int T, i64 B, i64 N,
+                                    i64* __restrict__ out, u64* err) {
+    const i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 bags = (i64)T * B;
+    if (j < bags) {
+        const int t = (int)(j / B);
+        const i64 b = j - (i64)t * B, o = off[j];
+        const bool ok = (b == 0 ? o == 0 : o >= off[j - 1]) && (b != B - 1 || o <= meta[t + 1] - meta[t]);
+        if (!ok) atomicMin(err + 1, (u64)j);
+        out[j] = meta[t] + o;
+    } else if (j == bags) {
+        out[j] = N;
+    }
+    if (j >= N) return;
+    int lo = 0, hi = T;  /* the table of position j: the largest t with starts[t] <= j */
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (meta[mid] <= j) lo = mid; else hi = mid;
+    }
+    const i64 id = ids[j];
+    if (id < 0 || id >= meta[T + 1 + lo]) atomicMin(err, (u64)j);
+}
+
 /* ------------------------------------------------------------------ forward */
 
 template <typename W, int V>

@@ -132,6 +132,28 @@ def new_error_record(device) -> torch.Tensor:
     return torch.full((2,), ERR_NONE, dtype=torch.int64, device=device)
 
 
+def pack_offsets(ids: torch.Tensor, offsets: torch.Tensor, sizes: list, rows, err: torch.Tensor) -> torch.Tensor:
+    """``recc.pack_sparse``'s device half in one launch: each table's start offsets ``offsets``
+    ``[T, B]`` (int64, into its own ``sizes[t]`` ids) as the packed ``[T*B+1]`` offsets into
+    ``ids`` (int64, the tables' ids back to back), the offsets and ids checked against each
+    table's ``rows[t]`` into ``err`` (not read here: no sync). ``sizes`` and ``rows`` are host
+    values; they go to the device in one copy."""
+    T, B = offsets.shape
+    N = ids.numel()
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    if starts[-1] != N or len(rows) != T or len(sizes) != T:
+        raise ValueError(f"pack_offsets: {T} tables of {list(sizes)} ids and rows {list(rows)} for {N} ids")
+    dev = ids.device
+    meta = torch.tensor(starts + list(rows), dtype=torch.int64, device=dev)
+    out = torch.empty(T * B + 1, dtype=torch.int64, device=dev)
+    np = _np()
+    loader.launch(SOURCE, "tbe_pack", dev, -(-max(N, T * B + 1) // THREADS), THREADS,
+                  (ids.contiguous(), offsets.contiguous(), meta, np.int32(T), np.int64(B), np.int64(N), out, err))
+    return out
+
+
 def validate_on_host(indices, offsets, hash_size_cumsum, T: int, B: int, table_names=None) -> None:
     """The slow path of a flagged batch: the CPU validator finds the first fault and raises
     naming its table, bag and position (host copies: syncs, on the error path only)."""
