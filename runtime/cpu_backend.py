@@ -19,6 +19,7 @@ from recc.runtime.table_update import Bags, TableKernels
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs, gather_rows,
                           linear_backward, linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward,
                           pairwise_dot_forward, pairwise_dot_kernel_runs, tbe_backward_update, tbe_forward)
+from recc.kernels.cpu.linear import linear_torch_runs, torch_linear
 
 
 @register_impl("pack_sparse", "cpu")
@@ -156,6 +157,10 @@ class Linear(torch.autograd.Function):
 
 @register_impl("linear", "cpu")
 def linear_cpu(x, weight, bias, activation="none"):
+    """``Linear``; a small fp32 layer whose kernels would be torch's own ops either way runs as
+    those ops under torch's autograd (``linear_torch_runs``), without a Python autograd.Function."""
+    if linear_torch_runs(x, weight, bias, activation):
+        return torch_linear(x, weight, bias, activation)
     return Linear.apply(x, weight, bias, activation)
 
 

@@ -19,10 +19,14 @@ same products in a different blocking order: results agree to fp32 rounding.
 
 In backward the ReLU's mask and the bias gradient are one pass of a C kernel (``linear.c``)
 instead of ``threshold_backward`` and a column sum (two passes over a [B, N] gradient that does
-not stay in cache).
+not stay in cache), from ``RELU_KERNEL_MIN_N`` outputs on (or bf16).
 
-Layers of one output (a model's head; a bf16 input: up to 4) run as ``linear.c``'s narrow
-kernel, forward and backward, with x fp32 or bf16 next to fp32 weights: cast_dense's bf16 head
+A small fp32 layer whose kernels here would be torch's own ops (``linear_torch_runs``) is run by
+the runtime as those ops under torch's autograd: at the zoo's sizes a Python autograd.Function and
+this module's dispatch cost as much as the layer's products.
+
+Layers of one output (a model's head, fp32 from ``NARROW_MIN_K`` inputs on; a bf16 input: up to
+4 outputs) run as ``linear.c``'s narrow kernel, forward and backward, with x fp32 or bf16 next to fp32 weights: cast_dense's bf16 head
 reads its bf16 input as it is instead of through an fp32 copy (kaggle's head in the bf16 step,
 casts included: ~1.4 -> ~0.4 ms; in fp32 no slower than MKL's).
 """
@@ -211,21 +215,28 @@ def check_activation(activation: str) -> None:
         raise ValueError(f"linear: activation {activation!r} not in {ACTIVATIONS}")
 
 
-def _torch_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str):
+def torch_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str):
+    """``act(x @ w.T + b)`` as torch's ops (differentiable: torch's autograd runs their backward)."""
     y = F.linear(x, w, b)
     return torch.relu(y) if activation == "relu" else y
 
 
 NARROW_MAX = 8   # the most output columns linear.c's narrow kernel takes (its per-row buffer)
+NARROW_MIN_K = 128   # an fp32 head with fewer inputs runs faster on the libraries (``_narrow_wins``)
 
 
 def _narrow_wins(x: torch.Tensor, n: int) -> bool:
-    """Whether the narrow kernel beats the libraries for ``n`` outputs: always for one (the
-    head: fp32 0.31 vs 0.41 ms at K = 256, equal at K = 1024; bf16 0.23 vs 0.84, the libraries'
-    path casting x to fp32 first), and for a bf16 input up to 4 (0.79 vs 0.96 ms at 4, 1.60 vs
-    0.94 at 8); with fp32 inputs MKL/oneDNN win from 4 outputs on (0.74 vs 0.53 ms, 8: 1.8 vs
-    0.5). Forward + backward, B = 4096, K = 256, 2-vCPU Intel Xeon."""
-    return n == 1 or (x.dtype == torch.bfloat16 and n <= 4)
+    """Whether the narrow kernel beats the libraries for ``n`` outputs: for one with an fp32 input
+    from K = 128 inputs on (the head: 0.31 vs 0.41 ms at K = 256, B = 4096, equal at K = 1024; on
+    one EPYC core, B = 2048, forward + backward: K = 256 122 vs 152 us, 128 87 vs 89, 64 68 vs 48,
+    4 54 vs 20: below 128 its per-row loop costs more than the libraries' fixed set-up); with a
+    bf16 input, whatever K, up to 4 outputs (bf16 0.23 vs 0.84 ms for one, the libraries' path
+    casting x to fp32 first; 0.79 vs 0.96 ms at 4, 1.60 vs 0.94 at 8); with fp32 inputs MKL/oneDNN
+    win from 4 outputs on (0.74 vs 0.53 ms, 8: 1.8 vs 0.5). B = 4096, K = 256, 2-vCPU Intel Xeon
+    unless said."""
+    if x.dtype == torch.bfloat16:
+        return n <= 4
+    return n == 1 and x.shape[1] >= NARROW_MIN_K
 
 
 def _narrow_lib(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]):
@@ -278,6 +289,22 @@ def _narrow_backward(lib, grad, x, w, y, activation, needs):
     return dx, dw, db
 
 
+def linear_torch_runs(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str) -> bool:
+    """Whether this layer's forward and backward are torch's own ops in ``linear_forward`` /
+    ``linear_backward`` anyway, so the runtime may run it as ``torch_linear`` under torch's
+    autograd: fp32 on the CPU, under ``MIN_MACS`` (``F.linear``), not a narrow-kernel head, a ReLU
+    mask narrower than ``RELU_KERNEL_MIN_N`` (``threshold_backward``) and a weight gradient
+    ``g^T x`` (not ``_weight_grad_transposed``). The products and their order are the same; what
+    goes is a Python ``autograd.Function`` and these wrappers' dispatch: ~10 us a layer forward
+    and ~20 us backward (one EPYC core), against 30-90 us for the whole of a zoo model's layer at
+    B = 2048 (mmoe has 9)."""
+    check_activation(activation)
+    return (x.dtype == w.dtype == torch.float32 and x.device.type == w.device.type == "cpu" and x.dim() == 2
+            and w.dim() == 2 and x.shape[1] == w.shape[1] and (b is None or b.dtype == torch.float32)
+            and x.shape[0] * w.shape[0] * w.shape[1] < MIN_MACS and w.shape[0] < RELU_KERNEL_MIN_N
+            and not _weight_grad_transposed(w.shape[1], w.shape[0]) and _narrow_lib(x, w, b) is None)
+
+
 def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], activation: str = "none"):
     """``act(x @ w.T + b)`` for x [B, K], w [N, K], b [N] or None. x and w of two dtypes (cast_dense's
     bf16 head: bf16 activations, fp32 weights) compute in the wider one, x widened exactly."""
@@ -294,7 +321,7 @@ def linear_forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     if _widen_bf16(x, w):
         return _round_keep_wide(_forward(_widened(x), _widened(w), None if b is None else b.float(), activation))
     if not _use_onednn(x, w):
-        return _torch_linear(x, w, b, activation)
+        return torch_linear(x, w, b, activation)
     return _forward(x.contiguous(), w.contiguous(), b, activation)
 
 
@@ -350,14 +377,21 @@ def input_grad(g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return candidates[_fastest(("input_grad", g.dtype, *g.shape, w.shape[1]), candidates)]()
 
 
+# An fp32 gradient narrower than this is masked and summed by torch: the C pass's per-row loop
+# and its set-up cost more than a second pass over a [B, N] that stays in cache (one EPYC core,
+# B=2048, C vs threshold_backward + sum: N=3 21 vs 6 us, 8 18 vs 7, 64 33 vs 30, 128 49 vs 53).
+# bf16 keeps the C pass at every width (it also widens the gradient for fp32 units).
+RELU_KERNEL_MIN_N = 128
+
+
 def relu_backward(grad: torch.Tensor, y: torch.Tensor, bias_grad: bool, widen: bool = False):
     """``(grad * (y > 0), its column sum or None)`` for a [B, N] gradient and ReLU output; with
     ``widen``, a bf16 gradient comes back as fp32 (both results), for GEMMs on fp32 units."""
     if grad.shape != y.shape or grad.dim() != 2:
         raise ValueError(f"relu_backward: grad {tuple(grad.shape)} and output {tuple(y.shape)} must be one [B, N] shape")
     dtype = grad.dtype
-    lib = _KERNELS.get() if dtype == y.dtype and dtype in (torch.float32, torch.bfloat16) and \
-        grad.device.type == "cpu" else None
+    lib = _KERNELS.get() if dtype == y.dtype and grad.device.type == "cpu" and \
+        (dtype == torch.bfloat16 or (dtype == torch.float32 and grad.shape[1] >= RELU_KERNEL_MIN_N)) else None
     if lib is None:
         g = torch.ops.aten.threshold_backward(grad, y, 0)
         g = g.float() if widen else g
@@ -377,13 +411,17 @@ def relu_backward(grad: torch.Tensor, y: torch.Tensor, bias_grad: bool, widen: b
     return g, (db.to(g.dtype) if db is not None else None)
 
 
-def _weight_grad_transposed(k: int) -> bool:
-    """Whether ``(x^T g)^T`` beats ``g^T x`` for a layer with K = ``k`` inputs. MKL's sgemm runs the
-    weight gradient of a layer with few or odd-sized inputs much slower as ``g^T x`` (its K x B
-    operand is read across short rows). Measured on one core, 1024 rows, median of 9 timings:
-    K=13 0.70 -> 0.24 ms, K=16 0.44 -> 0.25, K=104 1.37 -> 1.16, K=479 19.3 -> 12.3 (N=512/1024); for
-    K=64/128/256/512 it is within +-7% either way, so those keep ``g^T x``."""
-    return k <= 32 or k % 16 != 0
+def _weight_grad_transposed(k: int, n: int) -> bool:
+    """Whether ``(x^T g)^T`` beats ``g^T x`` for a layer with K = ``k`` inputs and N = ``n``
+    outputs. MKL's sgemm runs the weight gradient of a layer with few or odd-sized inputs much
+    slower as ``g^T x`` (its K x B operand is read across short rows). Measured on one core, 1024
+    rows, median of 9 timings: K=13 0.70 -> 0.24 ms, K=16 0.44 -> 0.25, K=104 1.37 -> 1.16, K=479
+    19.3 -> 12.3 (N=512/1024); for K=64/128/256/512 it is within +-7% either way, so those keep
+    ``g^T x``. Under 16 outputs the transposed product is the slow one: its [K, N] result is
+    written in N-wide rows (one EPYC core, B=2048, 20th percentile: K=18 N=3 14 vs 51 us, K=66 N=3
+    38 vs 171 — an MMoE gate —, K=13 N=8 19 vs 39; from N=16 on it wins or ties: K=18 N=16 27 vs
+    26, K=66 N=64 230 vs 204)."""
+    return n >= 16 and (k <= 32 or k % 16 != 0)
 
 
 def _weight_grad_onednn(g: torch.Tensor, x: torch.Tensor) -> bool:
@@ -415,7 +453,7 @@ def weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mkl_weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if native.mode() != "reference" and x.device.type == "cpu" and _weight_grad_transposed(x.shape[1]):
+    if native.mode() != "reference" and x.device.type == "cpu" and _weight_grad_transposed(x.shape[1], g.shape[1]):
         dw_t = x.t().mm(g)
         # A fresh row-major [N, K] (``contiguous()`` of a one-row or one-column transpose keeps
         # its odd strides, which DDP's bucket views would then copy each step).

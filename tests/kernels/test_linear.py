@@ -85,8 +85,9 @@ def test_relu_backward_is_threshold_backward_and_column_sum(monkeypatch, kernels
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(1)
-        grad = torch.randn(333, 2 * 70, generator=g)[:, ::2]
-        y = torch.relu(torch.randn(333, 70, generator=g))
+        n = linear_mod.RELU_KERNEL_MIN_N + 2
+        grad = torch.randn(333, 2 * n, generator=g)[:, ::2]
+        y = torch.relu(torch.randn(333, n, generator=g))
         y[5, 3], y[7, 0] = float("nan"), 0.0
         want = torch.ops.aten.threshold_backward(grad, y, 0)
         got, db = linear_mod.relu_backward(grad, y, True)
@@ -101,15 +102,33 @@ def test_relu_backward_is_threshold_backward_and_column_sum(monkeypatch, kernels
         linear_mod.relu_backward(torch.randn(3, 4), torch.randn(3, 5), True)
 
 
+@pytest.mark.parametrize("n", [3, 96])
 @pytest.mark.parametrize("k", [13, 16, 64, 104, 256])
-def test_weight_grad_equals_gT_x(k):
-    """Both product orders give g^T x (to fp32 rounding); reference mode keeps torch's order."""
+def test_weight_grad_equals_gT_x(k, n):
+    """Both product orders give g^T x (to fp32 rounding); the transposed one only for few or
+    odd-sized inputs and 16+ outputs (an MMoE gate's [66, 3] keeps g^T x)."""
     from recc.kernels.cpu.linear import _weight_grad_transposed, weight_grad
-    g, x = torch.randn(300, 96), torch.randn(300, k)
+    g, x = torch.randn(300, n), torch.randn(300, k)
     got = weight_grad(g, x)
-    assert got.shape == (96, k) and got.is_contiguous()
+    assert got.shape == (n, k) and got.is_contiguous()
     torch.testing.assert_close(got, g.t().mm(x), rtol=1e-5, atol=1e-4)
-    assert _weight_grad_transposed(k) == (k in (13, 16, 104))
+    assert _weight_grad_transposed(k, n) == (n >= 16 and k in (13, 16, 104))
+
+
+def test_small_relu_layers_mask_with_torch(monkeypatch):
+    """An fp32 ReLU layer under RELU_KERNEL_MIN_N outputs masks with threshold_backward and sums
+    with torch (the C pass costs more there); from it on, the C pass runs."""
+    calls = []
+    real = linear_mod._KERNELS.get
+    monkeypatch.setattr(linear_mod._KERNELS, "get", lambda: calls.append(1) or real())
+    for n, kernel in ((8, False), (linear_mod.RELU_KERNEL_MIN_N, True)):
+        calls.clear()
+        grad, y = torch.randn(64, n), torch.relu(torch.randn(64, n))
+        got, db = linear_mod.relu_backward(grad, y, True)
+        assert bool(calls) == kernel
+        want = torch.ops.aten.threshold_backward(grad, y, 0)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(db, want.sum(0), rtol=1e-5, atol=1e-5)
 
 
 def test_weight_grad_goes_to_mkl_on_intel_cpus(monkeypatch):
@@ -435,19 +454,21 @@ def test_narrow_layers_match_a_float64_oracle(b, k, n, xdtype, bias, activation,
 
 
 def test_the_narrow_kernel_runs_where_it_beats_the_libraries():
-    """One output always; a bf16 input up to 4 outputs; fp32 from 2 outputs on goes to MKL/oneDNN,
-    and nothing past NARROW_MAX."""
-    w = lambda n: torch.randn(n, 16)  # noqa: E731
+    """fp32: one output from NARROW_MIN_K inputs on (fewer, or 2 outputs on, go to MKL/oneDNN);
+    a bf16 input up to 4 outputs at any K; nothing past NARROW_MAX."""
+    w = lambda n, k=16: torch.randn(n, k)  # noqa: E731
     x32, x16 = torch.randn(8, 16), torch.randn(8, 16).bfloat16()
-    assert linear_mod._narrow_lib(x32, w(1), None) is not None
-    assert linear_mod._narrow_lib(x32, w(2), None) is None
+    wide32 = torch.randn(8, linear_mod.NARROW_MIN_K)
+    assert linear_mod._narrow_lib(wide32, w(1, linear_mod.NARROW_MIN_K), None) is not None
+    assert linear_mod._narrow_lib(x32, w(1), None) is None
+    assert linear_mod._narrow_lib(wide32, w(2, linear_mod.NARROW_MIN_K), None) is None
     assert all(linear_mod._narrow_lib(x16, w(n), None) is not None for n in (1, 2, 4))
     assert linear_mod._narrow_lib(x16, w(5), None) is None
     assert linear_mod._narrow_lib(x16, w(linear_mod.NARROW_MAX + 1), None) is None
 
 
 def test_narrow_backward_computes_only_the_needed_gradients():
-    x, w, b, grad = _case(100, 20, 1)
+    x, w, b, grad = _case(100, linear_mod.NARROW_MIN_K, 1)
     assert linear_mod._narrow_lib(x, w, b) is not None
     y = linear_forward(x, w, b)
     dx, dw, db = linear_backward(grad, x, w, y, "none", (False, True, False))
