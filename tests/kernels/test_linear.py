@@ -494,3 +494,28 @@ def test_a_wide_mixed_layer_computes_in_fp32():
     assert dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == torch.float32
     torch.testing.assert_close(dx, (g @ w).bfloat16())
     torch.testing.assert_close(dw, g.t() @ x.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_small_fp32_layers_run_as_torch_ops():
+    """The runtime's recc.linear runs a small fp32 layer as F.linear (+ relu) under torch's autograd
+    (no Python autograd.Function), and the rest through recc's Linear: a large product, a weight
+    gradient recc transposes (K = 13, 32 outputs), a bf16 layer, a narrow-kernel head. The
+    gradients are the same either way."""
+    from recc.runtime.cpu_backend import linear_cpu
+    cases = {(64, 18, 3, torch.float32): True, (64, 18, 8, torch.float32): True,
+             (512, 368, 256, torch.float32): False, (64, 13, 32, torch.float32): False,
+             (64, 18, 8, torch.bfloat16): False, (64, linear_mod.NARROW_MIN_K, 1, torch.float32): False}
+    for (b, k, n, dtype), torch_runs in cases.items():
+        x, w, bvec, grad = (t.to(dtype) for t in _case(b, k, n))
+        assert linear_mod.linear_torch_runs(x, w, bvec, "relu") == torch_runs, (b, k, n, dtype)
+        xr, wr, br = (t.clone().requires_grad_() for t in (x, w, bvec))
+        y = linear_cpu(xr, wr, br, "relu")
+        assert (type(y.grad_fn).__name__ == "ReluBackward0") == torch_runs, (b, k, n, dtype)
+        y.backward(grad)
+        want = [t.clone().requires_grad_() for t in (x, w, bvec)]
+        torch.relu(F.linear(*want)).backward(grad)
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        for got, ref in zip((xr, wr, br), want):
+            torch.testing.assert_close(got.grad, ref.grad, **tol)
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        linear_cpu(*_case(4, 3, 2)[:3], "gelu")
