@@ -130,23 +130,25 @@ def linearize_indices(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cu
     return base.add_(indices)  # int32 ids widen inside the add: one pass
 
 
-def _offsets_ok(offsets: torch.Tensor, n: int) -> bool:
-    """offsets start at 0, never decrease and end at n (one C pass when it can: the tensor ops
-    and their host reads cost more than the pooling of a small batch)."""
-    lib = native.library()
+def _offsets_ok(offsets: torch.Tensor, n: int, lib) -> bool:
+    """offsets start at 0, never decrease and end at n (one C pass when ``lib``, the loaded TBE
+    library, is there: the tensor ops and their host reads cost more than the pooling of a small
+    batch)."""
     if lib is not None and offsets.dtype == torch.int64 and offsets.device.type == "cpu" and \
             offsets.is_contiguous() and offsets.numel():
         return bool(lib.recc_offsets_ok(offsets.data_ptr(), offsets.numel() - 1, n))
     return int(offsets[0]) == 0 and int(offsets[-1]) == n and not bool((offsets[1:] < offsets[:-1]).any())
 
 
-def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights):
+def _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights, lib):
+    """The checks every TBE entry runs before a kernel reads a row; ``lib``: ``native.library()``,
+    which a native entry has in hand already (each look-up reads ``RECC_CPU_KERNELS``)."""
     if pooling not in POOLINGS:
         raise ValueError(f"unknown pooling {pooling!r}; expected one of {POOLINGS}")
     check_lookup(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
     # The C kernels trust offsets to index lin_indices: check what makes that safe (cheap,
     # O(T*B)); validate_inputs gives the detailed, per-table diagnosis.
-    if not _offsets_ok(offsets, lin_indices.numel()):
+    if not _offsets_ok(offsets, lin_indices.numel(), lib):
         raise ValueError("offsets must start at 0, be non-decreasing and end at "
                          f"len(lin_indices) = {lin_indices.numel()}; run validate_inputs for "
                          "the table and bag at fault")
@@ -164,7 +166,7 @@ def tbe_forward_reference(weights: torch.Tensor, lin_indices: torch.Tensor,
                           per_sample_weights: torch.Tensor | None = None,
                           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One F.embedding_bag over the concatenated weight, reordered to batch-major [B, T*D]."""
-    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights, native.library())
     _check_out_dtype(out_dtype)
     D = weights.shape[1]
     with torch.no_grad():
@@ -196,7 +198,7 @@ def max_pool(weights: torch.Tensor, lin_indices: torch.Tensor, offsets: torch.Te
     """Max pooling's output ``[B, T*D]`` and its winners (``[T*B, D]``), in one pass: a caller
     that runs backward later hands the winners to ``tbe_backward_update`` (the weights may have
     changed in between, when a model looks a group up twice before one backward)."""
-    _check_call(weights, lin_indices, offsets, T, B, "max", None)
+    _check_call(weights, lin_indices, offsets, T, B, "max", None, native.library())
     pooled, winners = _max_bags(weights, lin_indices, offsets)
     return pooled.view(T, B, -1).transpose(0, 1).reshape(B, -1), winners
 
@@ -211,7 +213,7 @@ def tbe_forward_native(weights: torch.Tensor, lin_indices: torch.Tensor,
         raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
     if pooling == "max":
         raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
-    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights, lib)
     _check_out_dtype(out_dtype)
     R, D = weights.shape
     w = weights.detach().contiguous()
@@ -316,7 +318,7 @@ def tbe_backward_update_reference(weights: torch.Tensor, state: dict[str, torch.
                                   key_rows: torch.Tensor | None = None) -> None:
     """Pure-torch backward + fused optimizer: unique + index_add + one row update. ``winners``:
     max pooling's, from ``max_pool`` at forward (else recomputed from the current weights)."""
-    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights, native.library())
     check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows)
     R, D = weights.shape
     N = lin_indices.numel()
@@ -563,7 +565,7 @@ def tbe_backward_update_native(weights: torch.Tensor, state: dict[str, torch.Ten
         raise RuntimeError("the C TBE kernels are unavailable (see recc.kernels.cpu.native)")
     if pooling == "max":
         raise ValueError("the C TBE kernels pool with sum or mean; max runs the reference")
-    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights)
+    _check_call(weights, lin_indices, offsets, T, B, pooling, per_sample_weights, lib)
     check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows)
     if key_rows is not None:
         key_rows = key_rows.contiguous()
