@@ -395,6 +395,42 @@ __device__ __forceinline__ void accumulate(float (&g)[MAX_CHUNKS][V], i64 s, i64
     }
 }
 
+/* A group's row of D floats as MAX_CHUNKS chunks of V per lane (lane's columns lane*V + cc*lanes*V):
+ * cleared, a row of global floats added into it, or stored to one. */
+template <int V>
+__device__ __forceinline__ void zero_chunks(float (&g)[MAX_CHUNKS][V]) {
+#pragma unroll
+    for (int cc = 0; cc < MAX_CHUNKS; ++cc)
+#pragma unroll
+        for (int kk = 0; kk < V; ++kk) g[cc][kk] = 0.0f;
+}
+
+template <int V>
+__device__ __forceinline__ void add_row_chunks(float (&g)[MAX_CHUNKS][V], const float* row, int lane,
+                                               int nchunks, int lanes, int D) {
+#pragma unroll
+    for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+        const int d0 = lane * V + cc * lanes * V;
+        if (cc >= nchunks || d0 >= D) continue;
+        Vec<V> r;
+        load_row(row + d0, r);
+#pragma unroll
+        for (int kk = 0; kk < V; ++kk) g[cc][kk] += r.v[kk];
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void store_row_chunks(float* out, const float (&g)[MAX_CHUNKS][V], int lane,
+                                                 int nchunks, int lanes, int D) {
+#pragma unroll
+    for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
+        const int d0 = lane * V + cc * lanes * V;
+        if (cc < nchunks && d0 < D)
+#pragma unroll
+            for (int kk = 0; kk < V; ++kk) out[d0 + kk] = g[cc][kk];
+    }
+}
+
 /* Long runs (more than `seg` ids) are summed in two steps, so a hot row's thousands of ids
  * are spread over many groups instead of one: a long run [s, e) of the sorted ids is cut into
  * chunks of `seg` ids counted from its own start, chunk k = [s + k*seg, min(s + (k+1)*seg, e)),
@@ -443,20 +479,11 @@ __device__ __forceinline__ void long_run_partials_body(
             const i64 q = s + k * seg;
             if (q >= p1 || q >= e) continue;
             float g[MAX_CHUNKS][V];
-#pragma unroll
-            for (int cc = 0; cc < MAX_CHUNKS; ++cc)
-#pragma unroll
-                for (int kk = 0; kk < V; ++kk) g[cc][kk] = 0.0f;
+            zero_chunks<V>(g);
             accumulate<V>(g, q, min(e, q + (i64)seg), lane * V, nchunks, lanes, D, perm, bag_of,
                           offsets, T, B, go, psw, mean);
             float* out = partials + (c * 2 + (k == 0 ? 1 : 0)) * (i64)D;
-#pragma unroll
-            for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
-                const int d0 = lane * V + cc * lanes * V;
-                if (cc < nchunks && d0 < D)
-#pragma unroll
-                    for (int kk = 0; kk < V; ++kk) out[d0 + kk] = g[cc][kk];
-            }
+            store_row_chunks<V>(out, g, lane, nchunks, lanes, D);
         }
     }
 }
@@ -512,32 +539,15 @@ __device__ __forceinline__ void long_run_combine_body(
             const i64 q = s + k * span;
             if (q >= p1 || k % fanin != 0 || q + span >= e) continue;
             float g[MAX_CHUNKS][V];
-#pragma unroll
-            for (int cc = 0; cc < MAX_CHUNKS; ++cc)
-#pragma unroll
-                for (int kk = 0; kk < V; ++kk) g[cc][kk] = 0.0f;
+            zero_chunks<V>(g);
             for (int i = 0; i < fanin; ++i) {
                 const i64 qi = q + i * span;
                 if (qi >= e) break;
                 const float* row = partials + ((qi / seg) * 2 + (qi == s ? 1 : 0)) * (i64)D;
-#pragma unroll
-                for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
-                    const int d0 = lane * V + cc * lanes * V;
-                    if (cc >= nchunks || d0 >= D) continue;
-                    Vec<V> r;
-                    load_row(row + d0, r);
-#pragma unroll
-                    for (int kk = 0; kk < V; ++kk) g[cc][kk] += r.v[kk];
-                }
+                add_row_chunks<V>(g, row, lane, nchunks, lanes, D);
             }
             float* out = partials + ((q / seg) * 2 + (k == 0 ? 1 : 0)) * (i64)D;
-#pragma unroll
-            for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
-                const int d0 = lane * V + cc * lanes * V;
-                if (cc < nchunks && d0 < D)
-#pragma unroll
-                    for (int kk = 0; kk < V; ++kk) out[d0 + kk] = g[cc][kk];
-            }
+            store_row_chunks<V>(out, g, lane, nchunks, lanes, D);
         }
     }
 }
@@ -654,23 +664,12 @@ __device__ __forceinline__ void update_body(
             e = run_start[run + 1];
         }
         float g[MAX_CHUNKS][V];
-#pragma unroll
-        for (int c = 0; c < MAX_CHUNKS; ++c)
-#pragma unroll
-            for (int k = 0; k < V; ++k) g[c][k] = 0.0f;
+        zero_chunks<V>(g);
         if (active && e - s > seg) {
             /* a long run: its whole gradient, left by the last combine level in place of its
              * first chunk's partial */
             const float* row = partials + ((s / seg) * 2 + 1) * (i64)D;
-#pragma unroll
-            for (int cc = 0; cc < MAX_CHUNKS; ++cc) {
-                const int d0 = lane * V + cc * lanes * V;
-                if (cc >= nchunks || d0 >= D) continue;
-                Vec<V> r;
-                load_row(row + d0, r);
-#pragma unroll
-                for (int k = 0; k < V; ++k) g[cc][k] += r.v[k];
-            }
+            add_row_chunks<V>(g, row, lane, nchunks, lanes, D);
         } else if (active)
             accumulate<V>(g, s, e, lane * V, nchunks, lanes, D, perm, bag_of, offsets, T, B,
                           go, psw, mean);
