@@ -36,9 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench.lib import machine_limit
-from bench.lib.systems import (OPTIMIZERS, ReccSystem, System, TorchRecDLRM, autocast, build_torchrec,
-                               dense_named_parameters, eager_table_optimizer, embedding_bags, make_kjts, recc_available,
-                               torchrec_available, without_tables)
+from bench.lib.systems import (OPTIMIZERS, ReccSystem, System, TorchRecSystem, autocast, dense_named_parameters,
+                               eager_table_optimizer, embedding_bags, make_kjts, recc_available, torchrec_available)
 from bench.lib.timing import embedding_bytes, fmt_ratio, limit_range, median_round, memory_bandwidth
 from recc.heap import keep_step_memory
 from recc.models import SyntheticData, build_model, load_preset, slice_batch
@@ -112,33 +111,14 @@ class EagerDDPSystem(System):
         return self.model.module(dense_x, lS_o, lS_i)
 
 
-class TorchRecDMPSystem(System):
-    """``EmbeddingBagCollection`` sharded table-wise by DMP over ``pg``, fused FBGEMM CPU kernel."""
+class TorchRecDMPSystem(TorchRecSystem):
+    """``EmbeddingBagCollection`` sharded table-wise by DMP over ``pg``, fused FBGEMM CPU kernel;
+    the one-process TorchRec system's step."""
 
     name = "torchrec DMP (tw)"
 
     def __init__(self, model, batches, kjts, optimizer, lr, eps, pg, dtype: str = "fp32"):
-        dims = [e.embedding_dim for _, e in embedding_bags(model)]
-        dense = without_tables(model)
-        self.module, self.dense_opt = build_torchrec(lambda ebc: TorchRecDLRM(ebc, dense, dims), model,
-                                                         optimizer, lr, eps, "dmp", pg=pg)
-        self.batches, self.kjts, self.dtype = batches, kjts, dtype
-        if dtype == "bf16":
-            self.name = self.name + "+autocast(bf16)"
-
-    def step(self, i):
-        dense_x, _, _, y = self.batches[i]
-        with autocast(self.dtype):
-            out = self.module(dense_x, self.kjts[i])
-        loss = F.binary_cross_entropy(out.float(), y)
-        loss.backward()  # table rows updated here by FBGEMM's fused backward; dense grads by DDP
-        self.dense_opt.step()
-        self.dense_opt.zero_grad()
-        return loss.detach()
-
-    @torch.no_grad()
-    def predict(self, i):
-        return self.module(self.batches[i][0], self.kjts[i])
+        super().__init__(model, batches, kjts, optimizer, lr, eps, "dmp", dtype, pg=pg)
 
 
 class ReccDistSystem(ReccSystem):

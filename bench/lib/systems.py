@@ -328,11 +328,11 @@ def build_torchrec(module_fn, model, optimizer, lr, eps, api, pg=None, ebc_path=
 class TorchRecSystem(System):
     name = "torchrec+fbgemm"
 
-    def __init__(self, model, batches, kjts, optimizer, lr, eps, api, dtype: str = "fp32"):
+    def __init__(self, model, batches, kjts, optimizer, lr, eps, api, dtype: str = "fp32", pg=None):
         dims = [e.embedding_dim for _, e in embedding_bags(model)]
         dense = without_tables(model)
         self.module, self.dense_opt = build_torchrec(lambda ebc: TorchRecDLRM(ebc, dense, dims),
-                                                      model, optimizer, lr, eps, api)
+                                                      model, optimizer, lr, eps, api, pg=pg)
         self.batches, self.kjts, self.dtype = batches, kjts, dtype
         if api == "fused_ebc":
             self.name = "torchrec fused_ebc"
@@ -344,7 +344,7 @@ class TorchRecSystem(System):
         with autocast(self.dtype):
             out = self.module(dense_x, self.kjts[i])
         loss = F.binary_cross_entropy(out.float(), y)
-        loss.backward()  # table rows are updated here, by FBGEMM's fused backward
+        loss.backward()  # table rows are updated here, by FBGEMM's fused backward (and DMP's dense grads all-reduced)
         self.dense_opt.step()
         self.dense_opt.zero_grad()
         return loss.detach()
@@ -524,7 +524,7 @@ class ZooTorchRecSystem(System):
     def step(self, i):
         args, y = self.batches[i]
         loss = self.loss(self.module(*args), y)
-        loss.backward()  # table rows are updated here, by FBGEMM's fused backward
+        loss.backward()  # table rows are updated here, by FBGEMM's fused backward (and DMP's dense grads all-reduced)
         self.dense_opt.step()
         self.dense_opt.zero_grad()
         return loss.detach()
