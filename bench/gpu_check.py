@@ -198,7 +198,10 @@ def check_long_runs(report: Report, dev) -> None:
             gpu.tbe_backward_update(w_gpu, s_gpu, ids.to(dev), offsets.to(dev), hsc.to(dev), grad.to(dev), T=1, B=B,
                                     optimizer=opt, lr=0.1, eps=0.1, step=2)
             e = max([rel_err(w_gpu, w_ref)] + [rel_err(s_gpu[k], s_ref[k]) for k in s_ref])
-            report.add(Row(f"tbe bwd long runs {'/'.join(map(str, lengths))} {opt}", e, 2e-5, e <= 2e-5))
+            # The reference adds a row's ids one by one, whose fp32 error grows with the run (n * 2^-24
+            # relative at worst); the kernels add chunks and then partials, a shorter chain.
+            tol = max(2e-5, max(lengths) * 2.0 ** -24)
+            report.add(Row(f"tbe bwd long runs {'/'.join(map(str, lengths))} {opt}", e, tol, e <= tol))
 
 
 def check_stochastic_rounding(report: Report, dev) -> None:

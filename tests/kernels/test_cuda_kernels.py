@@ -127,6 +127,22 @@ def test_gpu_precision_checks_run_on_the_cpu():
     assert not report.failed, format_table(report.failed)
 
 
+@pytest.mark.cuda_emulated
+@pytest.mark.parametrize("check,args", [("check_bounds", ()), ("check_long_runs", ()), ("check_bucketize", ()),
+                                        ("check_tbe", (True,)), ("check_codecs", (True,))])
+def test_gpu_check_kernel_checks_pass_on_the_emulator(check, args, monkeypatch):
+    """The prepared GPU script's kernel checks run on the CUDA emulator and pass, so a kernel
+    interface change that would break them (or a tolerance the kernels no longer meet) shows in CI
+    before a GPU session spends its time on it. (``poison`` fills GPU memory: not on the CPU.)"""
+    from recc.kernels.cuda import emulator
+    monkeypatch.setattr(gpu_check, "poison", lambda dev, nbytes=0: None)
+    report = Report()
+    with emulator.emulated(sm_count=2):
+        getattr(gpu_check, check)(report, torch.device("cpu"), *args)
+    assert report.rows, check
+    assert not report.failed, format_table(report.failed)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
