@@ -25,6 +25,7 @@ lease is released in step 5.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional
 
@@ -61,42 +62,42 @@ class Bags:
         return linearize_indices(self.ids, self.offsets, self.hsc, self.t, self.b)
 
 
-class TableKernels:
+class TableKernels(ABC):
     """What a backend supplies to the table-update path: kernels, nothing of the sequence.
-    Pooled outputs and gradients are always the lookup's ``[B, T*D]``."""
+    Pooled outputs and gradients are always the lookup's ``[B, T*D]``. A backend implements every
+    abstract method (instantiating one that does not is a TypeError at import). A backend with a
+    fused ``recc.gather_rows`` (the CPU one; CUDA runs the op's torch reference) also has
+    ``gather(weights, group, indices, tables, rows) -> (ids as rows of the weights, each table's
+    gathered rows)``, which ``gather()`` below runs with the update in backward."""
 
     def check(self, group) -> None:
         """Refuse a group whose weights these kernels cannot read."""
 
+    @abstractmethod
     def bags(self, group, tables: tuple, ids: torch.Tensor, offsets: torch.Tensor, psw, b: int, *,
              linear: bool = False, checked: bool = True) -> Bags:
         """``tables``' ``b`` bags each as the kernels read them. ``linear``: ``ids`` are rows of
         the weights already (a cached group's slots, the all-reduced rows); ``checked=False``:
         other ranks' ids, which the update's own bounds check reports."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forward(self, weights: torch.Tensor, bags: Bags, pooling: str, out_dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
+        """The pooled rows of ``bags`` (sum or mean pooling), ``[B, T*D]`` in ``out_dtype``."""
 
+    @abstractmethod
     def max_pool(self, weights: torch.Tensor, bags: Bags) -> tuple[torch.Tensor, torch.Tensor]:
         """Max pooling's output and its winners (what ``update`` reads for the same bags)."""
-        raise NotImplementedError
-
-    def gather(self, weights: torch.Tensor, group, indices: list, tables: tuple,
-               rows: tuple) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``recc.gather_rows``: the ids as rows of the weights, and each table's gathered rows."""
-        raise NotImplementedError
 
     def key_rows(self, group, sparse) -> Optional[torch.Tensor]:
         """A cached group's slot -> group row map keying each slot's stochastic rounding (half
         tables) on the row it holds, as the resident row would round; None when not needed."""
         return None
 
+    @abstractmethod
     def update(self, group, bags: Bags, grad: torch.Tensor, *, pooling: str, scale: float, optim: dict,
                winners=None, key_rows=None, segments=None) -> None:
         """The fused optimizer step over ``bags`` for ``grad`` ``[B, T*D]``, each id's gradient
         multiplied by ``scale``; ``optim``: the optimizer's keyword arguments."""
-        raise NotImplementedError
 
 
 def require_materialized(group) -> None:
