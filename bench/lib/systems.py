@@ -19,6 +19,7 @@ import logging
 import sys
 import traceback
 import warnings
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,7 @@ def bag_lengths(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
     return ends - offsets
 
 
-class System:
+class System(ABC):
     """One way to train: ``step(i)`` trains on pre-generated batch ``i`` and returns the loss.
     ``dtype`` is the dense compute's ("fp32", or "bf16" under autocast / recc's dense_dtype): the
     machine's limit a row is compared with is the one at that dtype."""
@@ -79,13 +80,15 @@ class System:
     name = "?"
     dtype = "fp32"
 
+    @abstractmethod
     def step(self, i: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Train on batch ``i``; the loss."""
 
     @torch.no_grad()
     def predict(self, i: int) -> torch.Tensor:
-        """Forward only (no update), for the initial-weights parity check."""
-        raise NotImplementedError
+        """Forward only (no update), for the initial-weights parity check. The embedding-only
+        systems (``tbe_kernels``' rows) time a lookup and its update, with no model to predict."""
+        raise TypeError(f"{self.name}: an embedding-only system has no model to predict with")
 
 
 # --------------------------------------------------------------------------------------------
