@@ -392,7 +392,8 @@ def pack_sparse(indices, offsets, per_sample_weights, *, tables, rows, pad=False
     if stack is not None:
         indices, offsets, per_sample_weights = stack_table_bags(indices, offsets, per_sample_weights, stack, tables,
                                                                 rows)
-    ids, off, counts, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
+    ids, off, sizes, psw, batch = flatten_bags(indices, offsets, per_sample_weights, tables)
+    counts = torch.tensor(sizes, dtype=torch.int64, device=ids.device)
     _check_packed(tables, rows, ids, off, counts)
     return packed_batch(tables, ids, off, counts, psw, batch)
 
@@ -419,7 +420,8 @@ def check_pack_arguments(indices, offsets, per_sample_weights, tables) -> None:
 
 def flatten_bags(indices, offsets, per_sample_weights, tables):
     """The pooled tables' inputs, concatenated on the first ids' device: ``(ids [N] int64,
-    offsets [T, B] int64 per table, counts [T] ids per table, per-sample weights or None, B)``.
+    offsets [T, B] int64 per table, sizes: each table's id count (host ints: a GPU backend makes
+    no per-step copy of them), per-sample weights or None, B)``.
     Checks shapes and per-table counts; ids and offsets values are checked by the caller
     (``_check_packed`` here, a device-side check in a GPU backend)."""
     check_pack_arguments(indices, offsets, per_sample_weights, tables)
@@ -444,7 +446,6 @@ def flatten_bags(indices, offsets, per_sample_weights, tables):
                              f"inputs had exactly one id per sample is taken for one id per sample: compile with "
                              f"an example whose sequences vary in length)")
     sizes = [f.numel() for f in flat]
-    counts = torch.tensor(sizes, dtype=torch.int64, device=dev)
     ids = torch.cat(flat).to(torch.int64) if len(flat) > 1 else flat[0].to(torch.int64)
     off = torch.stack(offs).to(torch.int64)                       # [T, B]
     psw = None
@@ -455,7 +456,7 @@ def flatten_bags(indices, offsets, per_sample_weights, tables):
             raise ValueError(f"table {tables[k]}: per_sample_weights has {given[k]} entries for "
                              f"{sizes[k]} indices")
         psw = torch.cat([w.reshape(-1).to(dev) for w in per_sample_weights])
-    return ids, off, counts, psw, batch
+    return ids, off, sizes, psw, batch
 
 
 def packed_batch(tables, ids, off, counts, psw, batch) -> SparseBatch:

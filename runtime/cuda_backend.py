@@ -31,7 +31,7 @@ from recc.kernels.cuda.tbe import ERR_NONE
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.ops import (OPS, SlotBatch, SparseBatch, _bound, check_id_dtypes, flatten_bags, pad_table_bags,
                       pooled_dtype, register_impl, stack_table_bags, stacked_names, use_references)
-from recc.runtime import table_update
+from recc.runtime import cuda_graph, table_update
 from recc.runtime.table_update import Bags, TableKernels
 
 
@@ -53,6 +53,7 @@ class DeferredChecks:
         self.kept: list = []
         self.pending: collections.deque = collections.deque()  # (host copy, event or None, kept)
         self._copy_queued = False
+        self.graph_host = None   # a CUDA graph's pinned copy of the record (``GraphedModel``)
 
     def error_record(self, device) -> torch.Tensor:
         if self.record is None or self.record.device != device:
@@ -73,10 +74,29 @@ class DeferredChecks:
         self._copy_queued = False
         if not self.kept or self.record is None:
             return
+        if cuda_graph.capturing() is not None:
+            # A captured backward copies the record to the graph's own pinned buffer at each
+            # replay; the graph queues the read after it (``after_replay``).
+            self.graph_host.copy_(self.record, non_blocking=True)
+            return
         rec, event = self.record, None
         host = torch.empty(rec.shape, dtype=rec.dtype, pin_memory=rec.is_cuda)
         host.copy_(rec, non_blocking=True)
         if rec.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending.append((host, event, self.kept))
+        self.kept = []
+
+    def after_replay(self, host: torch.Tensor) -> None:
+        """A CUDA graph's backward has been replayed, and with it the copy of the record to
+        ``host`` (its ``graph_host``): the checks kept since are read from there once it has run.
+        (Every replay copies to the same buffer; the record is sticky, so a later copy still
+        holds an earlier batch's flag, and a flag re-validates every batch not yet read.)"""
+        if not self.kept:
+            return
+        event = None
+        if host.is_pinned():
             event = torch.cuda.Event()
             event.record()
         self.pending.append((host, event, self.kept))
@@ -98,7 +118,9 @@ class DeferredChecks:
             # host memory the event has filled: no sync, so not a counted host read (and
             # tolist, not a comparison whose bool() would look like one to the emulator's count)
             if host.tolist() != [ERR_NONE] * 2:
-                self._raise(kept, step)
+                # the flagged copy's batches first, then every later one not read yet (a copy
+                # shared by a graph's replays may hold a later batch's flag)
+                self._raise(kept + [k for _, _, ks in self.pending for k in ks] + self.kept, step)
         self.step = step
 
     def synchronize(self, step: int, why: str = "deferred bounds check, state read") -> None:
@@ -163,7 +185,7 @@ class CUDATableKernels(TableKernels):
         if not linear:
             ids = linearize_indices(ids, offsets, group.feature_hash_size_cumsum, t, b)
         weights = group.weights
-        hsc = torch.tensor([0, weights.shape[0]], dtype=torch.int64, device=weights.device)
+        hsc = cuda_kernels.tbe.device_constant((0, weights.shape[0]), weights.device)
         return Bags(ids, offsets, psw, 1, t * b, hsc, (group.group_name,), checked, fold=t)
 
     def forward(self, weights, bags, pooling, out_dtype):
@@ -216,11 +238,29 @@ class CUDATableKernels(TableKernels):
                                              per_sample_weights=bags.psw, table_names=bags.names,
                                              checked=bags.checked, key_rows=key_rows,
                                              err=None if checks is None else checks.error_record(group.weights.device),
-                                             **optim)
+                                             step_args=_step_args(group, optim), **optim)
             if checks is not None:
                 if not bags.checked:
                     checks.keep(_validator(bags))
                 checks.after_update()
+
+
+def _step_args(group, optim: dict) -> torch.Tensor:
+    """The update kernel's per-step arguments on the device, written now; inside a CUDA graph's
+    capture, written before each replay instead (for the step it replays), since the captured
+    launch reads them from this buffer."""
+    buf = torch.empty(cuda_kernels.tbe.STEP_ARGS, dtype=torch.int64, device=group.weights.device)
+    capture = cuda_graph.capturing()
+    if capture is None:
+        _write_step_args(buf, optim)
+    else:
+        capture.before_replay(lambda: _write_step_args(buf, table_update.optimizer_args(group)))
+    return buf
+
+
+def _write_step_args(buf: torch.Tensor, optim: dict) -> None:
+    cuda_kernels.tbe.write_step_args(buf, lr=optim["lr"], eps=optim["eps"], beta1=optim["beta1"],
+                                     beta2=optim["beta2"], step=optim["step"])
 
 
 def _validator(bags: Bags):
@@ -307,13 +347,24 @@ def emulated_on_cpu(seed: "int | None" = None, sm_count: int = 2):
     op's torch reference), the kernels on the emulator (``recc.kernels.cuda.emulator``). What the
     tests and ``bench/cuda_step_counts.py`` count a CUDA step on."""
     from recc.kernels.cuda import emulator
+    global _emulating
     saved = {}
     for name, op in OPS.items():
         bound = _bound(name, "cpu")
         saved[bound], bound._fn = bound._fn, op.impl("cuda")
+    before, _emulating = _emulating, True
     try:
         with emulator.emulated(seed=seed, sm_count=sm_count):
             yield
     finally:
+        _emulating = before
         for bound, fn in saved.items():
             bound._fn = fn
+
+
+_emulating = False
+
+
+def emulating() -> bool:
+    """Whether a CPU program runs as a CUDA program now (``emulated_on_cpu``)."""
+    return _emulating

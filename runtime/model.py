@@ -316,6 +316,16 @@ class DistributedModel(nn.Module):
             self._checks.synchronize(self._steps, "deferred bounds check, eval forward")
         return out
 
+    def cuda_graph(self, *example_inputs, warmup: int = 2):
+        """This model's training forward and backward as two CUDA graphs (the table updates in the
+        backward one): returns a ``GraphedModel``, called like this model on batches shaped like
+        ``example_inputs``, in an unchanged training loop. The example warms up ``warmup`` steps
+        that change nothing, then is captured. Refused, saying why, for a model whose step the host
+        must steer (several ranks, max pooling, tiered tables, ``recc.GradScaler``); see
+        ``recc.runtime.cuda_graph``."""
+        from recc.runtime.cuda_graph import GraphedModel
+        return GraphedModel(self, example_inputs, warmup)
+
     def train_pipeline(self, batches: Iterable, inputs: Optional[Callable] = None) -> Iterator:
         """Iterate ``(batch, output)`` over ``batches``, running each batch's sparse dist (id
         packing and the ids all-to-all) one batch ahead: batch i+1's ids are sent before batch

@@ -5,7 +5,8 @@ every touched row, in place (no weight gradient is ever built). Every backend ru
 sequence here and supplies only kernels (a ``TableKernels``: ``runtime/cpu_backend.py``,
 ``runtime/cuda_backend.py``). The backward, in order:
 
-1. **count the step** (``group.step``: the optimizers' bias corrections and eps schedule read it);
+1. **count the step** (``group.step``: the optimizers' bias corrections and eps schedule read it;
+   a CUDA graph counts it again before each replay, ``cuda_graph.count_step``);
 2. **exchange** — a data-parallel group on several ranks (``group.dp_comm``, chosen by the
    ``insert_comm`` pass and shown on the lookup's line of the IR) applies the global batch's
    update on every replica: ``dp_grad_allreduce`` sums the gradients per row across ranks
@@ -34,6 +35,7 @@ import torch
 from recc.kernels import linearize_indices
 from recc.ops import SlotBatch
 from recc.runtime.comm import all_reduce_row_grads, gather_global_batch, same_batches
+from recc.runtime.cuda_graph import count_step
 from recc.runtime.loss_scale import update_scale
 
 
@@ -147,7 +149,7 @@ class TBELookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         group, sparse, kernels, pooling = ctx.group, ctx.sparse, ctx.kernels, ctx.pooling
-        group.step += 1
+        count_step(group)
         bags, winners = ctx.bags, ctx.winners
         t, b = sparse.num_tables, sparse.batch_size
         exchange = group.dp_comm.op if group.data_parallel and group.world_size > 1 else None
@@ -197,7 +199,7 @@ class GatherRows(torch.autograd.Function):
         # Autograd hands zeros for a table whose rows were not used (materialised grads), as
         # split_cols' backward does for tbe_lookup: its ids are touched rows with gradient 0.
         group, lin, kernels = ctx.group, ctx.lin, ctx.kernels
-        group.step += 1
+        count_step(group)
         n = lin.numel()
         if n:
             grad = (torch.cat(grads) if len(grads) > 1 else grads[0]).contiguous()
@@ -228,11 +230,15 @@ def _update(kernels: TableKernels, group, bags: Bags, grad: torch.Tensor, poolin
     if scale is None:
         group.step -= 1
         return
-    o = group.optimizer
-    optim = dict(optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
-                 weight_decay=o.weight_decay, step=group.step, weight_decay_mode=o.weight_decay_mode)
-    kernels.update(group, bags, grad, pooling=pooling, scale=scale, optim=optim, winners=winners,
+    kernels.update(group, bags, grad, pooling=pooling, scale=scale, optim=optimizer_args(group), winners=winners,
                    key_rows=key_rows, segments=segments)
+
+
+def optimizer_args(group) -> dict:
+    """The fused optimizer's keyword arguments for the group's current step."""
+    o = group.optimizer
+    return dict(optimizer=o.name, lr=o.lr, eps=o.eps_at(group.step), beta1=o.beta1, beta2=o.beta2,
+                weight_decay=o.weight_decay, step=group.step, weight_decay_mode=o.weight_decay_mode)
 
 
 def check_max_unchanged(group, version: int) -> None:

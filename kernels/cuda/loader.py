@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("tbe.cu", "codecs.cu", "bucketize.cu")
+SOURCES = ("tbe.cu", "codecs.cu", "bucketize.cu", "interaction.cu")
 # -std=c++17 for NVRTC's default headers; no fast math: the codecs must round like torch.
 NVRTC_OPTIONS = ("--std=c++17",)
 INSTALL_HINT = "pip install 'recc[cuda]'"
@@ -55,15 +55,28 @@ host_reads: collections.Counter = collections.Counter()
 
 def host_read(t: torch.Tensor, why: str):
     """``t.tolist()`` (a Python scalar for a 0-d tensor): a device-to-host read, so a sync on a
-    GPU, counted in ``host_reads[why]``. Every deliberate host read of the CUDA path goes here."""
+    GPU, counted in ``host_reads[why]``. Every deliberate host read of the CUDA path goes here.
+    Inside a CUDA graph's capture it is refused, naming ``why`` (a capture cannot hold a sync)."""
+    _refuse_in_capture(t, why)
     host_reads[why] += 1
     return t.tolist()
 
 
 def host_copy(t: torch.Tensor, why: str) -> torch.Tensor:
     """``t.cpu()``, counted like ``host_read`` (the slow paths that re-validate a bad batch)."""
+    _refuse_in_capture(t, why)
     host_reads[why] += 1
     return t.cpu()
+
+
+def _refuse_in_capture(t: torch.Tensor, why: str) -> None:
+    if t.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a device-to-host read ({why}) inside a CUDA graph capture: a graph replays "
+                               f"device work only")
+        return
+    from .emulator import graph
+    graph.refuse_host_read(why)
 
 
 def cupy():

@@ -335,6 +335,16 @@ struct OptArgs {
     int decoupled; /* weight decay: 0 L2 (added to g), 1 decoupled (the row shrinks by 1 - lr*wd first) */
 };
 
+/* A step's optimizer arguments as the host wrote them (kernels/cuda/tbe.py: step_args): three
+ * int64 words, the first two holding the floats lr, eps, 1 - beta1^step, 1 - beta2^step (in
+ * that order, little-endian), the third the stochastic rounding's seed. */
+__device__ __forceinline__ OptArgs step_args_of(const i64* __restrict__ a, int opt, float beta1, float beta2,
+                                                float wd, int decoupled, u64& seed) {
+    const float* f = reinterpret_cast<const float*>(a);
+    seed = (u64)a[2];
+    return OptArgs{opt, f[0], f[1], beta1, beta2, wd, f[2], f[3], decoupled};
+}
+
 /* One id's gradient row, already scaled: g*w for weighted sums, g/len for mean (the CPU
  * reference's rounding). */
 template <int V>
@@ -678,16 +688,19 @@ __device__ __forceinline__ void update_body(
     }
 }
 
+/* The step's arguments (lr, eps, the bias corrections, the rounding seed) are read from the
+ * device (`step_args`, see step_args_of below), not passed by value: a launch captured in a CUDA
+ * graph replays its by-value arguments frozen, and these change every step. */
 #define UPDATE(NAME, W, V)                                                                     \
     extern "C" __global__ void NAME(W* weights, int D, float* m1, float* m2, const int* sorted, \
                                     const i64* perm, const int* bag_of, const int* run_start,  \
                                     const int* num_runs_at, const i64* offsets, int T, i64 B,  \
                                     const float* go, const float* psw, int mean, int opt,      \
-                                    float lr, float eps, float beta1, float beta2, float wd,   \
-                                    int decoupled, float bc1, float bc2, u64 seed,             \
-                                    const i64* key_rows, int lanes, int seg,                   \
-                                    const float* partials, const u64* err) {                   \
-        const OptArgs o = {opt, lr, eps, beta1, beta2, wd, bc1, bc2, decoupled};               \
+                                    float beta1, float beta2, float wd, int decoupled,         \
+                                    const i64* step_args, const i64* key_rows, int lanes,      \
+                                    int seg, const float* partials, const u64* err) {          \
+        u64 seed;                                                                              \
+        const OptArgs o = step_args_of(step_args, opt, beta1, beta2, wd, decoupled, seed);     \
         update_body<W, V>(weights, D, m1, m2, sorted, perm, bag_of, run_start, num_runs_at,    \
                           offsets, T, B, go, psw, mean, o, seed, key_rows, lanes, seg, partials, \
                           err);                                                                \

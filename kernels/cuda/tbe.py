@@ -28,6 +28,9 @@ registers, so D <= 1024 when D % 4 == 0 (else D <= 256); rows, ids and bags < 2^
 """
 from __future__ import annotations
 
+import collections
+import struct
+
 import torch
 
 from recc.kernels.cpu.tbe import validate_inputs
@@ -132,6 +135,40 @@ def new_error_record(device) -> torch.Tensor:
     return torch.full((2,), ERR_NONE, dtype=torch.int64, device=device)
 
 
+_CONSTANTS: "collections.OrderedDict[tuple, tuple[torch.Tensor, bool]]" = collections.OrderedDict()
+CONSTANTS_KEPT = 64   # the latest constants kept (jagged batches make new ones every step)
+
+
+def device_constant(values: tuple, device) -> torch.Tensor:
+    """An int64 tensor of ``values`` on ``device``, shared and read-only: values a step derives
+    from its shapes alone (each table's id count and rows) are copied to the device once, not in
+    every step, and never inside a captured CUDA graph (where a host copy is not allowed: the
+    capture finds the one its warm-up made). The latest ``CONSTANTS_KEPT`` are kept, and every
+    one a capture read for the life of the process: the graph reads it at each replay."""
+    key = (values, str(device))
+    hit = _CONSTANTS.get(key)
+    captured = _capturing(device)
+    if hit is None:
+        hit = (torch.tensor(values, dtype=torch.int64, device=device), captured)
+    elif captured and not hit[1]:
+        hit = (hit[0], True)
+    _CONSTANTS[key] = hit
+    _CONSTANTS.move_to_end(key)
+    unpinned = [k for k, (_, pinned) in _CONSTANTS.items() if not pinned]
+    for k in unpinned[:max(0, len(unpinned) - CONSTANTS_KEPT)]:
+        del _CONSTANTS[k]
+    return hit[0]
+
+
+def _capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on ``device`` (the emulator's graph on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_current_stream_capturing()
+    from .emulator import graph
+    return graph.recording()
+
+
 def pack_offsets(ids: torch.Tensor, offsets: torch.Tensor, sizes: list, rows, err: torch.Tensor) -> torch.Tensor:
     """``recc.pack_sparse``'s device half in one launch: each table's start offsets ``offsets``
     ``[T, B]`` (int64, into its own ``sizes[t]`` ids) as the packed ``[T*B+1]`` offsets into
@@ -146,7 +183,7 @@ def pack_offsets(ids: torch.Tensor, offsets: torch.Tensor, sizes: list, rows, er
     if starts[-1] != N or len(rows) != T or len(sizes) != T:
         raise ValueError(f"pack_offsets: {T} tables of {list(sizes)} ids and rows {list(rows)} for {N} ids")
     dev = ids.device
-    meta = torch.tensor(starts + list(rows), dtype=torch.int64, device=dev)
+    meta = device_constant(tuple(starts) + tuple(int(r) for r in rows), dev)
     out = torch.empty(T * B + 1, dtype=torch.int64, device=dev)
     np = _np()
     loader.launch(SOURCE, "tbe_pack", dev, -(-max(N, T * B + 1) // THREADS), THREADS,
@@ -211,6 +248,33 @@ def _sm_count(device) -> int:
     return loader.multiprocessor_count(device)
 
 
+STEP_ARGS = 3   # int64 words: (lr, eps) and (1 - beta1^step, 1 - beta2^step) as float32 pairs, the seed
+
+
+def new_step_args(device) -> torch.Tensor:
+    """A device buffer for one update's step arguments (``write_step_args``)."""
+    return torch.zeros(STEP_ARGS, dtype=torch.int64, device=device)
+
+
+def step_args(*, lr: float, eps: float, beta1: float, beta2: float, step: int, seed: int | None = None) -> torch.Tensor:
+    """The update kernel's per-step arguments as it reads them (``step_args_of`` in tbe.cu), on
+    the host: the bias corrections are the CPU kernels' (Python floats, rounded to fp32 once),
+    ``seed`` (default ``step``) keys the stochastic rounding."""
+    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    seed = int(step if seed is None else seed) & 0xFFFFFFFFFFFFFFFF
+    # packed on the host as the kernel reads them (no torch op: one copy to the device, no more)
+    return torch.frombuffer(bytearray(struct.pack("<4fQ", lr, eps, bc1, bc2, seed)), dtype=torch.int64)
+
+
+def write_step_args(dst: torch.Tensor, **kw) -> None:
+    """Writes ``step_args(**kw)`` into the device buffer ``dst``, ordered on the current stream
+    (from pinned memory on a GPU: an asynchronous copy, no sync)."""
+    host = step_args(**kw)
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)
+
+
 def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         indices: torch.Tensor, offsets: torch.Tensor,
                         hash_size_cumsum: torch.Tensor, grad_output: torch.Tensor, *, T: int,
@@ -219,14 +283,18 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
                         lr: float, eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999,
                         weight_decay: float = 0.0, step: int = 1, seed: int | None = None,
                         table_names=None, checked: bool = False, weight_decay_mode: str = "l2",
-                        key_rows: torch.Tensor | None = None, err: torch.Tensor | None = None) -> None:
+                        key_rows: torch.Tensor | None = None, err: torch.Tensor | None = None,
+                        step_args: torch.Tensor | None = None) -> None:
     """Backward of ``tbe_forward`` fused with the sparse optimizer, in place; the math of
     ``recc.kernels.cpu.tbe.tbe_backward_update``.  ``seed`` keys the stochastic rounding of
     fp16/bf16 weights (default: ``step``); ``key_rows`` (int64 [R] on the weights' device, or
     None) keys weight row r's rounding on row ``key_rows[r]`` instead of r (a cached group's
     slot -> group row map: each slot rounds as the row it holds would when resident; only the
     touched rows' entries are read). ``err``: the caller's error record (see the module
-    docstring): nothing is written while it is set, and it is not read here."""
+    docstring): nothing is written while it is set, and it is not read here. ``step_args``: the
+    step's arguments on the device as ``write_step_args`` wrote them, which the kernel then reads
+    instead of ``lr``, ``eps``, ``step`` and ``seed`` (a CUDA graph's replay rewrites them before
+    each replay; the captured launch reads them from there); None: written here from those."""
     _check(weights, indices, offsets, hash_size_cumsum, T, B, pooling, per_sample_weights)
     check_update(weights, state, optimizer, grad_output, T, B, weight_decay_mode, key_rows, in_place=True)
     R, D = weights.shape
@@ -276,15 +344,14 @@ def tbe_backward_update(weights: torch.Tensor, state: dict[str, torch.Tensor],
     num_runs_at = run_idx[N - 1:]  # on the device: the number of runs is never read back
     m1 = state.get("momentum1") if optimizer != "sgd" else None
     m2 = state.get("momentum2") if optimizer == "adam" else None
-    bc1, bc2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    if step_args is None:
+        step_args = new_step_args(dev)
+        write_step_args(step_args, lr=lr, eps=eps, beta1=beta1, beta2=beta2, step=step, seed=seed)
     segment = long_run_segment(D)
-    seed = int(step if seed is None else seed) & 0xFFFFFFFFFFFFFFFF
     args = (weights.detach(), np.int32(D), m1, m2, sorted_rows, perm, bag_of, run_start,
             num_runs_at, off, np.int32(T), np.int64(B), go, psw, np.int32(pooling == "mean"),
-            np.int32(_OPT_CODE[optimizer]), np.float32(lr), np.float32(eps), np.float32(beta1),
-            np.float32(beta2), np.float32(weight_decay), np.int32(weight_decay_mode == "decoupled"),
-            np.float32(bc1), np.float32(bc2),
-            np.uint64(seed), key_rows, np.int32(lanes), np.int32(segment))
+            np.int32(_OPT_CODE[optimizer]), np.float32(beta1), np.float32(beta2), np.float32(weight_decay),
+            np.int32(weight_decay_mode == "decoupled"), step_args, key_rows, np.int32(lanes), np.int32(segment))
     sms = _sm_count(dev)
     groups_per_block = THREADS // lanes
     partials = None

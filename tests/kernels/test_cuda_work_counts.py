@@ -53,7 +53,7 @@ COMBINE_BOUND = 2 * FANIN * COLUMNS + 8  # two nodes of F rows, and the run boun
 HOT_IDS = (64, 1000, 4000, 16000, 64000)
 # tbe.cu's parameter positions (the PARTIALS, COMBINE and UPDATE macros)
 GRAD_ARG = {"tbe_long_run_partials": 8, "tbe_update": 12}
-PARTIALS_ARG = {"tbe_long_run_partials": 15, "tbe_long_run_combine": 8, "tbe_update": 28}
+PARTIALS_ARG = {"tbe_long_run_partials": 15, "tbe_long_run_combine": 8, "tbe_update": 24}
 
 
 def _chunks(n: int) -> int:
@@ -153,9 +153,9 @@ def test_the_backward_reads_and_writes_each_row_once(opt, wdtype):
         assert update.by_argument[0][:2] == (touched * D * w_size,) * 2, n   # weights: read once, written once
         if state_row:
             assert update.by_argument[2][1] == touched * state_row, n
-        # every thread reads the error record and the run count (16 and 4 bytes: one broadcast
-        # load on a GPU); the factor is over the arrays
-        read = sum(r.bytes_read - sum(a[0] for a in r.by_argument.values() if a[2] <= 16) for r in counts.launches)
+        # every thread reads the error record, the run count and the step's arguments (16, 4 and
+        # 24 bytes: one broadcast load on a GPU); the factor is over the arrays
+        read = sum(r.bytes_read - sum(a[0] for a in r.by_argument.values() if a[2] <= 24) for r in counts.launches)
         written = sum(r.bytes_written for r in counts.launches)
         min_read = N * 8 + N * D * 4 + touched * (D * w_size + state_row)
         min_written = touched * (D * w_size + state_row)

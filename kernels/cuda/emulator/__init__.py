@@ -61,6 +61,7 @@ import torch
 
 from . import counting as _counting
 from .counting import Counts, LaunchCount, counting  # noqa: F401  (the public API)
+from . import graph  # noqa: E402  (EmulatedGraph: a CUDA graph on the emulator)
 
 HERE = Path(__file__).parent
 RUNTIME = HERE / "runtime.cpp"
@@ -398,6 +399,9 @@ def launch(source: str | Path, kernel: str, grid, block, args, shared_mem: int =
     if cfg is None:
         raise RuntimeError("CUDA kernels run on CPU tensors only inside recc.kernels.cuda.emulator.emulated() "
                            "(a test tool)")
+    if graph._recording is not None:   # a CUDA graph's capture records the launch; replay runs it
+        graph._recording.record_launch(source, kernel, grid, block, args, shared_mem)
+        return
     grid3, block3 = _dim3(grid), _dim3(block)
     tensors = []
     for i, a in enumerate(args):
