@@ -167,7 +167,15 @@ class GraphedModel:
         self._static_grad = [torch.zeros_like(o) for o in outs]
         with _capturing_as(self._bwd_hooks), self._bwd.capture():
             grads = torch.autograd.grad(outs, self._grad_inputs, self._static_grad, allow_unused=True)
-        self._static_param_grads = list(grads[:len(self._dense)])
+            # the dense gradients in one buffer, so a replay hands them out with one copy
+            dense = [(p, g) for p, g in zip(self._dense, grads) if g is not None]
+            self._static_flat_grad = torch.cat([g.reshape(-1) for _, g in dense]) if dense else None
+        self._grad_slots = [None] * len(self._dense)
+        at = 0
+        for i, (p, g) in enumerate(zip(self._dense, grads)):
+            if g is not None:
+                self._grad_slots[i] = (at, g.shape)
+                at += g.numel()
         for g, s in steps:   # the capture ran no step
             g.step = s
         self._checks.kept.clear()
@@ -234,6 +242,7 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         g = ctx.graphed
+        _check_no_scaler(g.dmodel)   # (a scaler sets its scale on the groups between forward and backward)
         if ctx.token != g._forward_token:
             raise RuntimeError("recc: a CUDA graph holds the activations of its latest forward only: call backward "
                                "after each forward (for gradient accumulation: forward, backward, forward, backward)")
@@ -245,9 +254,11 @@ class _Replay(torch.autograd.Function):
         g._bwd_hooks.run()
         g._bwd.replay()
         g._checks.after_replay(g._checks.graph_host)
-        # Copies: the graph's gradient buffers are overwritten by the next replay, while a
+        # A copy: the graph's gradient buffer is overwritten by the next replay, while a
         # parameter's .grad must keep accumulating the usual way.
-        return (None, None) + tuple(None if p is None else p.clone() for p in g._static_param_grads)
+        flat = None if g._static_flat_grad is None else g._static_flat_grad.clone()
+        return (None, None) + tuple(None if slot is None else flat[slot[0]:slot[0] + slot[1].numel()].view(slot[1])
+                                    for slot in g._grad_slots)
 
 
 # ---------------------------------------------------------------------- what qualifies

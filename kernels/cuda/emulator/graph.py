@@ -33,8 +33,9 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _recording: "EmulatedGraph | None" = None   # process-wide: a backward may run on another thread
-_HERE = str(Path(__file__).resolve().parent)
-_TORCH = str(Path(torch.__file__).resolve().parent)
+# Frames skipped when naming the line that issued refused work: torch's, the emulator's, the loader's.
+_SKIP = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent),
+         str(Path(__file__).resolve().parents[1] / "loader.py"))
 
 aten = torch.ops.aten
 # Ops a capture refuses beyond the tags (torch.Tag.data_dependent_output / dynamic_output_shape).
@@ -145,7 +146,7 @@ def _where() -> str:
     """The innermost frame outside torch and this folder: the line that issued the work."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         f = str(Path(frame.filename).resolve()) if not frame.filename.startswith("<") else frame.filename
-        if not f.startswith(_TORCH) and not f.startswith(_HERE):
+        if not f.startswith(_SKIP):
             return f"{frame.filename}:{frame.lineno} ({frame.name})"
     return "an unknown line"
 
