@@ -53,7 +53,6 @@ class DeferredChecks:
         self.kept: list = []
         self.pending: collections.deque = collections.deque()  # (host copy, event or None, kept)
         self._copy_queued = False
-        self.graph_host = None   # a CUDA graph's pinned copy of the record (``GraphedModel``)
 
     def error_record(self, device) -> torch.Tensor:
         if self.record is None or self.record.device != device:
@@ -75,10 +74,7 @@ class DeferredChecks:
         if not self.kept or self.record is None:
             return
         if cuda_graph.capturing() is not None:
-            # A captured backward copies the record to the graph's own pinned buffer at each
-            # replay; the graph queues the read after it (``after_replay``).
-            self.graph_host.copy_(self.record, non_blocking=True)
-            return
+            return   # a CUDA graph's replay copies it after the graph (``after_replay``)
         rec, event = self.record, None
         host = torch.empty(rec.shape, dtype=rec.dtype, pin_memory=rec.is_cuda)
         host.copy_(rec, non_blocking=True)
@@ -88,19 +84,10 @@ class DeferredChecks:
         self.pending.append((host, event, self.kept))
         self.kept = []
 
-    def after_replay(self, host: torch.Tensor) -> None:
-        """A CUDA graph's backward has been replayed, and with it the copy of the record to
-        ``host`` (its ``graph_host``): the checks kept since are read from there once it has run.
-        (Every replay copies to the same buffer; the record is sticky, so a later copy still
-        holds an earlier batch's flag, and a flag re-validates every batch not yet read.)"""
-        if not self.kept:
-            return
-        event = None
-        if host.is_pinned():
-            event = torch.cuda.Event()
-            event.record()
-        self.pending.append((host, event, self.kept))
-        self.kept = []
+    def after_replay(self) -> None:
+        """A CUDA graph's backward has been replayed: the record is copied after it, as at the
+        end of an eager backward (outside the graph, so a replay's copy is its own)."""
+        self._copy()
 
     def begin_step(self, step: int) -> None:
         """A training step's start: the copies whose event has passed are read (no wait, unless
@@ -118,8 +105,7 @@ class DeferredChecks:
             # host memory the event has filled: no sync, so not a counted host read (and
             # tolist, not a comparison whose bool() would look like one to the emulator's count)
             if host.tolist() != [ERR_NONE] * 2:
-                # the flagged copy's batches first, then every later one not read yet (a copy
-                # shared by a graph's replays may hold a later batch's flag)
+                # the flagged copy's batches first, then every later one not read yet
                 self._raise(kept + [k for _, _, ks in self.pending for k in ks] + self.kept, step)
         self.step = step
 

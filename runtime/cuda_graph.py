@@ -111,7 +111,6 @@ class GraphedModel:
         self._grad_inputs = self._dense + tables
         self._checks = dmodel._checks
         self._checks.error_record(self._device)
-        self._checks.graph_host = torch.empty(2, dtype=torch.int64, pin_memory=self._device.type == "cuda")
         self._validate = _input_validator(dmodel.graph_module, cuda_backend)
         self._fwd, self._bwd = _new_graphs(self._device)
         self._warm_up(warmup)
@@ -253,7 +252,7 @@ class _Replay(torch.autograd.Function):
                 s.copy_(x)
         g._bwd_hooks.run()
         g._bwd.replay()
-        g._checks.after_replay(g._checks.graph_host)
+        g._checks.after_replay()
         # A copy: the graph's gradient buffer is overwritten by the next replay, while a
         # parameter's .grad must keep accumulating the usual way.
         flat = None if g._static_flat_grad is None else g._static_flat_grad.clone()
@@ -321,15 +320,15 @@ def _path_name(path, names: list) -> str:
 
 def _new_graphs(device: torch.device):
     if device.type == "cuda":
-        fwd = _DeviceGraph()
-        return fwd, _DeviceGraph(pool=fwd.graph.pool())
+        pool = torch.cuda.graph_pool_handle()
+        return _DeviceGraph(pool), _DeviceGraph(pool)
     from recc.kernels.cuda.emulator.graph import EmulatedGraph
     return EmulatedGraph(), EmulatedGraph()
 
 
 class _DeviceGraph:
     """``torch.cuda.CUDAGraph`` with the emulated graph's interface (``capture()``, ``replay()``);
-    the backward's graph shares the forward's memory pool (they always replay in that order)."""
+    the forward's and backward's graphs share one memory pool (they always replay in that order)."""
 
     def __init__(self, pool=None):
         self.graph = torch.cuda.CUDAGraph()
