@@ -5,12 +5,12 @@
 
 1. Correctness: every CUDA kernel (TBE forward and fused backward with each optimizer, fp32
    and fp16 weights, sum / mean / weighted pooling; the wire codecs; row bucketization; the
-   bounds checks) against the CPU reference on fresh random inputs.  Before each run the
-   allocator's free memory is filled with NaN (``poison``), so a kernel that leaves part of
-   its output unwritten shows up as NaN; the relative error ``max|gpu - cpu| / max|cpu|`` is
-   printed.  Codecs must match the CPU bytes exactly (fp8/int8: up to one code step where the
-   scale division rounds differently is not allowed either: the kernels use the same IEEE
-   operations).
+   dot interaction; the bounds checks) against the CPU reference on fresh random inputs.
+   Before each run the allocator's free memory is filled with NaN (``poison``), so a kernel
+   that leaves part of its output unwritten shows up as NaN; the relative error
+   ``max|gpu - cpu| / max|cpu|`` is printed.  Codecs must match the CPU bytes exactly
+   (fp8/int8: up to one code step where the scale division rounds differently is not allowed
+   either: the kernels use the same IEEE operations).
 2. Bandwidth: each TBE kernel's achieved bytes/s against the device's measured copy
    bandwidth (a device-to-device copy).  Bytes counted: forward, the rows read + ids +
    output; backward, the gradient rows read per id + each unique row's weights and state
@@ -305,6 +305,39 @@ def check_bucketize(report: Report, dev) -> None:
     report.add(Row("row bucketization (exact)", 0.0 if ok else 1.0, 0.0, ok))
 
 
+def check_interaction(report: Report, dev, quick: bool) -> None:
+    """recc.dot_interaction's kernels (one launch forward, one backward) against the op's torch
+    reference on the CPU under autograd: DLRM's triangle of pairs, vectors spread over blocks with
+    a column no vector reads on each side (its gradient must be written as zero), fp32 and bf16."""
+    from recc.kernels.cuda import interaction as gpu
+    from recc.ops import get_op
+    ref = get_op("dot_interaction").reference
+    g = torch.Generator().manual_seed(4)
+    B, pad, f32, bf16 = (64 if quick else 4096), 3, torch.float32, torch.bfloat16
+    for F, D, nblocks, dense_dtype, block_dtype in ((27, 16, 1, f32, f32), (9, 64, 2, f32, f32),
+                                                    (27, 16, 1, bf16, f32), (7, 128, 3, f32, bf16)):
+        per, features, blocks = -(-(F - 1) // nblocks), [], []
+        for k in range(nblocks):
+            n = max(0, min(per, F - 1 - k * per))
+            blocks.append(torch.randn(B, n * D + 2, generator=g).to(block_dtype))
+            features += [(k, 1 + i * D) for i in range(n)]
+        dense = torch.randn(B, D, generator=g).to(dense_dtype)
+        li, lj = torch.tril_indices(F, F, -1)
+        grad = torch.randn(B, D + li.numel() + pad, generator=g).to(dense_dtype)
+        leaves = [t.clone().requires_grad_() for t in (dense, *blocks)]
+        want = ref(leaves[0], leaves[1:], li, lj, tuple(features), pad)
+        want.backward(grad)
+        poison(dev)
+        args = (dense.to(dev), [b.to(dev) for b in blocks], tuple(features), li.to(dev), lj.to(dev), pad)
+        out = gpu.dot_interaction_forward(*args)
+        gd, gb = gpu.dot_interaction_backward(*args, grad.to(dev))
+        e = max(rel_err(a, b) for a, b in zip((out, gd, *gb), (want, *(t.grad for t in leaves))))
+        # bf16 outputs and gradients: the kernel's fp32 sums and torch's round to one bf16 step apart at most
+        tol = 2.0 ** -7 if bf16 in (dense_dtype, block_dtype) else 1e-5
+        report.add(Row(f"interaction fwd+bwd F={F} D={D} {str(dense_dtype)[6:]}/{str(block_dtype)[6:]}", e, tol,
+                       e <= tol))
+
+
 # ----------------------------------------------------------------------------- performance
 
 
@@ -416,6 +449,7 @@ def main(argv=None) -> int:
         ("bounds checks", lambda: check_bounds(report, dev)),
         ("codecs", lambda: check_codecs(report, dev, args.quick)),
         ("bucketization", lambda: check_bucketize(report, dev)),
+        ("interaction", lambda: check_interaction(report, dev, args.quick)),
         ("tbe bandwidth", lambda: bench_tbe(report, dev, bw, args.batch)),
     ]
     sections += [
