@@ -18,7 +18,9 @@ Per step it prints
   from this script) that issued them;
 - per TBE kernel: launches, global bytes read and written, and the most global loads one thread
   made over the launch (an upper bound on its longest chain of dependent loads; a grid-stride
-  kernel's threads take more turns on fewer SMs, hence ``--sm-count``, default an H100's 132).
+  kernel's threads take more turns on fewer SMs, hence ``--sm-count``, default an H100's 132);
+- the same model on fixed-shape batches, eager and under ``dmodel.cuda_graph()``: the launches the
+  host makes per step (a graph replay is one), and the kernels inside the two graphs.
 
 No timing: the counts are the same on any machine.  The dense optimizer's step (``torch.optim.SGD``,
 ``foreach=True`` as torch picks on a GPU) is part of the counted step: its kernels are launches too.
@@ -169,6 +171,57 @@ def count_steps(preset: str, batch: int, steps: int, optimizer: str, table_dtype
     return cfg, per_step
 
 
+def count_graphed_steps(cfg: dict, batch: int, steps: int, optimizer: str, table_dtype: str, sm_count: int):
+    """The same model on fixed-shape batches (every table's bags at their preset size), eager and
+    with ``dmodel.cuda_graph()``: per step, (eager GPU launches, graphed host launches), and the
+    kernels inside the forward and backward graphs. A graphed step's host launches are its two
+    replays plus what runs outside them (the inputs' copies into the graph, the update's step
+    arguments, the loss, the gradients' copy out, the dense optimizer)."""
+    cfg = dict(cfg)
+    cfg["bag_size"] = [int(b) for b in (cfg["bag_size"] if isinstance(cfg["bag_size"], list)
+                                        else [cfg["bag_size"]] * len(cfg["num_embeddings"]))]
+    batches = list(SyntheticData(cfg, batch_size=batch).batches(steps))
+    config = recc.CompileConfig(optimizer=optimizer, lr=0.05, table_dtype=table_dtype)
+    rows = []
+    with cuda_backend.emulated_on_cpu(seed=11, sm_count=sm_count):
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(recc.compile(build_model(cfg), recc.Cluster.local(1), config=config).instantiate())
+        eager, dmodel = models
+        graphed = dmodel.cuda_graph(*batches[0][:3])
+        for g in (graphed._fwd, graphed._bwd):
+            g.replay = _uncounted(g.replay)
+        opts = [torch.optim.SGD(m.dense_parameters(), lr=0.05, foreach=True) for m in models]
+        for b in batches:
+            launched = []
+            for model, opt in ((eager, opts[0]), (graphed, opts[1])):
+                with emulator.counting() as counts:
+                    F.binary_cross_entropy(model(*b[:3]), b[3]).backward()
+                    opt.step()
+                    opt.zero_grad()
+                s = counts.summary()
+                launched.append(s["recc_launches"] + s["aten_launches"])
+            launched[1] += 2   # the replays themselves
+            rows.append(tuple(launched))
+    return cfg, rows, graphed._fwd.kernel_launches(), graphed._bwd.kernel_launches()
+
+
+def _uncounted(replay):
+    """A replay whose work ``counting()`` does not see (it is one launch on a GPU, counted apart)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    counting_mod = emulator._counting
+
+    def run():
+        saved, counting_mod.current = counting_mod.current, None
+        try:
+            with _disable_current_modes():
+                replay()
+        finally:
+            counting_mod.current = saved
+    return run
+
+
 def tbe_rows(counts) -> list[tuple]:
     """(kernel, launches, bytes read, bytes written, max loads per thread) per TBE kernel."""
     by = collections.defaultdict(list)
@@ -221,6 +274,14 @@ def main(argv=None) -> None:
         print(f"{k:<28} {n:>8} {rd:>12,} {wr:>13,} {ml:>16}")
     top = last.aten.most_common(12)
     print("\nmost frequent aten ops, step {}: {}".format(step, ", ".join(f"{k} {v}" for k, v in top)))
+    gcfg, rows, fwd, bwd = count_graphed_steps(cfg, args.batch, args.steps, args.optimizer, args.table_dtype,
+                                               args.sm_count)
+    print(f"\nWith dmodel.cuda_graph() (fixed shapes: bags of {gcfg['bag_size']} ids per table), GPU launches the "
+          f"host makes per step, the dense optimizer included; inside the graphs {fwd} (forward) + {bwd} "
+          f"(backward) kernels, launched as 2")
+    print(f"{'step':>4} {'eager':>6} {'graphed':>8} {'ratio':>6}")
+    for i, (e, g) in enumerate(rows):
+        print(f"{i:>4} {e:>6} {g:>8} {e / g:>5.1f}x")
 
 
 if __name__ == "__main__":

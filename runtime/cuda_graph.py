@@ -189,13 +189,22 @@ class GraphedModel:
         leaves = self._leaves(inputs)
         _check_no_scaler(d)
         d._begin_step()   # counts the step; raises an earlier batch's flagged ids
-        for s, x in zip(self._static_in, leaves):
-            if isinstance(s, torch.Tensor):
-                s.copy_(x, non_blocking=True)
+        self._copy_in(leaves)
         self._forward_token += 1
         outs = _Replay.apply(self, self._forward_token, *self._dense)
         self._checks.keep(lambda: self._validate(*inputs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    def _copy_in(self, leaves: list) -> None:
+        """The batch into the graph's input buffers: one launch for inputs already on the device
+        (``_foreach_copy_``), a copy each for host inputs."""
+        pairs = [(s, x) for s, x in zip(self._static_in, leaves) if isinstance(s, torch.Tensor)]
+        here = [(s, x) for s, x in pairs if x.device == s.device]
+        if here:
+            torch._foreach_copy_([s for s, _ in here], [x for _, x in here])
+        for s, x in pairs:
+            if x.device != s.device:
+                s.copy_(x, non_blocking=True)
 
     def _leaves(self, inputs) -> list:
         paths, spec = pytree.tree_flatten_with_path(tuple(inputs))

@@ -240,3 +240,20 @@ def test_dense_gradients_accumulate_over_replays_as_over_eager_steps():
         want, got = _state(eager), _state(graphed)
         for k in want:
             assert torch.equal(want[k], got[k]), k
+
+
+# The launches a graphed training step of the tiny DLRM makes from the host, the dense optimizer
+# included: the two replays, the batch's copy into the graph (one _foreach_copy_ for its 7
+# tensors), the update's step arguments (one copy per table group), the output's copy out, the
+# loss (forward; backward: its seed and its gradient), the output gradient's copy into the graph,
+# the dense gradients' copy out, and foreach SGD's one add. The same eager step makes 43.
+GRAPHED_HOST_LAUNCHES = 12
+
+
+def test_a_graphed_step_launches_at_most_the_stated_kernels_from_the_host():
+    from bench.cuda_step_counts import count_graphed_steps
+    from recc.models.presets import resolve_preset
+    _, rows, fwd, bwd = count_graphed_steps(resolve_preset("tiny"), 8, 3, "rowwise_adagrad", "fp32", 2)
+    for eager, graphed in rows:
+        assert graphed <= GRAPHED_HOST_LAUNCHES < eager, rows
+    assert fwd + bwd > GRAPHED_HOST_LAUNCHES   # the step's kernels run inside the graphs

@@ -115,6 +115,13 @@ class EmulatedGraph:
                     if out is not None:
                         _copy_into(out, new)
 
+    def kernel_launches(self) -> int:
+        """The kernels a replay runs on a GPU: every recorded recc launch and every recorded aten
+        op that launches one (``counting``'s rule: not views, allocations or empty results)."""
+        from .counting import _launches_kernel
+        return sum(1 for r in self.records if isinstance(r, _Launch) or
+                   _launches_kernel(r.func, r.args, r.kwargs, [o for o in r.outs if o is not None]))
+
     def record_launch(self, source, kernel, grid, block, args, shared_mem) -> None:
         """Called by ``emulator.launch`` while capturing: recorded, not run."""
         self.records.append(_Launch(source, kernel, grid, block, tuple(args), shared_mem))
