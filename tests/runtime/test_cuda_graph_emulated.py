@@ -257,3 +257,12 @@ def test_a_graphed_step_launches_at_most_the_stated_kernels_from_the_host():
     for eager, graphed in rows:
         assert graphed <= GRAPHED_HOST_LAUNCHES < eager, rows
     assert fwd + bwd > GRAPHED_HOST_LAUNCHES   # the step's kernels run inside the graphs
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_the_gpu_scripts_graph_check_runs_and_passes_on_the_emulator(optimizer):
+    """``bench.gpu_check``'s CUDA-graph correctness check (``bench.gpu_graph``) runs here as it
+    will on a GPU, so a GPU session does not find it broken."""
+    from bench.gpu_graph import graph_matches_eager
+    with cuda_ops():
+        assert graph_matches_eager(torch.device("cpu"), "tiny", optimizer=optimizer) == 0.0
