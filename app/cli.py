@@ -74,10 +74,23 @@ def _settings(args, *, run: bool = False):
                else recc.Cluster.local(args.world_size, nodes=args.nodes))
     if run:
         _check_devices(cluster, args)
+        _check_cuda_graph(cluster, args)
     _check_split(config.batch_size, cluster.world_size)
     if args.dump_dir and Path(args.dump_dir).exists() and not Path(args.dump_dir).is_dir():
         raise ValueError(f"--dump-dir {args.dump_dir}: exists and is not a directory")
     return cfg, config, cluster
+
+
+def _check_cuda_graph(cluster, args) -> None:
+    """``--cuda-graph`` replays one GPU rank's steps: refuse it, in one line, elsewhere."""
+    if not getattr(args, "cuda_graph", False):
+        return
+    if not cluster.device.is_gpu:
+        raise ValueError(f"--cuda-graph: CUDA graphs replay a GPU's step, and cluster {cluster.name} runs on "
+                         f"{cluster.device.kind}; pass a GPU cluster (--cluster FILE)")
+    if cluster.world_size > 1:
+        raise ValueError(f"--cuda-graph: a step is replayed on one rank only (the all-to-alls of "
+                         f"{cluster.world_size} ranks size their buffers on the host every step)")
 
 
 def _check_devices(cluster, args) -> None:
@@ -235,7 +248,8 @@ def _train_data(args) -> int:
     job = TrainJob(source, steps=args.steps if args.steps is not None else train_data.steps_per_epoch, lr=args.lr,
                    eval_every=args.eval_every or 0, log=args.log, log_every=args.log_every or 0,
                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
-                   keep_checkpoints=args.keep_checkpoints or 0, resume=args.resume, model=args.model)
+                   keep_checkpoints=args.keep_checkpoints or 0, resume=args.resume, model=args.model,
+                   cuda_graph=args.cuda_graph)
     if args.resume:
         _check_resume(args, train_data, job.steps)
     example = _example(args, world, batch, train_data)
@@ -381,7 +395,8 @@ def _train_synthetic(args) -> int:
           f"lr={config.lr:g}, {world} rank(s) ({cluster.name})", file=sys.stderr)
     if world > 1:
         print(program.plan, file=sys.stderr)
-    job = TrainJob(source, steps=args.steps, lr=config.lr, final_eval=True, model=args.model)
+    job = TrainJob(source, steps=args.steps, lr=config.lr, final_eval=True, model=args.model,
+                   cuda_graph=args.cuda_graph)
     r = recc.launch(train, cluster, program, job)[0]
     m = r["eval"]
     print(f"held-out: log loss {m['log_loss']:.4f}, AUC {m['auc']:.4f} ({args.eval_batches} batches); "
@@ -541,6 +556,8 @@ def main(argv=None) -> int:
     t.add_argument("--val-fraction", type=float, help="--data: hold out the last this fraction of the samples")
     t.add_argument("--val-days", help="--data: hold out these converted sources (indices or file names, comma-separated)")
     t.add_argument("--shuffle-buffer", type=_count(0), default=0, help="--data: shuffle within windows of this many samples")
+    t.add_argument("--cuda-graph", action="store_true",
+                   help="replay each step as CUDA graphs (one rank, fixed batch and ids per table; see docs/cuda.md)")
     t.add_argument("--eval-every", type=_count(1), help="--data: score the held-out split every K steps (exact AUC, log loss)")
     t.add_argument("--log", help="--data: write one JSON row per logging step (and per evaluation) to this file")
     t.add_argument("--log-every", type=_count(1), help="--data: steps per logging step (default: steps/20)")

@@ -105,6 +105,7 @@ class TrainJob:
     keep_checkpoints: int = 0
     resume: bool = False
     model: str = ""            # the preset, saved in checkpoints for ``recc export`` and --resume
+    cuda_graph: bool = False   # steps replayed as CUDA graphs (``dmodel.cuda_graph``) where shapes allow
 
 
 class Progress:
@@ -264,8 +265,10 @@ class _Window:
         self.preds, self.labels, self.n = [], [], 0
 
     def add(self, out: torch.Tensor, y: torch.Tensor) -> None:
-        self.preds.append(out.detach().reshape(-1).float().cpu())
-        self.labels.append(y.detach().reshape(-1).cpu())
+        # kept where they are (on a GPU, a copy to the host would wait for the step): read at
+        # the logging step
+        self.preds.append(out.detach().reshape(-1).float())
+        self.labels.append(y.detach().reshape(-1))
         self.n += self.preds[-1].numel()
         while self.n - self.preds[0].numel() >= WINDOW_AUC_SAMPLES:
             self.n -= self.preds.pop(0).numel()
@@ -273,9 +276,19 @@ class _Window:
 
     def auc(self) -> float:
         from recc.models import auc
-        value = auc(torch.cat(self.preds), torch.cat(self.labels))
+        value = auc(torch.cat(self.preds).cpu(), torch.cat(self.labels).cpu())
         self.preds, self.labels, self.n = [], [], 0
         return value
+
+
+def _graphed_steps(dmodel, stream):
+    """``(batch, output)`` with each step replayed as CUDA graphs, captured on the first batch;
+    a batch of other shapes (a last partial batch) runs the model itself."""
+    graphed = None
+    for batch in stream:
+        if graphed is None:
+            graphed = dmodel.cuda_graph(*batch[:3])
+        yield batch, (graphed(*batch[:3]) if graphed.accepts(*batch[:3]) else dmodel(*batch[:3]))
 
 
 def train(program, job: TrainJob) -> dict:
@@ -364,7 +377,8 @@ def train(program, job: TrainJob) -> dict:
         step = start
         try:
             # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
-            for (dense_x, lS_o, lS_i, y), out in dmodel.train_pipeline(stream):
+            pairs = _graphed_steps(dmodel, stream) if job.cuda_graph else dmodel.train_pipeline(stream)
+            for (dense_x, lS_o, lS_i, y), out in pairs:
                 loss = F.binary_cross_entropy(out, y)
                 loss.backward()
                 opt.step()
@@ -372,12 +386,14 @@ def train(program, job: TrainJob) -> dict:
                 step += 1
                 n = y.shape[0]
                 seen += n
-                win_loss += float(loss.detach()) * n
+                # summed where the loss is (fp64, as a Python float would): read at the logging
+                # step, so a GPU step does not wait for the host
+                win_loss = win_loss + loss.detach().double() * n
                 win_n += n
                 if window is not None:
                     window.add(out, y)
                 if step % log_every == 0 or step == job.steps:
-                    total_loss, total_n = _all_sum([win_loss, win_n])
+                    total_loss, total_n = _all_sum([float(win_loss), win_n])
                     now = time.perf_counter()
                     rate = total_n / max(now - win_t, 1e-9)
                     last_loss = total_loss / max(total_n, 1)

@@ -195,6 +195,14 @@ class GraphedModel:
         self._checks.keep(lambda: self._validate(*inputs))
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
+    def accepts(self, *inputs) -> bool:
+        """Whether a batch has the shapes the graph was captured for (else call the model itself)."""
+        try:
+            self._leaves(inputs)
+        except ValueError:
+            return False
+        return True
+
     def _copy_in(self, leaves: list) -> None:
         """The batch into the graph's input buffers: one launch for inputs already on the device
         (``_foreach_copy_``), a copy each for host inputs."""
