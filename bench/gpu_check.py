@@ -19,6 +19,10 @@
    of recc on CUDA against eager PyTorch CUDA (``nn.EmbeddingBag(sparse=True)`` per table,
    SGD on the sparse gradients): ``small`` at batch 16384 and the MLPerf ``dlrmv2`` shapes with
    rows capped at 1M per table and batch 16384, so they fit one GPU.  Target: >= 2x on small.
+4. The CUDA graph (``bench/gpu_graph.py``): ``dmodel.cuda_graph()`` trained 3 steps against the
+   eager recc step on the same fixed-shape batches (every table's bags at ``small``'s size), then
+   the step times of eager PyTorch, recc and recc graphed on them; and a recc step, eager and
+   graphed, under ``torch.cuda.set_sync_debug_mode("error")`` (any host sync fails it).
 
 Exit status: 0 when every correctness check passes, 1 when one fails (the table marks it
 FAIL), 2 when there is no GPU or CuPy.  Performance targets are reported, never asserted.
@@ -31,6 +35,7 @@ import time
 
 import torch
 
+from bench import gpu_graph
 from bench import gpu_precision as mp
 from bench.lib.gpu import Report, Row, format_table, rel_err, time_cuda, weight_err
 
@@ -414,6 +419,20 @@ def bench_step(report: Report, dev, preset: str, batch: int, row_cap: int | None
     torch.cuda.empty_cache()
 
 
+def torchrec_on_this_gpu(report: Report) -> None:
+    """TorchRec + FBGEMM GPU as a third system of the step comparison: reported as missing where
+    the machine has no CUDA build of them (the device image has neither, and fbgemm-gpu's CUDA
+    wheels are several hundred MB, past the 64 MiB a device call can carry)."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+        import torchrec
+    except ImportError as e:
+        report.add(Row("step small: TorchRec+FBGEMM GPU", note=f"not installed on this machine ({e}); not compared"))
+        return
+    report.add(Row("step small: TorchRec+FBGEMM GPU", note=f"torchrec {torchrec.__version__} is installed, but this "
+                                                            f"script times it only on the CPU (bench.train_throughput)"))
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -458,8 +477,12 @@ def main(argv=None) -> int:
         ("half tables", lambda: mp.check_half_tables(report, dev)),
         ("optimizer semantics", lambda: mp.check_optimizer_semantics(report, dev)),
     ]
+    sections.append(("host syncs", lambda: gpu_graph.check_step_syncs(report, dev)))
     if not args.skip_step:
         sections.append(("step small", lambda: bench_step(report, dev, "small", args.batch, None, args.steps)))
+        sections.append(("torchrec", lambda: torchrec_on_this_gpu(report)))
+        sections.append(("cuda graph", lambda: gpu_graph.bench_cuda_graph(report, dev, "small", args.batch,
+                                                                            args.steps)))
         sections.append(("precision steps", lambda: mp.bench_precision_steps(report, dev, bw, args.batch, args.steps)))
         sections.append(("profile", lambda: mp.profile_recc_step(dev, args.batch)))
         if not args.quick:
