@@ -240,8 +240,24 @@ def _step_args(group, optim: dict) -> torch.Tensor:
     if capture is None:
         _write_step_args(buf, optim)
     else:
-        capture.before_replay(lambda: _write_step_args(buf, table_update.optimizer_args(group)))
+        capture.before_replay(lambda: _write_step_args(buf, _replayed_args(group, optim)))
     return buf
+
+
+# The optimizer arguments a captured launch holds by value (only lr, eps and the step are read
+# from the step's buffer).
+_BY_VALUE = ("optimizer", "beta1", "beta2", "weight_decay", "weight_decay_mode")
+
+
+def _replayed_args(group, captured: dict) -> dict:
+    """The group's optimizer arguments for the step a replay runs; its by-value ones must be
+    those captured."""
+    now = table_update.optimizer_args(group)
+    changed = [k for k in _BY_VALUE if now[k] != captured[k]]
+    if changed:
+        raise RuntimeError(f"recc: table group {group.group_name}'s optimizer changed ({', '.join(changed)}) since "
+                           f"its CUDA graph was captured, which holds them; call dmodel.cuda_graph() again")
+    return now
 
 
 def _write_step_args(buf: torch.Tensor, optim: dict) -> None:

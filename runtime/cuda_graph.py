@@ -97,6 +97,7 @@ class GraphedModel:
         self.dmodel = dmodel
         self._device = _device_of(dmodel)
         _check_eligible(dmodel, self._device)
+        dmodel.synchronize()   # an earlier step's flagged batch is raised now, not lost to the warm-up
         self._mode = dmodel.training
         names = list(getattr(dmodel._program.signature, "names", ()))
         paths, self._in_spec = pytree.tree_flatten_with_path(tuple(example_inputs))
@@ -144,9 +145,13 @@ class GraphedModel:
         record = self._checks.record
         with _side_stream(self._device):
             record.fill_(_WARM_UP_RECORD)
-            for _ in range(max(1, n)):
-                outs = self._run_model()
-                torch.autograd.grad(outs, self._grad_inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+            for i in range(max(1, n)):
+                # the last one as the capture will run: a host sync in it fails here, with a
+                # traceback, instead of invalidating the capture
+                with _syncs_refused(self._device) if i == max(1, n) - 1 else contextlib.nullcontext():
+                    outs = self._run_model()
+                    torch.autograd.grad(outs, self._grad_inputs, [torch.ones_like(o) for o in outs],
+                                        allow_unused=True)
             record.fill_(ERR_NONE)
         for g, s in steps:
             g.step = s
@@ -160,11 +165,11 @@ class GraphedModel:
         groups = self.dmodel.table_groups()
         steps = [(g, g.step) for g in groups]
         self._fwd_hooks, self._bwd_hooks = Capture(), Capture()
-        with _capturing_as(self._fwd_hooks), self._fwd.capture():
+        with _refused_as_value_error(), _capturing_as(self._fwd_hooks), self._fwd.capture():
             outs = self._run_model()
         self._static_out = outs
         self._static_grad = [torch.zeros_like(o) for o in outs]
-        with _capturing_as(self._bwd_hooks), self._bwd.capture():
+        with _refused_as_value_error(), _capturing_as(self._bwd_hooks), self._bwd.capture():
             grads = torch.autograd.grad(outs, self._grad_inputs, self._static_grad, allow_unused=True)
             # the dense gradients in one buffer, so a replay hands them out with one copy
             dense = [(p, g) for p, g in zip(self._dense, grads) if g is not None]
@@ -353,11 +358,43 @@ class _DeviceGraph:
 
     @contextlib.contextmanager
     def capture(self):
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: another thread's pinned allocation (a data loader's prefetch) must not
+        # invalidate the capture; autograd's worker thread is captured anyway (capture follows
+        # the stream it launches on)
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             yield
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+@contextlib.contextmanager
+def _syncs_refused(device: torch.device):
+    """On a GPU, every synchronizing CUDA call raises inside (``torch.cuda.set_sync_debug_mode``);
+    on the emulator the capture itself refuses them."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with _refused_as_value_error():
+            yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
+def _refused_as_value_error():
+    """A step that reads the device on the host (a sync, a shape from values, host data copied in)
+    cannot be captured: said as recc's refusal, with what the capture or the device reported."""
+    from recc.kernels.cuda.emulator.graph import CaptureError
+    try:
+        yield
+    except (CaptureError, RuntimeError) as e:
+        if isinstance(e, CaptureError) or "synchroniz" in str(e) or "captur" in str(e):
+            raise ValueError(f"recc: cuda_graph cannot capture this model's step: it reads the device on the host "
+                             f"({str(e).splitlines()[0]})") from e
+        raise
 
 
 @contextlib.contextmanager

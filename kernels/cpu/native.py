@@ -26,6 +26,7 @@ uses the C kernels when they build and otherwise warns once and falls back to th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import errno
 import functools
@@ -259,6 +260,21 @@ def build_and_load(*sources: Path, name: str | None = None) -> tuple[ctypes.CDLL
     return lib, dict(path=str(path), compiled=compiled, seconds=time.perf_counter() - start)
 
 
+_REFERENCES_ONLY = [0]   # > 0: every C kernel steps aside for its torch reference
+
+
+@contextlib.contextmanager
+def references_only():
+    """Inside, every CPU kernel runs its torch reference (``get()`` is None): what the CUDA
+    emulator's graph capture needs, whose dispatch mode records torch ops but cannot see a C
+    kernel's writes."""
+    _REFERENCES_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _REFERENCES_ONLY[0] -= 1
+
+
 class KernelLibrary:
     """C sources built into one library and loaded at first use (the TBE kernels here, and the
     other CPU kernels). ``source``: one path, or several (then ``name`` names the library).
@@ -284,7 +300,7 @@ class KernelLibrary:
 
     def get(self) -> ctypes.CDLL | None:
         m = mode()
-        if m == "reference":
+        if m == "reference" or _REFERENCES_ONLY[0]:
             return None
         if not self._tried:
             with self._lock:

@@ -138,7 +138,9 @@ def _arg(x, cp, np):
     if isinstance(x, torch.Tensor):
         if x.numel() == 0:
             return np.uint64(0)  # a null pointer: the kernel never reads an empty tensor
-        return cp.from_dlpack(x)
+        # detached: torch refuses to export a tensor that requires grad (an autograd Function's
+        # inputs do), and a kernel's writes are not autograd's business
+        return cp.from_dlpack(x.detach())
     return x
 
 

@@ -300,3 +300,59 @@ def test_recc_trains_training_loop_replays_graphs_and_trains_as_it_does_eagerly(
         short = (b[0][:4], [o[:4] for o in b[1]], [i[:12] for i in b[2]], b[3][:4])
         outs = [out for _, out in _graphed_steps(dmodel, iter([b, short]))]
         assert [tuple(o.shape) for o in outs] == [(8, 1), (4, 1)]
+
+
+def test_a_step_that_reads_the_device_on_the_host_is_refused_naming_the_read(monkeypatch):
+    batches = _batches(1)
+    forward = cuda_backend.CUDATableKernels.forward
+
+    def syncing(self, weights, bags, pooling, out_dtype):
+        out = forward(self, weights, bags, pooling, out_dtype)
+        return out * float(out.abs().max() > 0)   # a host read planted in the step
+    with cuda_ops():
+        dmodel = _tiny()
+        monkeypatch.setattr(cuda_backend.CUDATableKernels, "forward", syncing)
+        with pytest.raises(ValueError, match=r"cannot capture this model's step: it reads the device on the host "
+                                             r"\(.*_local_scalar_dense.*test_cuda_graph_emulated.py"):
+            dmodel.cuda_graph(*batches[0][:3])
+
+
+def test_an_earlier_flagged_batch_is_raised_before_the_warm_up_not_lost_to_it():
+    batches = _batches(2)
+    bad = list(batches[0])
+    bad[2] = [t.clone() for t in bad[2]]
+    bad[2][1][5] = 20
+    with cuda_ops():
+        dmodel = _tiny()
+        _train(dmodel, torch.optim.SGD(dmodel.dense_parameters(), lr=0.05), bad)   # eager: flagged, deferred
+        with pytest.raises(IndexError, match=r"table emb_l\.1: id 20 at position 5"):
+            dmodel.cuda_graph(*batches[1][:3])
+
+
+def test_an_optimizer_changed_after_capture_is_refused_at_the_next_replay():
+    import dataclasses
+    batches = _batches(2)
+    with cuda_ops():
+        dmodel = _tiny("adam")
+        opt = torch.optim.SGD(dmodel.dense_parameters(), lr=0.05)
+        g = dmodel.cuda_graph(*batches[0][:3])
+        _train(g, opt, batches[0])
+        group = dmodel.table_groups()[0]
+        group.optimizer = dataclasses.replace(group.optimizer, lr=0.01)   # read from the step's buffer: fine
+        _train(g, opt, batches[1])
+        group.optimizer = dataclasses.replace(group.optimizer, beta1=0.5)  # held by the captured launch
+        with pytest.raises(RuntimeError, match=r"tbe_g0's optimizer changed \(beta1\).*cuda_graph\(\) again"):
+            _train(g, opt, batches[1])
+
+
+def test_a_launch_hands_cupy_a_tensor_torch_will_export():
+    """An autograd Function's inputs require grad, and torch refuses to export those by DLPack
+    (``cp.from_dlpack``): the loader detaches what it hands over."""
+    import numpy as np
+
+    class FakeCupy:
+        @staticmethod
+        def from_dlpack(x):
+            x.__dlpack__()
+            return x
+    loader._arg(torch.ones(3, requires_grad=True), FakeCupy, np)

@@ -94,10 +94,12 @@ class EmulatedGraph:
         global _recording
         if _recording is not None:
             raise CaptureError("a CUDA graph capture is already in progress")
+        from recc.kernels.cpu import native
         self.records = []
         _recording = self
         try:
-            with _Recorder(self):
+            # (a C kernel's writes are invisible to the recorder: its torch reference runs instead)
+            with native.references_only(), _Recorder(self):
                 yield self
         finally:
             _recording = None
