@@ -15,6 +15,7 @@ import torch
 from recc.ops import (SparseBatch, bag_counts, check_id_dtypes, get_op, pad_table_bags, pooled_dtype, register_impl,
                       stacked_names, use_references)
 from recc.runtime import table_update
+from recc.runtime.interaction import interaction_function
 from recc.runtime.table_update import Bags, TableKernels
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs, gather_rows,
                           linear_backward, linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward,
@@ -112,20 +113,7 @@ def pairwise_dot_cpu(x, li, lj):
     return PairwiseDot.apply(x, li, lj)
 
 
-class DotInteraction(torch.autograd.Function):
-    """Saves its inputs (no stacked copy); backward writes each block's gradient whole."""
-
-    @staticmethod
-    def forward(ctx, dense, li, lj, features, pad, *blocks):
-        ctx.features, ctx.pad = features, pad
-        ctx.save_for_backward(dense, li, lj, *blocks)
-        return dot_interaction_forward(dense, list(blocks), features, li, lj, pad)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dense, li, lj, *blocks = ctx.saved_tensors
-        gd, gb = dot_interaction_backward(dense, blocks, ctx.features, li, lj, ctx.pad, grad)
-        return (gd, None, None, None, None, *gb)
+DotInteraction = interaction_function(dot_interaction_forward, dot_interaction_backward)
 
 
 @register_impl("dot_interaction", "cpu")

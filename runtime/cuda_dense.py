@@ -12,26 +12,12 @@ Importing this module needs neither CuPy nor a GPU: the kernels load on their fi
 """
 from __future__ import annotations
 
-import torch
-
 from recc.kernels.cuda import dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs
 from recc.ops import get_op, register_impl
+from recc.runtime.interaction import interaction_function
 
 
-class DotInteraction(torch.autograd.Function):
-    """Saves its inputs (no stacked copy); backward writes each block's gradient whole."""
-
-    @staticmethod
-    def forward(ctx, dense, li, lj, features, pad, *blocks):
-        ctx.features, ctx.pad = features, pad
-        ctx.save_for_backward(dense, li, lj, *blocks)
-        return dot_interaction_forward(dense, list(blocks), features, li, lj, pad)
-
-    @staticmethod
-    def backward(ctx, grad):
-        dense, li, lj, *blocks = ctx.saved_tensors
-        gd, gb = dot_interaction_backward(dense, blocks, ctx.features, li, lj, ctx.pad, grad)
-        return (gd, None, None, None, None, *gb)
+DotInteraction = interaction_function(dot_interaction_forward, dot_interaction_backward)
 
 
 @register_impl("dot_interaction", "cuda")

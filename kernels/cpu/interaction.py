@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from recc.kernels.interaction_inputs import check_interaction_shapes, check_pair_shapes
+
 from . import native
 
 
@@ -38,8 +40,7 @@ _library = _KERNELS.get
 
 
 def _check_pairs(f: int, li: torch.Tensor, lj: torch.Tensor, what: str) -> None:
-    if li.shape != lj.shape or li.dim() != 1:
-        raise ValueError(f"{what}: li and lj must be 1-D of one length, got {tuple(li.shape)} and {tuple(lj.shape)}")
+    check_pair_shapes(li, lj, what)
     for name, idx in (("li", li), ("lj", lj)):
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= f):
             raise IndexError(f"{what}: {name} holds an index outside the {f} interacting vectors")
@@ -52,22 +53,8 @@ def _check(x: torch.Tensor, li: torch.Tensor, lj: torch.Tensor) -> None:
 
 
 def _check_interaction(dense, blocks, features, li, lj, pad) -> None:
-    what = "dot_interaction"
-    if dense.dim() != 2:
-        raise ValueError(f"{what}: dense must be [B, D], got shape {tuple(dense.shape)}")
-    b, d = dense.shape
-    for k, t in enumerate(blocks):
-        if t.dim() != 2 or t.shape[0] != b:
-            raise ValueError(f"{what}: block {k} must be [{b}, W], got shape {tuple(t.shape)}")
-    for f, (k, c) in enumerate(features, start=1):
-        if not 0 <= k < len(blocks):
-            raise IndexError(f"{what}: vector {f} reads block {k} of {len(blocks)}")
-        if c < 0 or c + d > blocks[k].shape[1]:
-            raise IndexError(f"{what}: vector {f} reads columns [{c}, {c + d}) of block {k}, "
-                             f"which has {blocks[k].shape[1]}")
-    if pad < 0:
-        raise ValueError(f"{what}: pad must be >= 0, got {pad}")
-    _check_pairs(len(features) + 1, li, lj, what)
+    check_interaction_shapes(dense, blocks, features, li, lj, pad)
+    _check_pairs(len(features) + 1, li, lj, "dot_interaction")
 
 
 # The C kernel indexes its F x F tables and the pairs with int32.

@@ -59,18 +59,9 @@ __device__ __forceinline__ void store_value(void* p, int bf, i64 i, float x) {
     else reinterpret_cast<float*>(p)[i] = x;
 }
 
-__device__ __forceinline__ const void* pick(int s, const void* a0, const void* a1, const void* a2, const void* a3,
-                                            const void* a4) {
-    switch (s) {
-    case 0: return a0;
-    case 1: return a1;
-    case 2: return a2;
-    case 3: return a3;
-    default: return a4;
-    }
-}
-
-__device__ __forceinline__ i64 pick(int s, i64 a0, i64 a1, i64 a2, i64 a3, i64 a4) {
+/* argument s of five (a launch takes up to five blocks' pointers and strides by value) */
+template <typename T>
+__device__ __forceinline__ T pick(int s, T a0, T a1, T a2, T a3, T a4) {
     switch (s) {
     case 0: return a0;
     case 1: return a1;

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from recc.kernels.interaction_inputs import check_interaction_shapes
+
 from . import loader
 
 SOURCE = "interaction.cu"
@@ -50,28 +52,6 @@ def forward_shared_bytes(F: int, D: int, P: int) -> int:
 def backward_shared_bytes(F: int, D: int, P: int) -> int:
     """The backward's shared memory per block (interaction.cu's layout)."""
     return 20 * F + 4 * (F + 1) + 20 * P + 8 * F * (D | 1)
-
-
-def _check(dense, blocks, features, li, lj, pad) -> None:
-    """The op's shape rules (what the CPU kernel checks, less the pair indices' range: that is a
-    device read here, so the kernel checks it)."""
-    what = "dot_interaction"
-    if dense.dim() != 2:
-        raise ValueError(f"{what}: dense must be [B, D], got shape {tuple(dense.shape)}")
-    b, d = dense.shape
-    for k, t in enumerate(blocks):
-        if t.dim() != 2 or t.shape[0] != b:
-            raise ValueError(f"{what}: block {k} must be [{b}, W], got shape {tuple(t.shape)}")
-    for f, (k, c) in enumerate(features, start=1):
-        if not 0 <= k < len(blocks):
-            raise IndexError(f"{what}: vector {f} reads block {k} of {len(blocks)}")
-        if c < 0 or c + d > blocks[k].shape[1]:
-            raise IndexError(f"{what}: vector {f} reads columns [{c}, {c + d}) of block {k}, "
-                             f"which has {blocks[k].shape[1]}")
-    if pad < 0:
-        raise ValueError(f"{what}: pad must be >= 0, got {pad}")
-    if li.dim() != 1 or li.shape != lj.shape:
-        raise ValueError(f"{what}: li and lj must be 1-D of one length, got {tuple(li.shape)} and {tuple(lj.shape)}")
 
 
 def _refusal(dense, blocks, features, li, lj) -> str | None:
@@ -168,7 +148,7 @@ def _launch_args(dense, blocks, features, li, lj):
 def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
     """``recc.dot_interaction``'s output, [B, D + P + pad] in ``dense``'s dtype, in one launch."""
     import numpy as np
-    _check(dense, blocks, features, li, lj, pad)
+    check_interaction_shapes(dense, blocks, features, li, lj, pad)
     _require(dense, blocks, features, li, lj)
     li, lj = li.contiguous(), lj.contiguous()
     sources, lds, mask, layout, _, grid, f, d, p = _launch_args(dense, blocks, features, li, lj)
@@ -185,7 +165,7 @@ def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
     """(gradient of ``dense``, [gradient of each block]) for the output gradient ``grad``, in one
     launch; each in its input's dtype, zero in the block columns no vector reads."""
     import numpy as np
-    _check(dense, blocks, features, li, lj, pad)
+    check_interaction_shapes(dense, blocks, features, li, lj, pad)
     b, d = dense.shape
     want = (b, d + li.numel() + pad)
     if tuple(grad.shape) != want:
