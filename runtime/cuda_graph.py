@@ -385,15 +385,14 @@ def _syncs_refused(device: torch.device):
 
 @contextlib.contextmanager
 def _refused_as_value_error():
-    """A step that reads the device on the host (a sync, a shape from values, host data copied in)
-    cannot be captured: said as recc's refusal, with what the capture or the device reported."""
+    """A step a graph cannot hold (a read of the device on the host, a shape from values, host data
+    copied in) is refused as recc's ValueError, with what the capture or the device reported."""
     from recc.kernels.cuda.emulator.graph import CaptureError
     try:
         yield
     except (CaptureError, RuntimeError) as e:
         if isinstance(e, CaptureError) or "synchroniz" in str(e) or "captur" in str(e):
-            raise ValueError(f"recc: cuda_graph cannot capture this model's step: it reads the device on the host "
-                             f"({str(e).splitlines()[0]})") from e
+            raise ValueError(f"recc: cuda_graph cannot capture this model's step: {str(e).splitlines()[0]}") from e
         raise
 
 

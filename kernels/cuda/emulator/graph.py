@@ -99,7 +99,7 @@ class EmulatedGraph:
         _recording = self
         try:
             # (a C kernel's writes are invisible to the recorder: its torch reference runs instead)
-            with native.references_only(), _Recorder(self):
+            with native.references_only(), _host_reads_refused(), _Recorder(self):
                 yield self
         finally:
             _recording = None
@@ -184,6 +184,25 @@ def _refuse(func, args, kwargs) -> None:
                            f"true positions are read on the host (a sync); use torch.where")
 
 
+@contextlib.contextmanager
+def _host_reads_refused():
+    """``Tensor.tolist()`` and ``.numpy()`` read a tensor's memory on the host without a dispatched
+    op (on the emulator every tensor is a CPU tensor): inside a capture they are what a GPU's
+    ``.tolist()`` is, a sync the capture refuses (and the values would be capture's, unwritten)."""
+    saved = torch.Tensor.tolist, torch.Tensor.numpy
+
+    def refused(name):
+        def read(self, *args, **kwargs):
+            raise CaptureError(f"Tensor.{name}() reads device memory on the host inside a CUDA graph capture, at "
+                               f"{_where()}: a graph replays device work only, and a GPU's capture refuses a sync")
+        return read
+    torch.Tensor.tolist, torch.Tensor.numpy = refused("tolist"), refused("numpy")
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, torch.Tensor.numpy = saved
+
+
 def _meta(x):
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
@@ -204,8 +223,12 @@ class _Recorder(TorchDispatchMode):
         if not any(isinstance(r.type, (torch.TensorType, torch.ListType, torch.OptionalType))
                    for r in schema.returns) and not _writes(schema):
             return func(*args, **kwargs)   # a metadata query (sizes, strides): host-only
+        # (an op told to make its result on the CPU makes it on meta here: a device, as any)
+        meta_kwargs = pytree.tree_map(_meta, kwargs)
+        if isinstance(meta_kwargs.get("device"), (str, torch.device)):
+            meta_kwargs["device"] = torch.device("meta")
         try:
-            shaped = func(*pytree.tree_map(_meta, args), **pytree.tree_map(_meta, kwargs))
+            shaped = func(*pytree.tree_map(_meta, args), **meta_kwargs)
         except (NotImplementedError, RuntimeError) as e:
             raise CaptureError(f"{func} has no meta kernel to shape its output without running it, inside a "
                                f"CUDA graph capture, at {_where()} ({e})") from None
