@@ -227,13 +227,42 @@ def check_id_dtypes(tables, indices, offsets) -> None:
                        offsets[k] if offsets is not None and k < len(offsets) else None)
 
 
+# A backend's checks that run on the device and are read later (a GPU step reads no device value
+# on the host: ``runtime/cuda_backend.py``), per device type: an object with
+# ``bags(table, flat, offsets, rows, validate)`` and ``flag(bad, validate)`` that return True when
+# they took the check (into the running step; ``validate()`` raises its error on the host later),
+# False to have it checked here and now.
+_DEFERRED_CHECKS: dict = {}
+
+
+def register_deferred_checks(device_type: str, checks) -> None:
+    """Install (None: remove) ``device_type``'s deferred checks (see ``_DEFERRED_CHECKS``)."""
+    if checks is None:
+        _DEFERRED_CHECKS.pop(device_type, None)
+    else:
+        _DEFERRED_CHECKS[device_type] = checks
+
+
 def check_bags(table: str, indices: torch.Tensor, offsets: Optional[torch.Tensor], rows: int,
-               per_sample_weights: Optional[torch.Tensor] = None) -> None:
-    """Validate one table's ids/offsets before any row is touched; errors name the table."""
+               per_sample_weights: Optional[torch.Tensor] = None, *, defer: bool = False) -> None:
+    """Validate one table's ids/offsets before any row is touched; errors name the table.
+    ``defer``: what reads the bags next tolerates a bad one (the TBE kernels check them again and
+    pool a bad bag as empty, writing no row), so on a device with deferred checks the values are
+    checked there and read after the step; a torch op that indexes with them (``F.embedding``)
+    must have them checked now (on a GPU an out-of-range index is a fatal device assert)."""
     if _is_meta(indices):
         return
     check_id_dtype(table, indices, offsets)
     flat = indices.reshape(-1)
+    if per_sample_weights is not None and per_sample_weights.numel() != flat.numel():
+        raise ValueError(f"table {table}: per_sample_weights has {per_sample_weights.numel()} "
+                         f"entries for {flat.numel()} indices")
+    if offsets is not None and offsets.dim() != 1:
+        raise ValueError(f"table {table}: offsets must be 1-D, got shape {tuple(offsets.shape)}")
+    deferred = _DEFERRED_CHECKS.get(flat.device.type) if defer else None
+    if deferred is not None and deferred.bags(table, flat, offsets, rows,
+                                              lambda: check_bags(table, indices, offsets, rows)):
+        return
     if flat.numel():
         lo, hi = torch.aminmax(flat)
         if lo.item() < 0 or hi.item() >= rows:
@@ -241,8 +270,6 @@ def check_bags(table: str, indices: torch.Tensor, offsets: Optional[torch.Tensor
             raise IndexError(f"table {table}: id {flat[bad].item()} at position {bad} is outside the "
                              f"table's rows [0, {rows})")
     if offsets is not None:
-        if offsets.dim() != 1:
-            raise ValueError(f"table {table}: offsets must be 1-D, got shape {tuple(offsets.shape)}")
         if offsets.numel():
             if offsets[0].item() != 0:
                 raise ValueError(f"table {table}: offsets must start at 0, got {offsets[0].item()}")
@@ -254,9 +281,6 @@ def check_bags(table: str, indices: torch.Tensor, offsets: Optional[torch.Tensor
             if offsets[-1].item() > flat.numel():
                 raise ValueError(f"table {table}: last offset {offsets[-1].item()} is past the "
                                  f"{flat.numel()} indices")
-    if per_sample_weights is not None and per_sample_weights.numel() != flat.numel():
-        raise ValueError(f"table {table}: per_sample_weights has {per_sample_weights.numel()} "
-                         f"entries for {flat.numel()} indices")
 
 
 def bag_offsets(indices: torch.Tensor, offsets: Optional[torch.Tensor]):
@@ -267,7 +291,7 @@ def bag_offsets(indices: torch.Tensor, offsets: Optional[torch.Tensor]):
         b, l = indices.shape
         return indices.reshape(-1), torch.arange(0, (b + 1) * l, l, dtype=torch.int64, device=indices.device)
     flat = indices.reshape(-1)
-    end = torch.tensor([flat.numel()], dtype=offsets.dtype, device=offsets.device)
+    end = offsets.new_full((1,), flat.numel())   # (a fill on the device, not a host tensor copied over)
     return flat, torch.cat([offsets, end])
 
 
@@ -327,7 +351,8 @@ def stack_table_bags(indices, offsets, per_sample_weights, stack, tables, rows):
         ids_k, off_k, base = [], [], 0
         for j in range(i, i + n):
             ids, off = indices[j], offsets[j]
-            check_bags(tables[k], ids, off, rows[k], None if psw is None else per_sample_weights[j])
+            # (packed next, and checked again by the packing kernel and the lookup's)
+            check_bags(tables[k], ids, off, rows[k], None if psw is None else per_sample_weights[j], defer=True)
             f, o = bag_offsets(ids, off)
             ids_k.append(f)
             off_k.append(o[:-1].to(torch.int64) + base)
@@ -663,16 +688,30 @@ def check_field_ids(ids, starts, *, table: str, rows: int):
     """
     if _is_meta(ids) or _is_meta(starts) or not ids.numel():
         return ids
+    deferred = _DEFERRED_CHECKS.get(ids.device.type)
+    if deferred is not None and deferred.flag(_field_id_faults(ids, starts, rows)[0].any(),
+                                              lambda: _raise_field_ids(ids, starts, table, rows)):
+        return ids
+    _raise_field_ids(ids, starts, table, rows)
+    return ids
+
+
+def _field_id_faults(ids, starts, rows: int):
+    """(ids outside their field's range, each field's first row, each field's size)."""
     s = starts.reshape(-1).to(torch.int64)
-    sizes = torch.cat([s[1:], s.new_tensor([rows])]) - s
-    bad = (ids < 0) | (ids >= sizes)
+    sizes = torch.cat([s[1:], s.new_full((1,), rows)]) - s
+    return (ids < 0) | (ids >= sizes), s, sizes
+
+
+def _raise_field_ids(ids, starts, table: str, rows: int) -> None:
+    """``check_field_ids``' check read on the host: raises the first field id outside its range."""
+    bad, s, sizes = _field_id_faults(ids, starts, rows)
     if bool(bad.any()):
         at = [int(i) for i in bad.nonzero()[0]]
         f = at[-1]
         raise IndexError(f"table {table}: id {int(ids[tuple(at)])} of field {f} (at index {at} of the ids) is outside "
                          f"the field's range [0, {int(sizes[f])}): the shared table holds field {f} in rows "
                          f"[{int(s[f])}, {int(s[f] + sizes[f])})")
-    return ids
 
 
 def _rows_like_meta(rows, ids):

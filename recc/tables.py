@@ -260,7 +260,7 @@ class TableGroup(nn.Module):
 
     @property
     def total_rows(self) -> int:
-        return int(self.hash_size_cumsum[-1])
+        return self.row_starts[-1]
 
     @property
     def local_rows(self) -> list[int]:
@@ -362,7 +362,7 @@ class TableGroup(nn.Module):
                 # A copy of the store's rows, after a flush of the dirty ones (the table need
                 # not fit in memory: ``local_rows`` reads and writes it a chunk at a time).
                 return cache.logical_rows()[0][self.row_starts[j]:self.row_starts[j + 1]].read()
-            return self.weights[self.hash_size_cumsum[j]:self.hash_size_cumsum[j + 1]]
+            return self.weights[self.row_starts[j]:self.row_starts[j + 1]]   # (host ints: no device read)
         return self.source_block(j)
 
     def describe(self) -> str:

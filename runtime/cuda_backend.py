@@ -30,7 +30,8 @@ from recc.kernels.cuda import loader
 from recc.kernels.cuda.tbe import ERR_NONE
 from recc.kernels import linearize_indices, max_pool, tbe_backward_update_reference
 from recc.ops import (OPS, SlotBatch, SparseBatch, _bound, check_id_dtypes, flatten_bags, pad_table_bags,
-                      pooled_dtype, register_impl, stack_table_bags, stacked_names, use_references)
+                      pooled_dtype, register_deferred_checks, register_impl, stack_table_bags, stacked_names,
+                      use_references)
 from recc.runtime import cuda_graph, table_update
 from recc.runtime.table_update import Bags, TableKernels
 
@@ -231,6 +232,41 @@ class CUDATableKernels(TableKernels):
                 checks.after_update()
 
 
+class _StepChecks:
+    """``recc.ops``' checks of a reference op's ids (``check_bags``, ``check_field_ids``) inside a
+    model's step, on the device into the step's error record, read with the rest (no sync); an
+    op called on its own (no step) is checked at once, as before."""
+
+    @staticmethod
+    def bags(table, flat, offsets, rows, validate) -> bool:
+        checks = current
+        if checks is None:
+            return False
+        dev = flat.device
+        # one table of one kernel's packing check: its ids against its rows, its offsets as bags
+        # (ids alone: one bag of all of them)
+        off = (offsets.reshape(1, -1) if offsets is not None else
+               cuda_kernels.tbe.device_constant((0,), dev).view(1, 1)).to(torch.int64)
+        cuda_kernels.tbe.pack_offsets(flat.to(torch.int64), off, [flat.numel()], [rows], checks.error_record(dev))
+        checks.keep(validate)
+        return True
+
+    @staticmethod
+    def flag(bad, validate) -> bool:
+        checks = current
+        if checks is None:
+            return False
+        # a set flag marks the record as a kernel's failed check does (an atomicMin of the position,
+        # unsigned: 0 is the least, ERR_NONE the most), so the guarded updates write nothing;
+        # ``validate`` words the error
+        checks.error_record(bad.device).masked_fill_(bad, 0)
+        checks.keep(validate)
+        return True
+
+
+register_deferred_checks("cuda", _StepChecks)
+
+
 def _step_args(group, optim: dict) -> torch.Tensor:
     """The update kernel's per-step arguments on the device, written now; inside a CUDA graph's
     capture, written before each replay instead (for the step it replays), since the captured
@@ -355,11 +391,14 @@ def emulated_on_cpu(seed: "int | None" = None, sm_count: int = 2):
         bound = _bound(name, "cpu")
         saved[bound], bound._fn = bound._fn, op.impl("cuda")
     before, _emulating = _emulating, True
+    register_deferred_checks("cpu", _StepChecks)
     try:
         with emulator.emulated(seed=seed, sm_count=sm_count):
             yield
     finally:
         _emulating = before
+        if not before:
+            register_deferred_checks("cpu", None)
         for bound, fn in saved.items():
             bound._fn = fn
 

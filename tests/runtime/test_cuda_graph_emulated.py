@@ -356,3 +356,60 @@ def test_a_launch_hands_cupy_a_tensor_torch_will_export():
             x.__dlpack__()
             return x
     loader._arg(torch.ones(3, requires_grad=True), FakeCupy, np)
+
+
+# ---------------------------------------------------------------------- which models qualify
+
+
+# Models written the way their code bases write them (bench/lib/zoo*.py), compiled for a CUDA
+# rank (its passes and ops, run here on the emulator): those whose step replays bit for bit, and
+# those refused with the reason (each reads the device on the host every step, or pools with
+# max). Jagged inputs (ref_dlrm_list, youtube_dnn) change shape every step.
+GRAPHED = ["ref_dlrm", "deepfm", "dcn", "fm", "wide_deep", "xdeepfm_cin", "deepfm_shared", "din", "dice_mlp", "mmoe"]
+REFUSED = {"padded_multihot": r"reads device memory on the host .*check_bags",   # drop_padding's (padding_idx)
+           "user_tower": "pools with max",
+           "seq_shared": "repeat_interleave.Tensor's output shape depends on the values",
+           "torchrec_dlrm": r"Tensor.tolist\(\) reads device memory on the host"}
+
+
+def _zoo(name):
+    from bench.lib.zoo import ZOO
+    import bench.lib.zoo_forward  # noqa: F401  (registers its models)
+    import bench.lib.zoo_shared  # noqa: F401
+    if name not in ZOO:
+        pytest.skip(f"{name} needs torchrec")
+    entry = ZOO[name]
+
+    def make():
+        torch.manual_seed(0)
+        config = recc.CompileConfig(optimizer="rowwise_adagrad", lr=0.05)
+        return recc.compile(entry.make_model(), recc.Cluster.local(1, device="cuda"),
+                            example_inputs=entry.batch(0, 16)[0], config=config).instantiate(device="cpu")
+    return entry, make
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_zoo_models_with_fixed_shapes_replay_exactly_as_they_train_eagerly(name):
+    entry, make = _zoo(name)
+    with cuda_ops():
+        eager, graphed = make(), make()
+        opts = [torch.optim.SGD(m.dense_parameters(), lr=0.05) for m in (eager, graphed)]
+        g = graphed.cuda_graph(*entry.batch(0, 16)[0])
+        for step in range(3):
+            args, labels = entry.batch(step, 16)
+            for model, opt in zip((eager, g), opts):
+                entry.loss(model(*args), labels).backward()
+                opt.step()
+                opt.zero_grad()
+        assert g._bwd.replays == 3
+        want, got = eager.state_dict(), graphed.state_dict()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_zoo_models_whose_step_a_graph_cannot_hold_are_refused_saying_why(name):
+    entry, make = _zoo(name)
+    with cuda_ops():
+        with pytest.raises(ValueError, match="cuda_graph cannot capture this model's step: .*" + REFUSED[name]):
+            make().cuda_graph(*entry.batch(0, 16)[0])

@@ -255,3 +255,65 @@ def test_a_training_step_at_world_size_2_reads_only_the_input_dists_sizes():
     for rank, steps in enumerate(recc.launch(_counted_steps, cluster, program, data, error_steps + 2)):
         assert all(counted == want for counted, _ in steps), (rank, steps)
         assert all(stray == 0 for _, stray in steps[error_steps:]), (rank, steps)
+
+
+def _zoo_model(name):
+    from bench.lib.zoo import ZOO
+    import bench.lib.zoo_shared  # noqa: F401  (registers din)
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    # compiled for a CUDA rank (its passes and ops), run on the emulator
+    return entry, recc.compile(entry.make_model(), recc.Cluster.local(1, device="cuda"),
+                               example_inputs=entry.batch(0, 16)[0],
+                               config=recc.CompileConfig(optimizer="rowwise_adagrad", lr=0.05)).instantiate(device="cpu")
+
+
+@pytest.mark.parametrize("name", ["deepfm", "din", "fm"])
+def test_models_of_gathers_and_shared_fields_make_no_host_sync_either(name):
+    """Their ids are checked by the reference ops' ``check_bags`` / ``check_field_ids``, which on
+    the device report into the step's record (``cuda_backend._StepChecks``) instead of reading
+    each table's ids back (6 syncs a table before)."""
+    entry, dmodel = _zoo_model(name)
+    with cuda_ops():
+        for step in range(3):
+            args, labels = entry.batch(step, 16)
+            counted, stray = _syncs(lambda: entry.loss(dmodel(*args), labels).backward())
+            assert sum(counted.values()) + stray <= SYNCS_PER_STEP, (dict(counted), stray)
+
+
+def test_a_bad_id_of_a_gathered_table_is_raised_at_the_next_step_naming_it():
+    from bench.lib.zoo import DEEPFM_VOCAB
+    entry, dmodel = _zoo_model("deepfm")
+    (x,), labels = entry.batch(0, 16)
+    bad = x.clone()
+    bad[5, 0] = DEEPFM_VOCAB[0] + 3   # field 0's id of sample 5, past its table
+    with cuda_ops():
+        before = _state(dmodel)
+        entry.loss(dmodel(bad), labels).backward()   # deferred: no sync, no row written
+        for k, v in _state(dmodel).items():
+            assert torch.equal(v, before[k]), f"{k} changed"
+        with pytest.raises(IndexError, match=rf"table .*: id {DEEPFM_VOCAB[0] + 3} at position 5 is outside the "
+                                             rf"table's rows \[0, {DEEPFM_VOCAB[0]}\).*the batch of step 1"):
+            dmodel(x)
+
+
+def test_a_bad_field_id_of_a_shared_table_is_raised_at_the_next_step_and_a_set_record_stays_set():
+    """pytorch-fm's per-field offsets into one table: ``check_field_ids`` flags the record on the
+    device; a record already set (here by hand, as a kernel's check sets it) is not cleared by it."""
+    from bench.lib.zoo import FM_FIELD_DIMS
+    entry, dmodel = _zoo_model("fm")
+    (x,), labels = entry.batch(0, 16)
+    bad = x.clone()
+    bad[2, 1] = FM_FIELD_DIMS[1]   # field 1's id of sample 2, one past its range
+    with cuda_ops():
+        before = _state(dmodel)
+        entry.loss(dmodel(bad), labels).backward()
+        for k, v in _state(dmodel).items():
+            assert torch.equal(v, before[k]), f"{k} changed"
+        with pytest.raises(IndexError, match=rf"table .*: id {FM_FIELD_DIMS[1]} of field 1 \(at index \[2, 1\]"):
+            dmodel(x)
+        entry.loss(dmodel(x), labels).backward()   # reported once; the next steps train
+        dmodel._checks.record.fill_(7)   # set, as a kernel's check sets it
+        entry.loss(dmodel(x), labels).backward()   # a good batch: its field check must not clear it
+        assert dmodel._checks.record.tolist() == [7, 7]
+        dmodel._checks.record.fill_(-1)
