@@ -20,12 +20,15 @@ would otherwise compute it at capture).
 The loss and the dense optimizer stay the user's (a handful of launches). Which models qualify:
 every input has the same shape every step, i.e. a fixed batch and a fixed number of ids per
 table (one id per feature as in Criteo Kaggle/Terabyte with the reference DLRM, MLPerf's
-multi-hot DLRM-DCNv2, fixed-length histories padded as DIN's are); on one rank; without max
-pooling, tiered (cached) tables, a pipelined input stage or ``recc.GradScaler`` (each reads
-device values on the host, or varies its shapes, every step). Anything else is refused with
-what stands in the way; a batch of another shape is refused naming the input (call ``dmodel``
-itself for those, e.g. a last partial batch). An eval forward (``torch.no_grad()``) and a
-forward in the other train/eval mode run the model itself.
+multi-hot DLRM-DCNv2, DeepFM, DCN, DIN's fixed-length histories: docs/cuda.md lists the zoo);
+on one rank; without max pooling, tiered (cached) tables, a pipelined input stage,
+``recc.GradScaler``, ``padding_idx`` or TorchRec's jagged tensors (each reads device values on
+the host, or varies its shapes, every step). Anything else is refused with what stands in the
+way (a step that reads the device on the host is found by the capture, or on a GPU by the last
+warm-up step, run under ``torch.cuda.set_sync_debug_mode("error")``); a batch of another shape
+is refused naming the input (call ``dmodel`` itself for those, e.g. a last partial batch). An
+eval forward (``torch.no_grad()``) and a forward in the other train/eval mode run the model
+itself.
 
 On the emulator (``cuda_backend.emulated_on_cpu()``) the graphs are ``EmulatedGraph``s with the
 same capture and replay semantics, which is how CI checks that replays train exactly as the
