@@ -92,13 +92,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
 
 
-def _raw(t: torch.Tensor | None) -> torch.Tensor | None:
-    """What a launch passes for ``t``: bf16 as an int16 view of the same memory. The kernels take
-    untyped pointers and a dtype mask, and CuPy's DLPack import refuses bf16 unless ml_dtypes is
-    installed (cupy/cupy#7527)."""
-    return t.view(torch.int16) if t is not None and t.dtype == torch.bfloat16 else t
-
-
 # Kept for the process, never evicted: a captured CUDA graph holds a layout's address (it was made
 # in the warm-up), and a model has one key per interaction.
 _layouts: dict[tuple, torch.Tensor] = {}
@@ -142,7 +135,7 @@ def _launch_args(dense, blocks, features, li, lj):
     lds = [np.int64(t.stride(0)) for t in sources] + [np.int64(0)] * len(pad)
     mask = sum(1 << s for s, t in enumerate(sources) if t.dtype == torch.bfloat16)
     grid = min(b, loader.multiprocessor_count(dense.device) * BLOCKS_PER_SM)
-    return [_raw(t) for t in sources] + pad, lds, np.int32(mask), layout, widths, grid, len(features) + 1, d, li.numel()
+    return list(sources) + pad, lds, np.int32(mask), layout, widths, grid, len(features) + 1, d, li.numel()
 
 
 def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> torch.Tensor:
@@ -156,7 +149,7 @@ def dot_interaction_forward(dense, blocks, features, li, lj, pad: int = 0) -> to
     out = torch.empty(b, d + p + pad, dtype=dense.dtype, device=dense.device)
     loader.launch(SOURCE, "interaction_forward", dense.device, grid, THREADS,
                   (*sources, *lds, mask, layout, li, lj, np.int64(b), np.int32(f), np.int32(d), np.int32(p),
-                   np.int32(pad), _raw(out), np.int64(out.stride(0))),
+                   np.int32(pad), out, np.int64(out.stride(0))),
                   shared_mem=forward_shared_bytes(f, d, p))
     return out
 
@@ -178,10 +171,10 @@ def dot_interaction_backward(dense, blocks, features, li, lj, pad, grad):
     li, lj, grad = li.contiguous(), lj.contiguous(), _rows(grad)
     sources, lds, mask, layout, widths, grid, f, d, p = _launch_args(dense, blocks, features, li, lj)
     grads = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dense, *blocks)]
-    outs = [_raw(t) for t in grads] + [None] * (MAX_BLOCKS + 1 - len(grads))
+    outs = list(grads) + [None] * (MAX_BLOCKS + 1 - len(grads))
     ws = [np.int64(w) for w in widths] + [np.int64(0)] * (MAX_BLOCKS + 1 - len(widths))
     loader.launch(SOURCE, "interaction_backward", dense.device, grid, THREADS,
                   (*sources, *lds, mask, layout, li, lj, np.int64(b), np.int32(f), np.int32(d), np.int32(p),
-                   _raw(grad), np.int64(grad.stride(0)), np.int32(grad.dtype == torch.bfloat16), *outs, *ws),
+                   grad, np.int64(grad.stride(0)), np.int32(grad.dtype == torch.bfloat16), *outs, *ws),
                   shared_mem=backward_shared_bytes(f, d, p))
     return grads[0], grads[1:]

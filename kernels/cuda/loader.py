@@ -9,10 +9,12 @@ for that device's architecture.  A module is kept per (source, device) for the l
 process, and CuPy's own on-disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``,
 keyed by the source text, the options and the architecture) makes later processes skip NVRTC.
 
-Interop: tensors stay torch tensors, allocated by torch's caching allocator; a launch hands
-CuPy DLPack views of them (no copies) and runs on torch's current stream
-(``cupy.cuda.ExternalStream``), so kernels are ordered with the surrounding torch ops,
-autograd and NCCL collectives without extra synchronisation.
+Interop: tensors stay torch tensors, allocated by torch's caching allocator; a launch hands the
+kernel their device addresses (no copies, no DLPack export and its per-tensor stream handshake)
+and runs on torch's current stream (``cupy.cuda.ExternalStream``), so kernels are ordered with the
+surrounding torch ops, autograd and NCCL collectives without extra synchronisation. A tensor
+freed after the launch returns to torch's allocator, which reuses it only for work ordered after
+the kernel on that stream, as for any torch op.
 
 Host reads: ``host_read`` (values) and ``host_copy`` (a tensor) are the only ways the CUDA path
 reads device memory back on the host, each a sync on a GPU; both count the read under its
@@ -134,13 +136,19 @@ def _stream(device_index: int):
     return s
 
 
-def _arg(x, cp, np):
+def _arg(i: int, x, device_index: int, np):
+    """A launch argument as the kernel takes it: a tensor as its device address (a 64-bit value
+    in a pointer parameter; no DLPack export, whose stream handshake would record and wait on an
+    event per tensor, and which refuses a tensor that requires grad), None or an empty tensor as
+    a null pointer (the kernel never reads it), a numpy scalar as it is."""
+    if x is None:
+        return np.uint64(0)
     if isinstance(x, torch.Tensor):
         if x.numel() == 0:
-            return np.uint64(0)  # a null pointer: the kernel never reads an empty tensor
-        # detached: torch refuses to export a tensor that requires grad (an autograd Function's
-        # inputs do), and a kernel's writes are not autograd's business
-        return cp.from_dlpack(x.detach())
+            return np.uint64(0)
+        if x.device.type != "cuda" or x.device.index != device_index:
+            raise ValueError(f"kernel argument {i} is on {x.device}, not cuda:{device_index} where the kernel runs")
+        return np.uint64(x.data_ptr())
     return x
 
 
@@ -165,7 +173,7 @@ def launch(source: str, kernel: str, device: torch.device, grid: int, block: int
            shared_mem: int = 0) -> None:
     """Runs ``kernel`` of ``source`` on torch's current stream of ``device``.
 
-    ``args`` are torch tensors (passed as DLPack views), ``None`` (a null pointer) or numpy
+    ``args`` are torch tensors (passed as their addresses), ``None`` (a null pointer) or numpy
     scalars whose types match the kernel's C parameters exactly (np.int32 for ``int``,
     np.int64 for ``long long``, np.float32, np.uint64).  On a CPU device (inside
     ``emulator.emulated()``) the launch runs on the CPU harness.
@@ -180,10 +188,8 @@ def launch(source: str, kernel: str, device: torch.device, grid: int, block: int
     cp = cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     fn = function(source, kernel, index)
+    converted = tuple(_arg(i, a, index, np) for i, a in enumerate(args))
     with cp.cuda.Device(index), _stream(index):
-        # Converted inside the stream context: DLPack's stream handshake then sees the stream
-        # the kernel runs on (torch's current one) and adds no cross-stream wait.
-        converted = tuple(np.uint64(0) if a is None else _arg(a, cp, np) for a in args)
         fn((int(grid),), (int(block),), converted, shared_mem=int(shared_mem))
 
 

@@ -345,17 +345,15 @@ def test_an_optimizer_changed_after_capture_is_refused_at_the_next_replay():
             _train(g, opt, batches[1])
 
 
-def test_a_launch_hands_cupy_a_tensor_torch_will_export():
-    """An autograd Function's inputs require grad, and torch refuses to export those by DLPack
-    (``cp.from_dlpack``): the loader detaches what it hands over."""
+def test_a_launch_hands_the_kernel_addresses_checked_for_its_device():
+    """No DLPack export (which refuses a tensor that requires grad, as an autograd Function's
+    inputs do, and records and waits on an event per tensor): the address, after a check that the
+    tensor is on the kernel's device (a host pointer would be an illegal access on the GPU)."""
     import numpy as np
-
-    class FakeCupy:
-        @staticmethod
-        def from_dlpack(x):
-            x.__dlpack__()
-            return x
-    loader._arg(torch.ones(3, requires_grad=True), FakeCupy, np)
+    assert loader._arg(0, None, 0, np) == 0 and loader._arg(1, torch.empty(0), 0, np) == 0
+    assert loader._arg(2, np.int32(7), 0, np) == 7
+    with pytest.raises(ValueError, match="kernel argument 3 is on cpu, not cuda:0"):
+        loader._arg(3, torch.ones(3, requires_grad=True), 0, np)
 
 
 # ---------------------------------------------------------------------- which models qualify
