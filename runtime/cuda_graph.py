@@ -138,20 +138,21 @@ class GraphedModel:
         return flat
 
     def _warm_up(self, n: int) -> None:
-        """Runs forward and backward ``n`` times outside any graph (kernels compile, lazy state
-        is made) without changing the model: the tables' updates are held off by the error record,
+        """Runs forward and backward ``n`` (at least 2) times outside any graph (kernels compile,
+        lazy state is made) without changing the model: the tables' updates are held off by the error record,
         the dense buffers (BatchNorm's statistics) and step counts put back after."""
         d = self.dmodel
         groups = d.table_groups()
         steps = [(g, g.step) for g in groups]
         buffers = [(b, b.detach().clone()) for b in _dense_buffers(d)]
         record = self._checks.record
+        n = max(2, n)   # the first makes what is made once (kernels, device constants: host copies)
         with _side_stream(self._device):
             record.fill_(_WARM_UP_RECORD)
-            for i in range(max(1, n)):
+            for i in range(n):
                 # the last one as the capture will run: a host sync in it fails here, with a
                 # traceback, instead of invalidating the capture
-                with _syncs_refused(self._device) if i == max(1, n) - 1 else contextlib.nullcontext():
+                with _syncs_refused(self._device) if i == n - 1 else contextlib.nullcontext():
                     outs = self._run_model()
                     torch.autograd.grad(outs, self._grad_inputs, [torch.ones_like(o) for o in outs],
                                         allow_unused=True)

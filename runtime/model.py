@@ -319,7 +319,7 @@ class DistributedModel(nn.Module):
     def cuda_graph(self, *example_inputs, warmup: int = 2):
         """This model's training forward and backward as two CUDA graphs (the table updates in the
         backward one): returns a ``GraphedModel``, called like this model on batches shaped like
-        ``example_inputs``, in an unchanged training loop. The example warms up ``warmup`` steps
+        ``example_inputs``, in an unchanged training loop. The example warms up ``warmup`` (>= 2) steps
         that change nothing, then is captured. Refused, saying why, for a model whose step the host
         must steer (several ranks, max pooling, tiered tables, ``recc.GradScaler``); see
         ``recc.runtime.cuda_graph``."""
