@@ -15,7 +15,7 @@ import torch
 from recc.ops import (SparseBatch, bag_counts, check_id_dtypes, get_op, pad_table_bags, pooled_dtype, register_impl,
                       stacked_names, use_references)
 from recc.runtime import table_update
-from recc.runtime.interaction import interaction_function
+from recc.runtime.dense_functions import interaction_function, linear_function
 from recc.runtime.table_update import Bags, TableKernels
 from recc.kernels import (dot_interaction_backward, dot_interaction_forward, dot_interaction_kernel_runs, gather_rows,
                           linear_backward, linear_forward, linearize_indices, max_pool, pack_bags, pairwise_dot_backward,
@@ -125,22 +125,7 @@ def dot_interaction_cpu(dense, blocks, li, lj, features, pad=0):
     return DotInteraction.apply(dense, li, lj, features, pad, *blocks)
 
 
-class Linear(torch.autograd.Function):
-    """A dense layer and its activation; saves the output (not a second copy) for the ReLU mask."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, activation):
-        y = linear_forward(x, weight, bias, activation)
-        ctx.activation, ctx.has_bias = activation, bias is not None
-        ctx.save_for_backward(x, weight, y if activation == "relu" else None)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, y = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2])
-        dx, dw, db = linear_backward(grad, x, weight, y, ctx.activation, needs)
-        return dx, dw, db, None
+Linear = linear_function(linear_forward, linear_backward)
 
 
 @register_impl("linear", "cpu")

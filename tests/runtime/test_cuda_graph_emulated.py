@@ -246,7 +246,7 @@ def test_dense_gradients_accumulate_over_replays_as_over_eager_steps():
 # included: the two replays, the batch's copy into the graph (one _foreach_copy_ for its 7
 # tensors), the update's step arguments (one copy per table group), the output's copy out, the
 # loss (forward; backward: its seed and its gradient), the output gradient's copy into the graph,
-# the dense gradients' copy out, and foreach SGD's one add. The same eager step makes 43.
+# the dense gradients' copy out, and foreach SGD's one add. The same eager step makes 40.
 GRAPHED_HOST_LAUNCHES = 12
 
 
