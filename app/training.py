@@ -220,7 +220,7 @@ def evaluate(dmodel, val) -> Optional[dict]:
         batch = val.rank_batch(step, rank, world)
         m = batch[0].shape[0]
         padded = _pad(batch, -(-size // world), val.bag_sizes)
-        out = dmodel(*padded[:n_args])
+        out = dmodel(*_on(_device_of(dmodel), padded[:n_args]))
         preds.append(out[:m].reshape(-1).float().cpu())
         labels.append(batch[3].reshape(-1).to(torch.uint8))
     mine = (torch.cat(preds), torch.cat(labels))
@@ -279,6 +279,19 @@ class _Window:
         value = auc(torch.cat(self.preds).cpu(), torch.cat(self.labels).cpu())
         self.preds, self.labels, self.n = [], [], 0
         return value
+
+
+def _device_of(dmodel) -> torch.device:
+    return next(iter(dmodel.dense_parameters()), dmodel.table_groups()[0].weights).device
+
+
+def _on(device: torch.device, batch):
+    """A batch (tensors, lists of tensors) on the model's device: the readers make host tensors,
+    a GPU rank's model takes them on its GPU (copied from pinned memory without waiting)."""
+    if device.type == "cpu":
+        return batch
+    move = (lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t)
+    return type(batch)(([move(t) for t in x] if isinstance(x, list) else move(x)) for x in batch)
 
 
 def _graphed_steps(dmodel, stream):
@@ -377,7 +390,9 @@ def train(program, job: TrainJob) -> dict:
         step = start
         try:
             # train_pipeline sends batch i+1's ids while batch i trains (one batch ahead).
-            pairs = _graphed_steps(dmodel, stream) if job.cuda_graph else dmodel.train_pipeline(stream)
+            device = _device_of(dmodel)
+            batches = (_on(device, b) for b in stream)
+            pairs = _graphed_steps(dmodel, batches) if job.cuda_graph else dmodel.train_pipeline(batches)
             for (dense_x, lS_o, lS_i, y), out in pairs:
                 loss = F.binary_cross_entropy(out, y)
                 loss.backward()

@@ -245,7 +245,7 @@ class _StepChecks:
         dev = flat.device
         # one table of one kernel's packing check: its ids against its rows, its offsets as bags
         # (ids alone: one bag of all of them)
-        off = (offsets.reshape(1, -1) if offsets is not None else
+        off = (offsets.reshape(1, -1).to(dev) if offsets is not None else   # (offsets may come on the host)
                cuda_kernels.tbe.device_constant((0,), dev).view(1, 1)).to(torch.int64)
         cuda_kernels.tbe.pack_offsets(flat.to(torch.int64), off, [flat.numel()], [rows], checks.error_record(dev))
         checks.keep(validate)

@@ -379,12 +379,13 @@ def _syncs_refused(device: torch.device):
     if device.type != "cuda":
         yield
         return
+    before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with _refused_as_value_error():
             yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(before)
 
 
 @contextlib.contextmanager

@@ -55,3 +55,15 @@ def test_checkpoints_need_data_with_a_position(tmp_path):
     job = TrainJob(source, steps=2, lr=0.1, checkpoint_dir=str(tmp_path))
     with pytest.raises(ValueError, match="checkpoints need data whose position they can save"):
         recc.launch(train, recc.Cluster.local(1), _program(source), job)
+
+
+def test_a_batch_goes_to_the_models_device_whole():
+    """The readers make host tensors; a GPU rank's model takes them on its device (``_on``: the
+    tensors and the lists of per-table tensors, in the batch's structure; the CPU's batch as it is)."""
+    from recc.app.training import _on
+    batch = (torch.rand(4, 13), [torch.arange(4)] * 2, [torch.arange(8), torch.arange(6)], torch.rand(4, 1))
+    assert _on(torch.device("cpu"), batch) is batch
+    moved = _on(torch.device("meta"), batch)
+    assert type(moved) is tuple and [type(x) for x in moved] == [torch.Tensor, list, list, torch.Tensor]
+    assert all(t.device.type == "meta" for x in moved for t in (x if isinstance(x, list) else [x]))
+    assert [t.shape for t in moved[2]] == [torch.Size([8]), torch.Size([6])]

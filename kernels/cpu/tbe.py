@@ -126,8 +126,15 @@ def linearize_indices(indices: torch.Tensor, offsets: torch.Tensor, hash_size_cu
     if lin is not None:
         return lin
     N = indices.numel()
-    base = torch.repeat_interleave(hsc[:-1], _table_counts(offsets, T, B), output_size=N)
-    return base.add_(indices)  # int32 ids widen inside the add: one pass
+    if B == 0 or N == 0:
+        return indices.to(torch.int64)
+    # Each id's table: the last whose first id (offsets[t*B]) is at or before it. A search is safe
+    # whatever the offsets hold; a repeat by counts taken from them is a fatal device assert on a
+    # GPU when a bad batch's counts do not add up to N, and a GPU step checks them only later (its
+    # rows then come out wrong, and the kernels' bounds check flags them).
+    starts = offsets[:T * B:B].contiguous()
+    table = torch.searchsorted(starts, torch.arange(N, device=indices.device), right=True).sub_(1).clamp_(0, T - 1)
+    return hsc[:-1][table].add_(indices)  # int32 ids widen inside the add: one pass
 
 
 def _offsets_ok(offsets: torch.Tensor, n: int, lib) -> bool:

@@ -136,7 +136,8 @@ def new_error_record(device) -> torch.Tensor:
 
 
 _CONSTANTS: "collections.OrderedDict[tuple, tuple[torch.Tensor, bool]]" = collections.OrderedDict()
-CONSTANTS_KEPT = 64   # the latest constants kept (jagged batches make new ones every step)
+CONSTANTS_KEPT = 1024   # the latest kept: more than one step of any model makes (a warm-up's must
+                        # survive to its capture), few enough to churn as jagged batches make new ones
 
 
 def device_constant(values: tuple, device) -> torch.Tensor:

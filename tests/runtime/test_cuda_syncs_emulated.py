@@ -317,3 +317,36 @@ def test_a_bad_field_id_of_a_shared_table_is_raised_at_the_next_step_and_a_set_r
         entry.loss(dmodel(x), labels).backward()   # a good batch: its field check must not clear it
         assert dmodel._checks.record.tolist() == [7, 7]
         dmodel._checks.record.fill_(-1)
+
+
+def test_bad_offsets_of_a_table_two_features_read_are_raised_at_the_next_step_not_a_crash():
+    """A shared-rows group linearizes its ids in torch before the kernels run, from offsets only
+    the kernels have checked yet (deferred): the table of each id is searched, not repeated by
+    counts taken from the offsets (whose sum, for a bad batch, is not the ids' count: a fatal
+    device assert on a GPU)."""
+    class TwoFeaturesOneTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.EmbeddingBag(30, 4, mode="sum")
+            self.top = torch.nn.Linear(8, 1)
+
+        def forward(self, ids_a, off_a, ids_b, off_b):
+            return torch.sigmoid(self.top(torch.cat([self.emb(ids_a, off_a), self.emb(ids_b, off_b)], 1)))
+
+    torch.manual_seed(0)
+    ids, off = torch.randint(0, 30, (8,)), torch.tensor([0, 2, 4, 6])
+    good = (ids, off, ids.flip(0), off)
+    bad = (ids, torch.tensor([1, 2, 4, 6]), ids.flip(0), off)   # feature a's offsets start past 0
+    y = torch.rand(4, 1)
+    program = recc.compile(TwoFeaturesOneTable(), recc.Cluster.local(1, device="cuda"), example_inputs=good)
+    dmodel = program.instantiate(device="cpu")
+    assert any(g.shares_rows for g in dmodel.table_groups())
+    from recc.kernels.cpu import native
+    # (on a GPU the CPU's C kernels never run: their torch references do, here too)
+    with cuda_ops(), native.references_only():
+        before = _state(dmodel)
+        F.binary_cross_entropy(dmodel(*bad), y).backward()   # no crash, no row written
+        for k, v in _state(dmodel).items():
+            assert torch.equal(v, before[k]), f"{k} changed"
+        with pytest.raises(ValueError, match=r"table emb: offsets must start at 0, got 1"):
+            dmodel(*good)
