@@ -147,46 +147,53 @@ class GraphedModel:
         buffers = [(b, b.detach().clone()) for b in _dense_buffers(d)]
         record = self._checks.record
         n = max(2, n)   # the first makes what is made once (kernels, device constants: host copies)
-        with _side_stream(self._device):
-            record.fill_(_WARM_UP_RECORD)
-            for i in range(n):
-                # the last one as the capture will run: a host sync in it fails here, with a
-                # traceback, instead of invalidating the capture
-                with _syncs_refused(self._device) if i == n - 1 else contextlib.nullcontext():
-                    outs = self._run_model()
-                    torch.autograd.grad(outs, self._grad_inputs, [torch.ones_like(o) for o in outs],
-                                        allow_unused=True)
-            record.fill_(ERR_NONE)
-        for g, s in steps:
-            g.step = s
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        self._checks.kept.clear()
-        self._checks.pending.clear()
+        try:
+            with _side_stream(self._device):
+                record.fill_(_WARM_UP_RECORD)
+                try:
+                    for i in range(n):
+                        # the last one as the capture will run: a host sync in it fails here, with a
+                        # traceback, instead of invalidating the capture
+                        with _syncs_refused(self._device) if i == n - 1 else contextlib.nullcontext():
+                            outs = self._run_model()
+                            torch.autograd.grad(outs, self._grad_inputs, [torch.ones_like(o) for o in outs],
+                                                allow_unused=True)
+                finally:
+                    record.fill_(ERR_NONE)
+        finally:
+            # (also when refused: the model trains on as it would have, its record clear)
+            for g, s in steps:
+                g.step = s
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            self._checks.kept.clear()
+            self._checks.pending.clear()
 
     def _capture(self) -> None:
         groups = self.dmodel.table_groups()
         steps = [(g, g.step) for g in groups]
         self._fwd_hooks, self._bwd_hooks = Capture(), Capture()
-        with _refused_as_value_error(), _capturing_as(self._fwd_hooks), self._fwd.capture():
-            outs = self._run_model()
-        self._static_out = outs
-        self._static_grad = [torch.zeros_like(o) for o in outs]
-        with _refused_as_value_error(), _capturing_as(self._bwd_hooks), self._bwd.capture():
-            grads = torch.autograd.grad(outs, self._grad_inputs, self._static_grad, allow_unused=True)
-            # the dense gradients in one buffer, so a replay hands them out with one copy
-            dense = [(p, g) for p, g in zip(self._dense, grads) if g is not None]
-            self._static_flat_grad = torch.cat([g.reshape(-1) for _, g in dense]) if dense else None
+        try:
+            with _refused_as_value_error(), _capturing_as(self._fwd_hooks), self._fwd.capture():
+                outs = self._run_model()
+            self._static_out = outs
+            self._static_grad = [torch.zeros_like(o) for o in outs]
+            with _refused_as_value_error(), _capturing_as(self._bwd_hooks), self._bwd.capture():
+                grads = torch.autograd.grad(outs, self._grad_inputs, self._static_grad, allow_unused=True)
+                # the dense gradients in one buffer, so a replay hands them out with one copy
+                dense = [(p, g) for p, g in zip(self._dense, grads) if g is not None]
+                self._static_flat_grad = torch.cat([g.reshape(-1) for _, g in dense]) if dense else None
+        finally:
+            for g, s in steps:   # the capture ran no step
+                g.step = s
+            self._checks.kept.clear()
         self._grad_slots = [None] * len(self._dense)
         at = 0
         for i, (p, g) in enumerate(zip(self._dense, grads)):
             if g is not None:
                 self._grad_slots[i] = (at, g.shape)
                 at += g.numel()
-        for g, s in steps:   # the capture ran no step
-            g.step = s
-        self._checks.kept.clear()
 
     # ------------------------------------------------------------------ a step
 

@@ -312,9 +312,17 @@ def test_a_step_that_reads_the_device_on_the_host_is_refused_naming_the_read(mon
     with cuda_ops():
         dmodel = _tiny()
         monkeypatch.setattr(cuda_backend.CUDATableKernels, "forward", syncing)
+        before = _state(dmodel)
         with pytest.raises(ValueError, match=r"cannot capture this model's step: .*_local_scalar_dense.* reads "
                                              r"device memory on the host .*test_cuda_graph_emulated.py"):
             dmodel.cuda_graph(*batches[0][:3])
+        # refused, the model is as it was, and trains on
+        for k, v in _state(dmodel).items():
+            assert torch.equal(v, before[k]), k
+        assert dmodel._checks.record.tolist() == [-1, -1] and [g.step for g in dmodel.table_groups()] == [0]
+        _train(dmodel, torch.optim.SGD(dmodel.dense_parameters(), lr=0.05), batches[0])
+        dmodel.synchronize()
+        assert any(not torch.equal(v, before[k]) for k, v in _state(dmodel).items() if k.startswith("tbe_"))
 
 
 def test_an_earlier_flagged_batch_is_raised_before_the_warm_up_not_lost_to_it():
@@ -411,3 +419,28 @@ def test_zoo_models_whose_step_a_graph_cannot_hold_are_refused_saying_why(name):
     with cuda_ops():
         with pytest.raises(ValueError, match="cuda_graph cannot capture this model's step: .*" + REFUSED[name]):
             make().cuda_graph(*entry.batch(0, 16)[0])
+
+
+def test_a_warm_up_refused_on_its_last_step_leaves_the_model_as_it_was(monkeypatch):
+    """On a GPU the last warm-up step runs with syncs as errors (``_syncs_refused``); refused
+    there, the error record the warm-up set is cleared and the step counts put back, so eager
+    training goes on updating its tables."""
+    import contextlib
+
+    from recc.runtime import cuda_graph
+
+    @contextlib.contextmanager
+    def refusing(device):
+        yield
+        raise ValueError("recc: cuda_graph cannot capture this model's step: a planted sync")
+    monkeypatch.setattr(cuda_graph, "_syncs_refused", refusing)
+    batches = _batches(1)
+    with cuda_ops():
+        dmodel = _tiny("rowwise_adagrad")
+        before = _state(dmodel)
+        with pytest.raises(ValueError, match="a planted sync"):
+            dmodel.cuda_graph(*batches[0][:3])
+        assert dmodel._checks.record.tolist() == [-1, -1] and [g.step for g in dmodel.table_groups()] == [0]
+        _train(dmodel, torch.optim.SGD(dmodel.dense_parameters(), lr=0.05), batches[0])
+        dmodel.synchronize()
+        assert any(not torch.equal(v, before[k]) for k, v in _state(dmodel).items() if k.startswith("tbe_"))
