@@ -46,6 +46,8 @@ from recc.models.presets import resolve_preset
 from recc.ops import OPS, _bound
 from recc.runtime import cuda_backend
 
+from bench.gpu_graph import fixed_shape_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.abspath(__file__)
 TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -177,9 +179,7 @@ def count_graphed_steps(cfg: dict, batch: int, steps: int, optimizer: str, table
     kernels inside the forward and backward graphs. A graphed step's host launches are its two
     replays plus what runs outside them (the inputs' copies into the graph, the update's step
     arguments, the loss, the gradients' copy out, the dense optimizer)."""
-    cfg = dict(cfg)
-    cfg["bag_size"] = [int(b) for b in (cfg["bag_size"] if isinstance(cfg["bag_size"], list)
-                                        else [cfg["bag_size"]] * len(cfg["num_embeddings"]))]
+    cfg = fixed_shape_config(cfg)
     batches = list(SyntheticData(cfg, batch_size=batch).batches(steps))
     config = recc.CompileConfig(optimizer=optimizer, lr=0.05, table_dtype=table_dtype)
     rows = []

@@ -20,7 +20,7 @@ from bench import gpu_precision as mp
 from bench.lib.gpu import Report, Row, time_cuda
 
 
-def fixed_shape_config(preset: str, rows_cap: "int | None" = None) -> dict:
+def fixed_shape_config(preset: "str | dict", rows_cap: "int | None" = None) -> dict:
     """``preset`` with every table's bags at a fixed size (its mean bag size): the shapes a CUDA
     graph replays (MLPerf multi-hot style)."""
     from recc.models.presets import resolve_preset
@@ -30,13 +30,6 @@ def fixed_shape_config(preset: str, rows_cap: "int | None" = None) -> dict:
     if rows_cap is not None:
         cfg["num_embeddings"] = [min(n, rows_cap) for n in cfg["num_embeddings"]]
     return cfg
-
-
-def batches_on(cfg: dict, dev, n: int, batch: "int | None" = None) -> list:
-    from recc.models import SyntheticData
-    data = SyntheticData(cfg, batch_size=batch)
-    return [tuple(x.to(dev) if isinstance(x, torch.Tensor) else [t.to(dev) for t in x] for x in data.batch(s))
-            for s in range(n)]
 
 
 class Graphed:
@@ -60,7 +53,7 @@ def graph_matches_eager(dev, preset: str = "tiny", batch: "int | None" = None, s
     identical steps (0.0 when bit for bit)."""
     from recc.models import build_model
     cfg = fixed_shape_config(preset)
-    batches = batches_on(cfg, dev, steps, batch)
+    batches = mp.device_batches(cfg, dev, steps, batch)
     torch.manual_seed(0)
     model = build_model(cfg)
     eager = mp.Recc(model, dev, None, 0.01, optimizer=optimizer)
@@ -82,7 +75,7 @@ def bench_cuda_graph(report: Report, dev, preset: str, batch: int, steps: int) -
     label = f"{preset} B={batch} fixed bags"
     report.add(Row(f"graph {label}: graphed == eager recc after 3 steps", err, 1e-5, err <= 1e-5))
     cfg = fixed_shape_config(preset)
-    batches = batches_on(cfg, dev, 3, batch)
+    batches = mp.device_batches(cfg, dev, 3, batch)
     torch.manual_seed(0)
     model = build_model(cfg)
     times = {}
@@ -105,7 +98,7 @@ def check_step_syncs(report: Report, dev) -> None:
     """A recc step, eager and graphed, with CUDA's synchronizing calls turned into errors."""
     from recc.models import build_model
     cfg = fixed_shape_config("small", rows_cap=100_000)
-    batches = batches_on(cfg, dev, 4, 4096)
+    batches = mp.device_batches(cfg, dev, 4, 4096)
     torch.manual_seed(0)
     model = build_model(cfg)
     for name, make in (("eager", lambda: mp.Recc(model, dev, None, 0.01)),

@@ -229,7 +229,7 @@ class _Recorder(TorchDispatchMode):
             meta_kwargs["device"] = torch.device("meta")
         try:
             shaped = func(*pytree.tree_map(_meta, args), **meta_kwargs)
-        except (NotImplementedError, RuntimeError) as e:
+        except Exception as e:   # (no meta kernel for the op, or one that refuses these inputs)
             raise CaptureError(f"{func} has no meta kernel to shape its output without running it, inside a "
                                f"CUDA graph capture, at {_where()} ({e})") from None
         # Outputs that alias a written input are that input; the others are allocated here.
